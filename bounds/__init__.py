@@ -1,0 +1,1 @@
+"""Symbolic I/O lower bounds of convolution, optimal tiles and an I/O simulator."""

@@ -1,0 +1,1 @@
+"""Kernels: C and CUDA code generation, build cache, runners and vendor baselines."""

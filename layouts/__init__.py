@@ -1,0 +1,1 @@
+"""Layouts: networks, latency data and predictor, transform costs, planners, deployment."""

@@ -1,0 +1,214 @@
+"""The paper's networks as plain torch modules (torchvision does not import beside the local torch).
+
+Architectures match torchvision's ResNet-18/50, AlexNet, VGG-11 and MobileNetV2 layer for
+layer, so their conv shapes are the ones the paper measures. Weights are random: MACO
+needs shapes and timings, not accuracy.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+from torch import nn
+
+from maco.errors import MacoError
+from maco.spec import ConvSpec
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cin: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = _downsample(cin, planes, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = _downsample(cin, planes * 4, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        return self.relu(self.bn3(self.conv3(out)) + identity)
+
+
+def _downsample(cin: int, cout: int, stride: int) -> nn.Module | None:
+    if stride == 1 and cin == cout:
+        return None
+    return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+
+class ResNet(nn.Module):
+    def __init__(self, block: type, layers: list[int], num_classes: int = 1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        cin, stages = 64, []
+        for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), layers)):
+            stride = 1 if i == 0 else 2
+            mods = []
+            for b in range(blocks):
+                mods.append(block(cin, planes, stride if b == 0 else 1))
+                cin = planes * block.expansion
+            stages.append(nn.Sequential(*mods))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class AlexNet(nn.Module):
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 64, 11, 4, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+            nn.Conv2d(64, 192, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+            nn.Conv2d(192, 384, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2))
+        self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
+        self.classifier = nn.Sequential(
+            nn.Dropout(), nn.Linear(256 * 36, 4096), nn.ReLU(inplace=True),
+            nn.Dropout(), nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Linear(4096, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class VGG(nn.Module):
+    def __init__(self, config: list[int | str], num_classes: int = 1000):
+        super().__init__()
+        mods: list[nn.Module] = []
+        cin = 3
+        for v in config:
+            if v == "M":
+                mods.append(nn.MaxPool2d(2, 2))
+            else:
+                mods += [nn.Conv2d(cin, int(v), 3, padding=1), nn.ReLU(inplace=True)]
+                cin = int(v)
+        self.features = nn.Sequential(*mods)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(
+            nn.Linear(512 * 49, 4096), nn.ReLU(inplace=True), nn.Dropout(),
+            nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(), nn.Linear(4096, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, expand: int):
+        super().__init__()
+        hidden = cin * expand
+        mods: list[nn.Module] = []
+        if expand != 1:
+            mods += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True)]
+        mods += [nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+                 nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+                 nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.conv = nn.Sequential(*mods)
+        self.use_residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.use_residual else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        mods: list[nn.Module] = [nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6(inplace=True)]
+        cin = 32
+        for t, c, n, s in self.SETTINGS:
+            for i in range(n):
+                mods.append(InvertedResidual(cin, c, s if i == 0 else 1, t))
+                cin = c
+        mods += [nn.Conv2d(cin, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6(inplace=True)]
+        self.features = nn.Sequential(*mods)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.adaptive_avg_pool2d(self.features(x), 1)
+        return self.classifier(torch.flatten(x, 1))
+
+
+NETWORKS: dict[str, Callable[[], nn.Module]] = OrderedDict(
+    resnet18=lambda: ResNet(BasicBlock, [2, 2, 2, 2]),
+    alexnet=AlexNet,
+    vgg11=lambda: VGG([64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]),
+    resnet50=lambda: ResNet(Bottleneck, [3, 4, 6, 3]),
+    mobilenet_v2=MobileNetV2,
+)
+INPUT_SHAPE = (1, 3, 224, 224)
+
+
+def build(name: str) -> nn.Module:
+    """A fresh network in eval mode, seeded so that repeated builds have equal weights."""
+    if name not in NETWORKS:
+        raise MacoError(f"unknown network {name!r}; choose one of {', '.join(NETWORKS)}")
+    torch.manual_seed(0)
+    return NETWORKS[name]().eval()
+
+
+def example_input(batch: int = 1) -> torch.Tensor:
+    return torch.randn(batch, *INPUT_SHAPE[1:], generator=torch.Generator().manual_seed(0))
+
+
+def conv_layers(model: nn.Module, example: torch.Tensor) -> list[tuple[str, ConvSpec]]:
+    """Every Conv2d the example input passes through, in execution order, with its ConvSpec."""
+    found: list[tuple[str, ConvSpec]] = []
+    names = {mod: name for name, mod in model.named_modules()}
+    hooks = [mod.register_forward_pre_hook(
+        lambda mod, args: found.append((names[mod], ConvSpec.from_module(mod, tuple(args[0].shape)))))
+        for mod in model.modules() if isinstance(mod, nn.Conv2d)]
+    try:
+        with torch.no_grad():
+            model(example)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
+
+
+def network_convs(name: str, batch: int = 1) -> list[tuple[str, ConvSpec]]:
+    """The conv layers of a built-in network at a batch size."""
+    return conv_layers(build(name), example_input(batch))
+
+
+def distinct_convs(layers: list[tuple[str, ConvSpec]]) -> list[tuple[ConvSpec, list[str]]]:
+    """Distinct specs in first-seen order, each with the layer names that share it."""
+    groups: dict[ConvSpec, list[str]] = OrderedDict()
+    for name, spec in layers:
+        groups.setdefault(spec, []).append(name)
+    return list(groups.items())

@@ -1,0 +1,43 @@
+"""The `maco` command. Each subcommand lives in maco/commands/<name>.py and exposes
+`register(subparsers)`; user errors (MacoError) print one line and exit 2, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from maco.errors import MacoError
+
+COMMANDS = ["layers"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="maco", description="MACO: memory-aware tuning of CNN convolutions "
+        "(I/O lower bounds, pruned schedule search, layout planning).")
+    from maco import __version__
+    parser.add_argument("--version", action="version", version=f"maco {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"maco.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except MacoError as exc:
+        print(f"maco {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"maco {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""A point of the schedule space: multi-level tile sizes plus annotations.
+
+The sketch follows Ansor's multi-level tiling. On CPU, "SSRSRS": every spatial axis is split
+into 4 levels and every reduction axis into 2, nested as
+
+    S0 (fused, parallel)  S1  R0  S2  R1  S3 (register tile)
+
+On GPU, "SSSRRSRS": spatial axes into 5 levels (block, virtual thread, thread, two inner),
+reduction axes into 3, nested as
+
+    S0 (blockIdx)  S1 (vthread)  S2 (threadIdx)  R0  R1  S3  R2  S4
+
+Axes: spatial n (batch), g (group), k (filter within the group), oh, ow; reduction c (channel
+within the group), kh, kw. Tiles are perfect: the factors of an axis multiply to its extent.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+from maco.errors import MacoError
+from maco.spec import ConvSpec
+from maco.target import Target
+
+SPATIAL_AXES = ("n", "g", "k", "oh", "ow")
+REDUCTION_AXES = ("c", "kh", "kw")
+SKETCHES = {"cpu": "SSRSRS", "cuda": "SSSRRSRS"}
+LEVELS = {"cpu": (4, 2), "cuda": (5, 3)}  # (spatial levels, reduction levels)
+LAYOUTS = ("NCHW", "NHWC")
+WEIGHT_PACKINGS = ("none", "blocked")  # blocked: [K/v][C][kh][kw][v], v = vector width
+UNROLL_STEPS = (0, 16, 64, 512)
+REGISTER_RESERVE = 4  # vector registers left for input broadcasts and weights
+
+
+def axis_extents(spec: ConvSpec) -> dict[str, int]:
+    """Loop extents of the sketch's axes for one conv."""
+    return {"n": spec.n, "g": spec.groups, "k": spec.k_per_group, "oh": spec.out_h,
+            "ow": spec.out_w, "c": spec.c_per_group, "kh": spec.kh, "kw": spec.kw}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One schedule: `spatial[i]` / `reduction[j]` hold the factors of SPATIAL_AXES[i] /
+    REDUCTION_AXES[j] from the outermost level to the innermost."""
+
+    kind: str  # "cpu" or "cuda"
+    spatial: tuple[tuple[int, ...], ...]
+    reduction: tuple[tuple[int, ...], ...]
+    parallel: int = 1  # CPU: how many outermost S0 loops (in SPATIAL_AXES order) are fused and parallel
+    vector_axis: str = "k"  # spatial axis vectorised in the register tile
+    vector_width: int = 1  # SIMD lanes used on vector_axis (1 = scalar)
+    unroll: int = 0  # max unroll step (Ansor's auto_unroll_max_step)
+    inner_order: tuple[str, ...] = REDUCTION_AXES  # order of the innermost reduction loops
+    layout: str = "NCHW"  # activation layout (input and output)
+    weight_packing: str = "blocked"
+    extra: tuple[tuple[str, Any], ...] = field(default=())  # backend-specific knobs, hashable
+
+    # -- accessors -----------------------------------------------------------
+    def factors(self, axis: str) -> tuple[int, ...]:
+        if axis in SPATIAL_AXES:
+            return self.spatial[SPATIAL_AXES.index(axis)]
+        if axis in REDUCTION_AXES:
+            return self.reduction[REDUCTION_AXES.index(axis)]
+        raise MacoError(f"unknown axis {axis!r}; axes are {SPATIAL_AXES + REDUCTION_AXES}")
+
+    def tile(self, axis: str, level: int) -> int:
+        """Extent of `axis` covered by one iteration at `level` (product of the deeper factors)."""
+        return prod(self.factors(axis)[level:])
+
+    def register_tile(self) -> dict[str, int]:
+        """The innermost spatial level: the outputs one micro-kernel call keeps in registers."""
+        return {axis: f[-1] for axis, f in zip(SPATIAL_AXES, self.spatial)}
+
+    @property
+    def accumulators(self) -> int:
+        """Vector registers the register tile needs for its outputs."""
+        outputs = prod(self.register_tile().values())
+        return -(-outputs // self.vector_width)
+
+    @property
+    def option(self) -> dict[str, Any]:
+        return dict(self.extra)
+
+    # -- validity ------------------------------------------------------------
+    def problems(self, spec: ConvSpec, target: Target | None = None) -> list[str]:
+        """Everything that makes this schedule invalid for `spec` on `target` (empty if valid)."""
+        out: list[str] = []
+        if self.kind not in LEVELS:
+            return [f"kind must be 'cpu' or 'cuda', got {self.kind!r}"]
+        n_spatial, n_reduction = LEVELS[self.kind]
+        extents = axis_extents(spec)
+        for axes, tiles, levels in ((SPATIAL_AXES, self.spatial, n_spatial),
+                                    (REDUCTION_AXES, self.reduction, n_reduction)):
+            if len(tiles) != len(axes):
+                out.append(f"expected tiles for {len(axes)} axes {axes}, got {len(tiles)}")
+                continue
+            for axis, factors in zip(axes, tiles):
+                if len(factors) != levels:
+                    out.append(f"axis {axis}: {self.kind} sketch {SKETCHES[self.kind]} needs "
+                               f"{levels} factors, got {len(factors)}")
+                elif any(not isinstance(f, int) or f < 1 for f in factors):
+                    out.append(f"axis {axis}: factors must be positive ints, got {factors}")
+                elif prod(factors) != extents[axis]:
+                    out.append(f"axis {axis}: factors {factors} multiply to {prod(factors)}, "
+                               f"not the extent {extents[axis]}")
+        if out:
+            return out
+        if self.layout not in LAYOUTS:
+            out.append(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.weight_packing not in WEIGHT_PACKINGS:
+            out.append(f"weight_packing must be one of {WEIGHT_PACKINGS}, got {self.weight_packing!r}")
+        if self.unroll not in UNROLL_STEPS:
+            out.append(f"unroll must be one of {UNROLL_STEPS}, got {self.unroll}")
+        if sorted(self.inner_order) != sorted(REDUCTION_AXES):
+            out.append(f"inner_order must be a permutation of {REDUCTION_AXES}, got {self.inner_order}")
+        if self.vector_axis not in SPATIAL_AXES:
+            out.append(f"vector_axis must be one of {SPATIAL_AXES}, got {self.vector_axis!r}")
+        elif self.vector_width < 1 or self.factors(self.vector_axis)[-1] % self.vector_width:
+            out.append(f"vector_width {self.vector_width} must divide the register tile of "
+                       f"{self.vector_axis} ({self.factors(self.vector_axis)[-1]})")
+        if self.kind == "cpu" and not 0 <= self.parallel <= len(SPATIAL_AXES):
+            out.append(f"parallel must be in 0..{len(SPATIAL_AXES)}, got {self.parallel}")
+        if target is not None:
+            if target.kind != self.kind:
+                out.append(f"a {self.kind} schedule cannot run on the {target.kind} target {target.name!r}")
+            elif self.kind == "cpu":
+                if self.vector_width not in (1, target.simd_width):
+                    out.append(f"vector_width must be 1 or the target's SIMD width "
+                               f"{target.simd_width}, got {self.vector_width}")
+                regs = target.level("registers").elements // target.simd_width
+                if self.accumulators > regs - REGISTER_RESERVE:
+                    out.append(f"register tile needs {self.accumulators} accumulators but only "
+                               f"{regs - REGISTER_RESERVE} of {regs} vector registers are free")
+        return out
+
+    def validate(self, spec: ConvSpec, target: Target | None = None) -> "Schedule":
+        problems = self.problems(spec, target)
+        if problems:
+            raise MacoError("invalid schedule for " + str(spec) + ": " + "; ".join(problems))
+        return self
+
+    # -- serialisation -------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind,
+                "tiles": {a: list(f) for a, f in zip(SPATIAL_AXES + REDUCTION_AXES,
+                                                     self.spatial + self.reduction)},
+                "parallel": self.parallel, "vector_axis": self.vector_axis,
+                "vector_width": self.vector_width, "unroll": self.unroll,
+                "inner_order": list(self.inner_order), "layout": self.layout,
+                "weight_packing": self.weight_packing, "extra": dict(self.extra)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Schedule":
+        try:
+            tiles = d["tiles"]
+            missing = [a for a in SPATIAL_AXES + REDUCTION_AXES if a not in tiles]
+            if missing:
+                raise MacoError(f"schedule is missing tiles for axes {missing}")
+            return cls(kind=d["kind"],
+                       spatial=tuple(tuple(int(f) for f in tiles[a]) for a in SPATIAL_AXES),
+                       reduction=tuple(tuple(int(f) for f in tiles[a]) for a in REDUCTION_AXES),
+                       parallel=int(d.get("parallel", 1)), vector_axis=d.get("vector_axis", "k"),
+                       vector_width=int(d.get("vector_width", 1)), unroll=int(d.get("unroll", 0)),
+                       inner_order=tuple(d.get("inner_order", REDUCTION_AXES)),
+                       layout=d.get("layout", "NCHW"),
+                       weight_packing=d.get("weight_packing", "blocked"),
+                       extra=tuple(sorted(d.get("extra", {}).items())))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, MacoError):
+                raise
+            raise MacoError(f"not a schedule: {exc!r} in {d!r}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise MacoError(f"not a schedule JSON: {exc}") from None
