@@ -1,0 +1,150 @@
+"""The learned cost model: XGBoost on schedule features, trained on normalised throughput.
+
+Features describe what MACO's bounds say matters: tile sizes per level, footprints per
+memory level, the dataflow I/O each level's tile implies and its ratio to the lower bound,
+register accumulators, vector use, arithmetic intensity and parallel work per core. Before
+any measurement the model falls back to an analytic estimate from the same I/O numbers.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from maco.records import Record
+from maco.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
+                           axis_extents)
+from maco.spec import ConvSpec
+from maco.target import Target
+
+MIN_TRAINING_RECORDS = 8  # below this, the analytic estimate ranks better than a tiny model
+
+
+def level_tiles(schedule: Schedule, spec: ConvSpec) -> list[tuple[int, int, int, int]]:
+    """(x, y, z, c) tile per spatial level, outermost first: the output tile along ow, oh, k
+    that one iteration of that level covers, and the input-channel chunk reduced inside it
+    (the product of the c factors of the reduction levels the sketch nests below it)."""
+    sketch = SKETCHES[schedule.kind]
+    c_factors = schedule.factors("c")
+    out, s_level, r_level = [], 0, 0
+    for pos, token in enumerate(sketch):
+        if token == "R":
+            r_level += 1
+            continue
+        inner_r = sketch[pos + 1:].count("R")
+        c_chunk = math.prod(c_factors[len(c_factors) - inner_r:]) if inner_r else 1
+        out.append((schedule.tile("ow", s_level), schedule.tile("oh", s_level),
+                    schedule.tile("k", s_level), c_chunk))
+        s_level += 1
+    return out
+
+
+def footprint(spec: ConvSpec, x: int, y: int, z: int, c: int) -> int:
+    """Elements live while a tile computes: outputs, the input patch of c channels, weights."""
+    xin = (x - 1) * spec.stride[1] + (spec.kw - 1) * spec.dilation[1] + 1
+    yin = (y - 1) * spec.stride[0] + (spec.kh - 1) * spec.dilation[0] + 1
+    return x * y * z + c * xin * yin + z * c * spec.kh * spec.kw
+
+
+@lru_cache(maxsize=4096)
+def _lower_bound(spec: ConvSpec, elements: int) -> float:
+    from maco import bounds
+
+    return max(bounds.best_lower_bound(spec, elements), 1.0)
+
+
+def _dataflow_io(spec: ConvSpec, x: int, y: int, z: int) -> float:
+    from maco import bounds
+
+    return float(bounds.dataflow_io(spec, bounds.Tile(x, y, z)))
+
+
+def features(spec: ConvSpec, target: Target, schedule: Schedule) -> list[float]:
+    """One fixed-length feature vector; every size enters as log2 so trees split on ratios."""
+    lg = lambda v: math.log2(max(float(v), 1.0))  # noqa: E731
+    f: list[float] = [lg(v) for v in axis_extents(spec).values()]
+    f += [lg(v) for factors in schedule.spatial + schedule.reduction for v in factors]
+    tiles = level_tiles(schedule, spec)
+    levels = target.levels
+    for i, (x, y, z, c) in enumerate(tiles):
+        mem = levels[min(len(levels) - 1, len(tiles) - 1 - i)]  # innermost tile <-> fastest level
+        fp = footprint(spec, x, y, z, c)
+        io = _dataflow_io(spec, x, y, z)
+        f += [lg(fp), fp / mem.elements_per_processor, lg(io),
+              io / _lower_bound(spec, mem.elements_per_processor), lg(x * y), lg(z),
+              math.log((x * y) / (spec.kh * spec.kw / (spec.stride[0] * spec.stride[1]) * z) + 1e-9)]
+    reg = schedule.register_tile()
+    outputs = math.prod(reg.values())
+    xin = (reg["ow"] - 1) * spec.stride[1] + 1
+    f += [schedule.accumulators, schedule.vector_width / target.simd_width,
+          outputs / (reg["k"] + xin * reg["oh"]),  # register-tile arithmetic intensity
+          float(SPATIAL_AXES.index(schedule.vector_axis)), lg(schedule.factors(schedule.vector_axis)[-1])]
+    par = math.prod(f0[0] for f0 in schedule.spatial[:schedule.parallel]) if schedule.kind == "cpu" \
+        else math.prod(f0[0] for f0 in schedule.spatial)
+    cores = max(target.cores, 1)
+    f += [lg(par), par / cores, par / (math.ceil(par / cores) * cores), float(schedule.parallel)]
+    f += [float(UNROLL_STEPS.index(schedule.unroll)) if schedule.unroll in UNROLL_STEPS else 0.0,
+          float(LAYOUTS.index(schedule.layout)), float(schedule.weight_packing == "blocked")]
+    f += [float(REDUCTION_AXES.index(a)) for a in schedule.inner_order]
+    return f
+
+
+def analytic_seconds(spec: ConvSpec, target: Target, schedule: Schedule) -> float:
+    """A roofline guess: the slower of compute at peak (scaled by vector and core use) and the
+    dataflow I/O of the L1/L2-level tiles at rough per-level bandwidths."""
+    peak = (target.peak_gflops or 100.0) * 1e9
+    vec = schedule.vector_width / target.simd_width
+    tiles = level_tiles(schedule, spec)
+    par = math.prod(f0[0] for f0 in schedule.spatial[:max(schedule.parallel, 1)])
+    core_use = min(par, target.cores) / target.cores
+    latency_hiding = min(1.0, schedule.accumulators / (2 * target.fma_units * 2))  # FMA latency ~4
+    compute = spec.flops / (peak * max(vec, 0.125) * max(core_use, 1 / target.cores) * latency_hiding)
+    io = sum(_dataflow_io(spec, x, y, z) for x, y, z, _ in tiles[1:3]) * 4
+    return max(compute, io / (100e9 * target.cores))
+
+
+class CostModel:
+    """XGBoost regression on features -> throughput normalised per task, weighted towards fast
+    programs (Ansor). One model per target; `predict` returns higher-is-better scores."""
+
+    def __init__(self, target: Target, seed: int = 0, rounds: int = 200):
+        self.target, self.seed, self.rounds = target, seed, rounds
+        self.booster = None
+
+    def fit(self, records: Sequence[Record]) -> "CostModel":
+        import xgboost as xgb
+
+        fingerprint = self.target.fingerprint()
+        groups: dict[ConvSpec, list[Record]] = {}
+        for r in records:
+            if r.target == fingerprint:
+                groups.setdefault(r.spec, []).append(r)
+        rows, ys = [], []
+        for spec, recs in groups.items():
+            best = max(r.gflops for r in recs)
+            if best <= 0:
+                continue
+            for r in recs:
+                rows.append(features(spec, self.target, r.schedule))
+                ys.append(r.gflops / best)  # errors count as throughput 0
+        if len(rows) < MIN_TRAINING_RECORDS:
+            self.booster = None
+            return self
+        y = np.asarray(ys)
+        dtrain = xgb.DMatrix(np.asarray(rows, dtype=np.float64), label=y, weight=np.maximum(y, 0.05))
+        params = {"max_depth": 6, "eta": 0.2, "subsample": 0.9, "min_child_weight": 1,
+                  "objective": "reg:squarederror", "seed": self.seed, "nthread": 1, "verbosity": 0}
+        self.booster = xgb.train(params, dtrain, num_boost_round=self.rounds)
+        return self
+
+    def predict(self, spec: ConvSpec, schedules: Sequence[Schedule]) -> np.ndarray:
+        if not schedules:
+            return np.zeros(0)
+        if self.booster is None:
+            return np.asarray([1.0 / analytic_seconds(spec, self.target, s) for s in schedules])
+        import xgboost as xgb
+
+        x = np.asarray([features(spec, self.target, s) for s in schedules], dtype=np.float64)
+        return self.booster.predict(xgb.DMatrix(x))

@@ -1,0 +1,234 @@
+"""Evolutionary search over the schedule space with a learned cost model (Ansor section 5.1).
+
+Each round: retrain the cost model on everything measured so far, evolve a population that
+starts from fresh samples of the (pruned or full) space plus the best measured schedules,
+pick the top candidates by predicted fitness with epsilon-greedy exploration, and measure
+them for real. Measuring goes through a `Measurer`, so the search never times anything itself.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol, Sequence
+
+from maco.errors import MacoError
+from maco.records import Record, RecordFile, make_record
+from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, UNROLL_STEPS, Schedule
+from maco.spec import ConvSpec
+from maco.target import Target
+from maco.timing import Timing
+
+
+class Measurer(Protocol):
+    """Times schedules of one conv; returns one (timing, error) pair per schedule, in order."""
+
+    def __call__(self, spec: ConvSpec, schedules: Sequence[Schedule],
+                 target: Target) -> list[tuple[Timing | None, str | None]]: ...
+
+
+@dataclass
+class SearchConfig:
+    batch: int = 16  # schedules measured per round
+    population: int = 128
+    generations: int = 4
+    elite: int = 16  # best measured schedules seeded into each population
+    eps_greedy: float = 0.1  # share of each batch drawn at random from the space
+    mutation_prob: float = 0.85  # the rest of the offspring come from crossover
+    pruned: bool = True
+    allowed_layouts: tuple[str, ...] = ("NCHW", "NHWC")
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.population < 2 or self.generations < 0:
+            raise MacoError(f"bad search config: batch={self.batch}, population={self.population}, "
+                            f"generations={self.generations}")
+        if not 0.0 <= self.eps_greedy <= 1.0:
+            raise MacoError(f"eps_greedy must be in [0, 1], got {self.eps_greedy}")
+
+
+@dataclass
+class TaskState:
+    """What the search knows about one conv: every record so far, best first on demand."""
+
+    spec: ConvSpec
+    records: list[Record] = field(default_factory=list)
+
+    @property
+    def measured(self) -> set[Schedule]:
+        return {r.schedule for r in self.records}
+
+    @property
+    def best(self) -> Record | None:
+        return min((r for r in self.records if r.ok), key=lambda r: r.seconds, default=None)
+
+    def best_seconds(self) -> float:
+        best = self.best
+        return best.seconds if best else math.inf
+
+
+# -- the space as the search sees it ---------------------------------------------------------
+def _space():
+    from maco import space
+
+    return space
+
+
+def _is_allowed(schedule: Schedule, spec: ConvSpec, target: Target, config: SearchConfig) -> bool:
+    if schedule.layout not in config.allowed_layouts or schedule.problems(spec, target):
+        return False
+    if config.pruned:
+        from maco import prune
+
+        return prune.keeps(schedule, spec, target)
+    return True
+
+
+def _sample(spec: ConvSpec, target: Target, rng: random.Random, n: int,
+            config: SearchConfig) -> list[Schedule]:
+    out: list[Schedule] = []
+    tries = 0
+    while len(out) < n and tries < 20 * n + 20:
+        tries += 1
+        s = _space().sample(spec, target, rng, pruned=config.pruned)
+        if s.layout not in config.allowed_layouts:
+            s = replace(s, layout=rng.choice(config.allowed_layouts))
+            if not _is_allowed(s, spec, target, config):
+                continue
+        out.append(s)
+    return out
+
+
+# -- mutations (each returns a candidate; validity is checked by the caller) -----------------
+def _move_factor(factors: tuple[int, ...], rng: random.Random) -> tuple[int, ...]:
+    """Divide one level by a prime factor of it and multiply another level by it."""
+    sources = [i for i, f in enumerate(factors) if f > 1]
+    if not sources or len(factors) < 2:
+        return factors
+    src = rng.choice(sources)
+    primes = _prime_factors(factors[src])
+    p = rng.choice(primes)
+    dst = rng.choice([i for i in range(len(factors)) if i != src])
+    out = list(factors)
+    out[src] //= p
+    out[dst] *= p
+    return tuple(out)
+
+
+def _prime_factors(n: int) -> list[int]:
+    out, d = [], 2
+    while d * d <= n:
+        while n % d == 0:
+            out.append(d)
+            n //= d
+        d += 1
+    if n > 1:
+        out.append(n)
+    return out
+
+
+def mutate_tile(s: Schedule, rng: random.Random) -> Schedule:
+    axes = [i for i, f in enumerate(s.spatial) if math.prod(f) > 1]
+    raxes = [i for i, f in enumerate(s.reduction) if math.prod(f) > 1]
+    if raxes and (not axes or rng.random() < 0.25):
+        i = rng.choice(raxes)
+        red = list(s.reduction)
+        red[i] = _move_factor(red[i], rng)
+        return replace(s, reduction=tuple(red))
+    if not axes:
+        return s
+    i = rng.choice(axes)
+    sp = list(s.spatial)
+    sp[i] = _move_factor(sp[i], rng)
+    return replace(s, spatial=tuple(sp))
+
+
+def mutate_annotation(s: Schedule, rng: random.Random, target: Target,
+                      config: SearchConfig) -> Schedule:
+    choice = rng.choice(["parallel", "unroll", "order", "vector", "layout"])
+    if choice == "parallel" and s.kind == "cpu":
+        return replace(s, parallel=max(0, min(len(SPATIAL_AXES), s.parallel + rng.choice((-1, 1)))))
+    if choice == "unroll":
+        return replace(s, unroll=rng.choice([u for u in UNROLL_STEPS if u != s.unroll]))
+    if choice == "order":
+        order = list(s.inner_order)
+        rng.shuffle(order)
+        return replace(s, inner_order=tuple(order))
+    if choice == "vector" and s.kind == "cpu":
+        axis = "ow" if s.vector_axis == "k" else "k"
+        inner = s.factors(axis)[-1]
+        width = target.simd_width if inner % target.simd_width == 0 else 1
+        return replace(s, vector_axis=axis, vector_width=width)
+    if choice == "layout" and len(config.allowed_layouts) > 1:
+        return replace(s, layout=rng.choice([l for l in config.allowed_layouts if l != s.layout]))
+    return s
+
+
+def crossover(a: Schedule, b: Schedule, rng: random.Random) -> Schedule:
+    """Node-based crossover: each axis's tiling and each annotation from either parent."""
+    spatial = tuple(rng.choice((fa, fb)) for fa, fb in zip(a.spatial, b.spatial))
+    reduction = tuple(rng.choice((fa, fb)) for fa, fb in zip(a.reduction, b.reduction))
+    pick = lambda name: getattr(rng.choice((a, b)), name)  # noqa: E731
+    vec = rng.choice((a, b))
+    return replace(a, spatial=spatial, reduction=reduction, parallel=pick("parallel"),
+                   unroll=pick("unroll"), inner_order=pick("inner_order"), layout=pick("layout"),
+                   weight_packing=pick("weight_packing"), vector_axis=vec.vector_axis,
+                   vector_width=vec.vector_width)
+
+
+def evolve(spec: ConvSpec, target: Target, population: list[Schedule],
+           fitness: Callable[[list[Schedule]], list[float]], rng: random.Random,
+           config: SearchConfig) -> list[Schedule]:
+    """`config.generations` rounds of fitness-proportional selection, mutation and crossover.
+    Returns every distinct valid schedule seen, for the caller to rank."""
+    seen: dict[Schedule, None] = dict.fromkeys(population)
+    pop = list(population)
+    for _ in range(config.generations):
+        if len(pop) < 2:
+            break
+        scores = fitness(pop)
+        low = min(scores)
+        weights = [s - low + 1e-9 for s in scores]
+        children: list[Schedule] = []
+        attempts = 0
+        while len(children) < config.population and attempts < 6 * config.population:
+            attempts += 1
+            if rng.random() < config.mutation_prob:
+                parent = rng.choices(pop, weights)[0]
+                child = (mutate_tile(parent, rng) if rng.random() < 0.6
+                         else mutate_annotation(parent, rng, target, config))
+            else:
+                a, b = rng.choices(pop, weights, k=2)
+                child = crossover(a, b, rng)
+            if child not in seen and _is_allowed(child, spec, target, config):
+                seen[child] = None
+                children.append(child)
+        pop = children or pop
+    return list(seen)
+
+
+# -- one task's tuning rounds ------------------------------------------------------------------
+def search_round(state: TaskState, target: Target, model, measurer: Measurer, rng: random.Random,
+                 config: SearchConfig, n: int | None = None,
+                 records: RecordFile | None = None) -> list[Record]:
+    """Pick and measure one batch of new schedules for `state.spec` ranked by `model` (already
+    fitted by the caller, which may train it on every task); returns the new records."""
+    spec, n = state.spec, n or config.batch
+    measured = state.measured
+    elites = [r.schedule for r in sorted((r for r in state.records if r.ok), key=lambda r: r.seconds)
+              [:config.elite] if r.schedule.layout in config.allowed_layouts]
+    init = _sample(spec, target, rng, max(config.population - len(elites), 2), config) + elites
+    fitness = lambda pop: list(model.predict(spec, pop))  # noqa: E731
+    candidates = [s for s in evolve(spec, target, init, fitness, rng, config) if s not in measured]
+    n_random = min(n, int(round(n * config.eps_greedy)))
+    ranked = sorted(zip(fitness(candidates), range(len(candidates))), reverse=True) if candidates else []
+    picked = [candidates[i] for _, i in ranked[:n - n_random]]
+    extra = [s for s in _sample(spec, target, rng, 3 * n, config) if s not in measured and s not in picked]
+    picked += extra[:n - len(picked)]
+    if not picked:
+        return []
+    results = measurer(spec, picked, target)
+    new = [make_record(spec, target, s, t, e) for s, (t, e) in zip(picked, results)]
+    if records is not None:
+        records.append(new)
+    state.records.extend(new)
+    return new

@@ -1,0 +1,107 @@
+"""Tuning one conv or a whole network: the task scheduler (Ansor section 6) hands rounds of the
+evolutionary search (maco.search) to the layers that matter most for end-to-end time."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from maco.cost_model import CostModel
+from maco.errors import MacoError
+from maco.records import RecordFile
+from maco.search import Measurer, SearchConfig, TaskState, search_round
+from maco.spec import ConvSpec
+from maco.target import Target
+
+
+@dataclass
+class Task:
+    """A distinct conv of a network; `weight` is how many layers share it."""
+
+    name: str
+    spec: ConvSpec
+    weight: int = 1
+
+
+@dataclass
+class TaskScheduler:
+    """Gradient-based allocation of search rounds over tasks (Ansor 6). The objective is the
+    end-to-end time sum_i w_i * g_i (g_i the task's best latency); each round goes to the task
+    whose objective is predicted to fall fastest, from its recent gain and an optimistic guess."""
+
+    alpha: float = 0.2  # weight of the backward (observed) gradient vs the optimistic one
+    window: int = 3  # rounds over which the recent gain is measured
+    history: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # (trials, best)
+
+    def record(self, index: int, trials: int, best_seconds: float) -> None:
+        self.history.setdefault(index, []).append((trials, best_seconds))
+
+    def gradient(self, index: int, task: Task) -> float:
+        hist = self.history.get(index, [])
+        if not hist:
+            return -math.inf  # every task gets a first round
+        trials, best = hist[-1]
+        if not math.isfinite(best):
+            return -math.inf if trials < 64 else 0.0  # keep trying a task with no valid schedule a while
+        back = 0.0
+        if len(hist) > self.window:
+            t0, g0 = hist[-1 - self.window]
+            if math.isfinite(g0) and trials > t0:
+                back = (best - g0) / (trials - t0)
+        optimistic = -best / max(trials, 1)
+        return task.weight * (self.alpha * back + (1 - self.alpha) * optimistic)
+
+    def next_task(self, tasks: Sequence[Task]) -> int:
+        return min(range(len(tasks)), key=lambda i: (self.gradient(i, tasks[i]), i))
+
+
+@dataclass
+class TuneResult:
+    tasks: list[Task]
+    states: list[TaskState]
+    trials: int  # measurements taken in this run
+
+    def best(self, index: int):
+        return self.states[index].best
+
+
+def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: Measurer,
+         records: str | Path | None = None, config: SearchConfig | None = None, seed: int = 0,
+         progress: Callable[[int, int, Task, TaskState], None] | None = None) -> TuneResult:
+    """Spend `trials` measurements over `tasks`. Records already in the file count towards
+    the budget of their task, so re-running the same command resumes where it stopped."""
+    if trials < 0:
+        raise MacoError(f"trials must be >= 0, got {trials}")
+    if not tasks:
+        raise MacoError("nothing to tune: no conv layers given")
+    config = config or SearchConfig()
+    rng = random.Random(seed)
+    store = RecordFile(records) if records else None
+    states = [TaskState(t.spec, store.for_task(t.spec, target) if store else []) for t in tasks]
+    sched = TaskScheduler()
+    for i, state in enumerate(states):
+        if state.records:
+            sched.record(i, len(state.records), state.best_seconds())
+    model = CostModel(target, seed=seed)
+    done = sum(len(s.records) for s in states)
+    start = done
+    while done < trials:
+        i = sched.next_task(tasks)
+        state = states[i]
+        all_records = [r for s in states for r in s.records]
+        model.fit(all_records)
+        new = search_round(state, target, model, measurer, rng, config,
+                           n=min(config.batch, trials - done), records=store)
+        if not new:  # the space of this task is exhausted
+            sched.record(i, 10**9, state.best_seconds())
+            if all(sched.history.get(j, [(0, 0)])[-1][0] >= 10**9 for j in range(len(tasks))):
+                break
+            continue
+        done += len(new)
+        sched.record(i, len(state.records), state.best_seconds())
+        if progress:
+            progress(done, trials, tasks[i], state)
+    return TuneResult(list(tasks), states, done - start)
+
