@@ -87,6 +87,13 @@ class CudaPlan:
         return prod(self.reg_tile(a) for a in SPATIAL_AXES)
 
     @property
+    def unrolled_fmas(self) -> int:
+        """FMAs in one unrolled body of the reduction loops (a proxy for code size and compile time)."""
+        r2 = prod(self.f(a)[2] for a in REDUCTION_AXES)
+        r1 = prod(self.f(a)[1] for a in REDUCTION_AXES) // self.split_c
+        return self.accumulators * r2 * max(1, min(r1, self.schedule.unroll // max(r2, 1)))
+
+    @property
     def block_outputs(self) -> int:
         return prod(self.block_tile(a) for a in SPATIAL_AXES)
 

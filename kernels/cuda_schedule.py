@@ -223,6 +223,7 @@ def random_schedule(spec: ConvSpec, rng: np.random.Generator, layout: str = "NCH
                        inner_order=tuple(rng.permutation(list(REDUCTION_AXES))),
                        weight_packing=str(rng.choice(["blocked", "none"])), extra=extra)
         plan = CudaPlan(spec, sch)
-        if not plan.problems() and plan.accumulators <= 32 and plan.threads <= 512:
+        if not plan.problems() and plan.accumulators <= 32 and plan.threads <= 512 \
+                and plan.unrolled_fmas <= 1024:
             return sch
     raise MacoError(f"no random valid CUDA schedule found for {spec} in {tries} tries")

@@ -1,0 +1,276 @@
+"""CUDA backend: every generated variant is checked three ways.
+
+1. Host emulation (the kernel's own index arithmetic run on the CPU) against torch's conv in fp64.
+2. nvcc -arch=sm_90 compiles every variant (skipped with a reason if nvcc is absent).
+3. On a GPU with CuPy (marked gpu, skipped otherwise): the real kernel against torch's conv on
+   the GPU, on torch CUDA tensors and on CuPy arrays, output poisoned with NaN beforehand.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from maco import ConvSpec, MacoError, Schedule, Target
+from maco.kernels import cuda_build, cuda_emulate
+from maco.kernels.cuda_codegen import CudaPlan, plan
+from maco.kernels.cuda_schedule import candidates, default_schedule, maco_tile, random_schedule
+
+SPECS = [
+    ConvSpec(1, 16, 8, 8, 32, 1, 1),                                  # 1x1
+    ConvSpec(1, 8, 12, 12, 16, 3, 3, padding=1),                     # 3x3 same
+    ConvSpec(2, 8, 13, 11, 12, 3, 3, stride=2, padding=1),           # stride 2, batch, odd sizes
+    ConvSpec(1, 4, 14, 14, 8, 5, 5, padding=4, dilation=2),          # dilation
+    ConvSpec(1, 16, 10, 10, 8, 3, 3, padding=1, groups=4),           # grouped
+    ConvSpec(1, 16, 9, 9, 16, 3, 3, stride=2, padding=1, groups=16),  # depthwise
+    ConvSpec(3, 3, 20, 20, 8, 7, 7, stride=2, padding=3),            # ResNet stem, batch 3
+    ConvSpec(1, 6, 9, 10, 4, 1, 3, stride=(2, 1), padding=(0, 1)),   # non-square kernel/stride
+    ConvSpec(2, 3, 35, 35, 16, 11, 11, stride=4, padding=2),         # AlexNet stem
+    ConvSpec(4, 32, 7, 7, 64, 1, 1, stride=2),                       # strided 1x1, batch 4
+]
+EPILOGUES = [(False, False, False), (True, True, True), (True, False, False), (False, True, True)]
+
+
+def _variants() -> list[CudaPlan]:
+    """Per spec and layout: the default schedule with the full epilogue, and two random
+    schedules of the whole sketch with other epilogues. Seeded: the same set everywhere."""
+    rng = np.random.default_rng(5)
+    out = []
+    for i, spec in enumerate(SPECS):
+        for layout in ("NCHW", "NHWC"):
+            out.append(plan(spec, default_schedule(spec, layout=layout), bias=True, relu=True, residual=True))
+            for j in range(2):
+                ep = EPILOGUES[(i + j) % len(EPILOGUES)]
+                out.append(plan(spec, random_schedule(spec, rng, layout), bias=ep[0], relu=ep[1], residual=ep[2]))
+    return out
+
+
+VARIANTS = _variants()
+
+
+def _ids(p: CudaPlan) -> str:
+    return f"{p.spec}-{p.schedule.layout}-b{int(p.bias)}r{int(p.relu)}s{int(p.residual)}-{p.source_hash[:6]}"
+
+
+def _reference(p: CudaPlan, gen: torch.Generator):
+    """Random inputs (torch layout) and the fp64 torch result."""
+    s = p.spec
+    x = torch.randn(s.input_shape, generator=gen)
+    w = torch.randn(s.weight_shape, generator=gen)
+    b = torch.randn(s.k, generator=gen) if p.bias else None
+    r = torch.randn(s.output_shape, generator=gen) if p.residual else None
+    y = torch.nn.functional.conv2d(x.double(), w.double(), None if b is None else b.double(),
+                                   s.stride, s.padding, s.dilation, s.groups)
+    if r is not None:
+        y = y + r.double()
+    if p.relu:
+        y = torch.relu(y)
+    return x, w, b, r, y
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# -- 1. host emulation ---------------------------------------------------------------------------
+def _emulate_one(p: CudaPlan) -> tuple[str, float]:
+    gen = torch.Generator().manual_seed(hash(p.source_hash) % 2**31)
+    x, w, b, r, ref = _reference(p, gen)
+    nhwc = p.schedule.layout == "NHWC"
+    phys = (lambda t: t.permute(0, 2, 3, 1).contiguous().numpy()) if nhwc else (lambda t: t.numpy())
+    y = cuda_emulate.run(p, phys(x), w.numpy(), None if b is None else b.numpy(),
+                         None if r is None else phys(r))
+    y = torch.from_numpy(y.copy())
+    y = y.permute(0, 3, 1, 2) if nhwc else y
+    assert not torch.isnan(y).any(), f"{_ids(p)}: unwritten outputs"
+    return _ids(p), _rel_err(y, ref)
+
+
+def test_emulated_kernels_match_torch():
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        results = list(pool.map(_emulate_one, VARIANTS))
+    bad = [(name, err) for name, err in results if not err < 1e-5]
+    assert not bad, f"{len(bad)} of {len(results)} variants disagree with torch: {bad}"
+
+
+# -- 2. nvcc -------------------------------------------------------------------------------------
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="nvcc is not installed")
+def test_every_variant_compiles_with_nvcc_for_sm90(tmp_path):
+    built = cuda_build.build(VARIANTS, tmp_path, arch="sm_90", per_unit=16, jobs=2)
+    assert set(built) == {p.source_hash for p in VARIANTS}
+    for p in VARIANTS:
+        info = built[p.source_hash]
+        assert info.cubin.stat().st_size > 0
+        assert info.registers is not None and info.registers <= 255, (_ids(p), info)
+    for p in VARIANTS[::3]:  # the defaults must not spill (random schedules may)
+        assert built[p.source_hash].spill_bytes == 0, f"{_ids(p)} spills"
+
+
+
+# -- schedules, plans and errors (no GPU) ----------------------------------------------------------
+def test_model_sizes_agree_with_the_plan_and_defaults_are_valid():
+    from maco.kernels.cuda_schedule import _ranked, _schedule
+
+    spec = ConvSpec(1, 64, 56, 56, 64, 3, 3, padding=1)
+    for layout in ("NCHW", "NHWC"):
+        for _, raw in _ranked(spec, Target.h100(), layout)[:50]:
+            p = CudaPlan(spec, _schedule(spec, layout, raw)).validate()
+            assert p.threads <= 1024 and p.accumulators <= 64
+            assert p.block_outputs <= Target.h100().level("shared").elements_per_processor
+    from maco.layouts.networks import distinct_convs, network_convs
+
+    for name in ("resnet18", "alexnet", "vgg11"):
+        for spec, _ in distinct_convs(network_convs(name, 1)):
+            p = CudaPlan(spec, default_schedule(spec, Target.h100())).validate()
+            assert p.blocks >= 100, f"{spec}: only {p.blocks} blocks for 132 SMs"
+
+
+def test_maco_tile_conditions():
+    spec = ConvSpec(1, 64, 56, 56, 64, 3, 3, padding=1)
+    x, y, z = maco_tile(spec, Target.h100())
+    s_np = Target.h100().level("shared").elements_per_processor
+    assert x * y == pytest.approx(9 * z, rel=0.05)  # x*y = R*z
+    assert x * y * z == pytest.approx(s_np, rel=0.25)  # x*y*z ~ S/Np
+
+
+def test_candidates_are_distinct_and_valid():
+    spec = ConvSpec(1, 128, 28, 28, 128, 3, 3, padding=1)
+    cands = candidates(spec, layout="NHWC", limit=8)
+    assert len(cands) == 8 and len(set(cands)) == 8
+    for sch in cands:
+        assert sch.layout == "NHWC" and CudaPlan(spec, sch).problems() == []
+
+
+def test_bad_schedules_raise_naming_the_problem():
+    spec = ConvSpec(1, 8, 12, 12, 16, 3, 3, padding=1)
+    good = default_schedule(spec)
+    cpu = Schedule(kind="cpu", spatial=((1, 1, 1, 1),) * 2 + ((1, 1, 2, 8), (12, 1, 1, 1), (1, 12, 1, 1)),
+                   reduction=((2, 4), (1, 3), (3, 1)))
+    with pytest.raises(MacoError, match="'cuda' schedule"):
+        plan(spec, cpu)
+    wrong = Schedule(**{**good.__dict__, "spatial": ((1, 1, 1, 1, 1),) * 2 + ((1, 1, 1, 1, 3),) + good.spatial[3:]})
+    with pytest.raises(MacoError, match="multiply to 3, not the extent 16"):
+        plan(spec, wrong)
+    c1 = good.reduction[0][1]
+    with pytest.raises(MacoError, match="split_c 3 must be a positive int dividing"):
+        plan(spec, Schedule(**{**good.__dict__, "extra": (("split_c", 3),) if c1 % 3 else (("split_c", 5),)}))
+    with pytest.raises(MacoError, match="needs stage_out"):
+        plan(spec, Schedule(**{**good.__dict__, "reduction": ((1, 8, 1), (1, 1, 3), (1, 1, 3)),
+                               "extra": (("split_c", 2), ("stage_out", False))}))
+    with pytest.raises(MacoError, match="unknown CUDA schedule knob"):
+        plan(spec, Schedule(**{**good.__dict__, "extra": (("warp_shuffle", 1),)}))
+    big = Schedule(kind="cuda", spatial=((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (1, 1, 16, 1, 1), (1, 1, 12, 1, 1),
+                                         (1, 1, 12, 1, 1)), reduction=((1, 8, 1), (1, 1, 3), (1, 1, 3)))
+    with pytest.raises(MacoError, match="2304 threads per block exceed 1024"):
+        plan(spec, big)
+
+
+def test_import_never_needs_cupy_and_running_without_it_says_so():
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"
+        "import maco, maco.kernels, maco.kernels.cuda as kc\n"
+        "from maco import ConvSpec, MacoError\n"
+        "k = kc.compile_cuda(ConvSpec(1, 8, 12, 12, 16, 3, 3, padding=1))\n"
+        "assert 'maco_conv' in k.source\n"
+        "try:\n"
+        "    k.bind(__import__('numpy').zeros((16, 8, 3, 3), 'float32'))\n"
+        "except MacoError as e:\n"
+        "    assert 'CuPy' in str(e), e; print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_source_is_cached_by_hash_and_depends_on_the_epilogue():
+    spec = SPECS[1]
+    sch = default_schedule(spec)
+    a, b = plan(spec, sch), plan(spec, sch, relu=True)
+    assert a.source_hash == plan(spec, sch).source_hash != b.source_hash
+    assert "#define HAS_RELU 1" in b.source() and "#define HAS_RELU 0" in a.source()
+
+
+# -- 3. on the GPU ---------------------------------------------------------------------------------
+def _gpu_ready() -> str | None:
+    from maco.kernels.cuda import cupy_module
+
+    try:
+        cupy_module()
+    except MacoError as exc:
+        return str(exc)
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    return None
+
+
+_NO_GPU = _gpu_ready()
+gpu = pytest.mark.skipif(_NO_GPU is not None, reason=f"no GPU for the CUDA kernels: {_NO_GPU}")
+
+
+@pytest.fixture(scope="module")
+def strict_fp32():
+    prev = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("p", VARIANTS, ids=_ids)
+def test_gpu_kernel_matches_torch(p, strict_fp32):
+    import cupy
+
+    from maco.kernels.cuda import CudaKernel
+
+    gen = torch.Generator().manual_seed(int(p.source_hash[:6], 16))
+    x, w, b, r, ref = _reference(p, gen)
+    nhwc = p.schedule.layout == "NHWC"
+    fmt = torch.channels_last if nhwc else torch.contiguous_format
+    conv = CudaKernel(p).bind(w.cuda(), None if b is None else b.cuda())
+    xt = x.cuda().contiguous(memory_format=fmt)
+    rt = None if r is None else r.cuda().contiguous(memory_format=fmt)
+    out = torch.full(p.spec.output_shape, float("nan"), device="cuda").contiguous(memory_format=fmt)
+    y = conv(xt, rt, out=out)
+    torch.cuda.synchronize()
+    assert y.data_ptr() == out.data_ptr()
+    assert not torch.isnan(y).any(), "unwritten outputs"
+    assert _rel_err(y.cpu(), ref) < 1e-5
+    # CuPy arrays in the layout's physical shape give the same result
+    phys = (lambda t: t.permute(0, 2, 3, 1).contiguous()) if nhwc else (lambda t: t.contiguous())
+    yc = conv(cupy.asarray(phys(x).numpy()), None if r is None else cupy.asarray(phys(r).numpy()))
+    yc = torch.from_numpy(cupy.asnumpy(yc))
+    assert _rel_err(yc.permute(0, 3, 1, 2) if nhwc else yc, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_prebuilt_cubins_and_errors(tmp_path):
+    from maco.kernels.cuda import CudaKernel, prebuild
+
+    if cuda_build.find_nvcc() is None:
+        pytest.skip("nvcc is not installed on this GPU machine")
+    plans = VARIANTS[:6]
+    built = prebuild(plans, tmp_path)
+    for p in plans:
+        k = CudaKernel(p)
+        k.build()
+        gen = torch.Generator().manual_seed(1)
+        x, w, b, r, ref = _reference(p, gen)
+        fmt = torch.channels_last if p.schedule.layout == "NHWC" else torch.contiguous_format
+        y = k.bind(w, b)(x.cuda().contiguous(memory_format=fmt),
+                         None if r is None else r.cuda().contiguous(memory_format=fmt))
+        assert _rel_err(y.cpu(), ref) < 1e-5
+        assert built[p.source_hash].cubin.exists()
+    k = CudaKernel(plan(SPECS[1], default_schedule(SPECS[1])))
+    conv = k.bind(torch.randn(SPECS[1].weight_shape))
+    with pytest.raises(MacoError, match="CPU tensor"):
+        conv(torch.randn(SPECS[1].input_shape))
+    with pytest.raises(MacoError, match="float32"):
+        conv(torch.randn(SPECS[1].input_shape, device="cuda", dtype=torch.float64))
+    with pytest.raises(MacoError, match="expected \\(1, 8, 12, 12\\)"):
+        conv(torch.randn(1, 8, 12, 13, device="cuda"))
