@@ -11,7 +11,7 @@ CuPy or a GPU those calls raise a MacoError that says which is missing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from maco.errors import MacoError
 from maco.kernels import cuda_build
@@ -155,10 +155,27 @@ class CudaConv:
         """y = relu?(conv(x) + bias? + residual?). x, residual, out: torch CUDA tensors with the
         logical NCHW shape (channels_last memory for NHWC), or CuPy arrays in the layout's own
         shape ((N, C, H, W) or (N, H, W, C)), C-contiguous. Returns the same kind as x."""
+        launch, out = self._prepare(x, residual, out)
+        if type(x).__module__.startswith("torch"):
+            import torch
+
+            stream = torch.cuda.current_stream(x.device).cuda_stream
+            if stream:
+                with cupy_module().cuda.ExternalStream(stream):
+                    launch()
+                return out
+        launch()
+        return out
+
+    def prepare(self, x: Any, residual: Any = None, out: Any = None) -> Callable[[], None]:
+        """A no-argument launcher with every check and conversion done up front (for timing
+        loops: it launches on CuPy's current stream and costs one kernel launch)."""
+        return self._prepare(x, residual, out)[0]
+
+    def _prepare(self, x: Any, residual: Any, out: Any) -> tuple[Callable[[], None], Any]:
         cupy = cupy_module()
         k = self.kernel
         spec, nhwc = k.spec, k.layout == "NHWC"
-        is_torch = type(x).__module__.startswith("torch")
         xc = _activation(x, spec.input_shape, nhwc, "input")
         if k.residual and residual is None:
             raise MacoError(f"the kernel for {spec} was compiled with residual=True but got no residual")
@@ -166,7 +183,7 @@ class CudaConv:
             raise MacoError(f"the kernel for {spec} was compiled with residual=False but got a residual")
         rc = _activation(residual, spec.output_shape, nhwc, "residual") if residual is not None else None
         if out is None:
-            if is_torch:
+            if type(x).__module__.startswith("torch"):
                 import torch
 
                 out = torch.empty(spec.output_shape, device=x.device, dtype=torch.float32,
@@ -178,16 +195,12 @@ class CudaConv:
         args = (xc, self.weight, self.bias if self.bias is not None else xc,
                 rc if rc is not None else xc, yc)
         fn, p = k.build(), k.plan
-        if is_torch:
-            import torch
+        grid, block, smem = (p.blocks,), (p.threads,), p.smem_bytes
 
-            stream = torch.cuda.current_stream(x.device).cuda_stream
-            if stream:
-                with cupy.cuda.ExternalStream(stream):
-                    fn((p.blocks,), (p.threads,), args, shared_mem=p.smem_bytes)
-                return out
-        fn((p.blocks,), (p.threads,), args, shared_mem=p.smem_bytes)
-        return out
+        def launch() -> None:
+            fn(grid, block, args, shared_mem=smem)
+
+        return launch, out
 
 
 def compile_cuda(spec: ConvSpec, schedule: Schedule | None = None, *, bias: bool = False,

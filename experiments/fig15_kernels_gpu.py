@@ -1,0 +1,226 @@
+"""Figure 15: MACO's generated CUDA kernels against cuDNN on every conv layer of ResNet-18,
+AlexNet and VGG-11, batch 1 and 8, NCHW and NHWC, strict fp32 (TF32 off).
+
+Contenders per layer: cuDNN's default algorithm, cuDNN with cudnn.benchmark=True (its best),
+MACO's default schedule (the model's first choice) and MACO searched (the fastest of the
+model's top --candidates schedules, each measured; every one is checked against cuDNN's output
+first). Times are medians of interleaved rounds of event-timed runs (maco.gpu_measure); 'cold'
+columns flush L2 before each launch. Writes fig15_kernels_gpu_<gpu>.csv / .png under --out.
+
+    python experiments/fig15_kernels_gpu.py --out results
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from maco import ConvSpec, Target
+from maco.gpu_measure import CudnnConv, GpuTimer, cudnn_version
+from maco.kernels import cuda_build
+from maco.kernels.cuda import CudaKernel, candidates, prebuild
+from maco.kernels.cuda_codegen import CudaPlan
+from maco.layouts.networks import distinct_convs, network_convs
+
+
+def gpu_tag(name: str) -> str:
+    m = re.search(r"(H100|H200|A100|L40S?|B200|V100|RTX ?\d+)", name, re.I)
+    return (m.group(1) if m else name).lower().replace(" ", "")
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--networks", default="resnet18,alexnet,vgg11")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--layouts", default="NCHW,NHWC")
+    ap.add_argument("--candidates", type=int, default=8, help="schedules measured per layer")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="runs per contender per round")
+    ap.add_argument("--cubin-dir", default=None, help="nvcc build cache (parallel prebuild)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    timer = GpuTimer()
+    tag = gpu_tag(timer.name)
+    target = Target.h100()
+    peak = target.peak_gflops * 1e9
+    print(f"GPU {timer.name} ({tag}), cuDNN {cudnn_version()}, torch {torch.__version__}, "
+          f"fp32 peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+
+    # every (network, batch) layer, grouped by distinct spec
+    configs: list[tuple[ConvSpec, str]] = []
+    layers: dict[ConvSpec, list[tuple[str, int, str]]] = {}
+    for net in args.networks.split(","):
+        for batch in map(int, args.batches.split(",")):
+            for spec, names in distinct_convs(network_convs(net, batch)):
+                layers.setdefault(spec, []).extend((net, batch, n) for n in names)
+    specs = list(layers)
+    for spec in specs:
+        for layout in args.layouts.split(","):
+            configs.append((spec, layout))
+    plans = {cfg: [CudaPlan(cfg[0], s) for s in candidates(cfg[0], target, cfg[1], args.candidates)]
+             for cfg in configs}
+    t0 = time.time()
+    built: dict = {}
+    if cuda_build.find_nvcc():
+        built = prebuild([p for ps in plans.values() for p in ps], args.cubin_dir)
+        print(f"nvcc built {len(built)} kernels in {time.time() - t0:.1f} s", flush=True)
+
+    rows = []
+    for ci, (spec, layout) in enumerate(configs):
+        gen = torch.Generator(device="cuda").manual_seed(ci)
+        x = torch.randn(spec.input_shape, device="cuda", generator=gen)
+        w = torch.randn(spec.weight_shape, device="cuda", generator=gen) / math.sqrt(
+            spec.c_per_group * spec.kh * spec.kw)
+        fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+        xl = x.contiguous(memory_format=fmt)
+        contenders = {"cudnn_default": CudnnConv(spec, layout, False).prepare(x, w),
+                      "cudnn_best": CudnnConv(spec, layout, True).prepare(x, w)}
+        ref = contenders["cudnn_best"]().float()
+        ref64 = torch.nn.functional.conv2d(x.double(), w.double(), None, spec.stride, spec.padding,
+                                           spec.dilation, spec.groups)
+        cudnn_err = float((ref.double() - ref64).norm() / ref64.norm())
+        errs = {}
+        for i, p in enumerate(plans[(spec, layout)]):
+            conv = CudaKernel(p).bind(w)
+            y = conv(xl)
+            errs[i] = float((y.double() - ref64).norm() / ref64.norm())
+            if not errs[i] < 1e-5:
+                print(f"WRONG {spec} {layout} candidate {i}: rel err {errs[i]:.2e}", flush=True)
+                continue
+            yo = torch.empty_like(y)
+            contenders[f"maco_{i}"] = conv.prepare(xl, out=yo)
+        samples: dict[str, list[float]] = {k: [] for k in contenders}
+        for _ in range(args.rounds):
+            for name, fn in contenders.items():
+                samples[name].append(timer.time(fn, repeats=args.repeats).median)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        maco = {k: v for k, v in med.items() if k.startswith("maco_")}
+        best_key = min(maco, key=maco.get) if maco else None
+        cold = {}
+        for name in ("cudnn_best", "maco_0", best_key):
+            if name in contenders and name not in cold:
+                cold[name] = timer.time(contenders[name], repeats=7, cold=True).median
+        best_plan = plans[(spec, layout)][int(best_key.split("_")[1])] if best_key else None
+        info = built.get(best_plan.source_hash) if best_plan else None
+        row = dict(spec=str(spec), layout=layout, batch=spec.n, gflop=spec.flops / 1e9,
+                   cudnn_default_us=med["cudnn_default"] * 1e6, cudnn_best_us=med["cudnn_best"] * 1e6,
+                   maco_default_us=med.get("maco_0", float("nan")) * 1e6,
+                   maco_search_us=(maco[best_key] if best_key else float("nan")) * 1e6,
+                   best_candidate=best_key, candidates=len(maco),
+                   cold_cudnn_best_us=cold.get("cudnn_best", float("nan")) * 1e6,
+                   cold_maco_default_us=cold.get("maco_0", float("nan")) * 1e6,
+                   cold_maco_search_us=cold.get(best_key, float("nan")) * 1e6,
+                   max_rel_err=max(errs.values()) if errs else float("nan"), cudnn_rel_err=cudnn_err,
+                   registers=info.registers if info else "", blocks=best_plan.blocks if best_plan else "",
+                   threads=best_plan.threads if best_plan else "",
+                   schedule=best_plan.schedule.to_json() if best_plan else "")
+        for key, base in (("default", "maco_default_us"), ("search", "maco_search_us")):
+            row[f"speedup_{key}_vs_cudnn_best"] = row["cudnn_best_us"] / row[base]
+            row[f"speedup_{key}_vs_cudnn_default"] = row["cudnn_default_us"] / row[base]
+            row[f"peak_frac_{key}"] = spec.flops / (row[base] * 1e-6) / peak
+        row["peak_frac_cudnn_best"] = spec.flops / (row["cudnn_best_us"] * 1e-6) / peak
+        rows.append(row)
+        with open(out / f"fig15_configs_{tag}.csv", "w", newline="") as f:  # progress, per config
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+        print(f"[{ci + 1}/{len(configs)}] {spec} {layout}: cuDNN def {row['cudnn_default_us']:.1f} "
+              f"best {row['cudnn_best_us']:.1f} | MACO def {row['maco_default_us']:.1f} "
+              f"search {row['maco_search_us']:.1f} us ({row['speedup_search_vs_cudnn_best']:.2f}x, "
+              f"{row['peak_frac_search'] * 100:.0f}% peak) err {row['max_rel_err']:.1e}", flush=True)
+
+    # one row per conv layer of each network (layers sharing a spec share its numbers)
+    by_cfg = {(r["spec"], r["layout"]): r for r in rows}
+    layer_rows = []
+    for spec, uses in layers.items():
+        for net, batch, name in uses:
+            for layout in args.layouts.split(","):
+                r = by_cfg[(str(spec), layout)]
+                layer_rows.append({"gpu": timer.name, "network": net, "layer": name, **r})
+    path = out / f"fig15_kernels_gpu_{tag}.csv"
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(layer_rows[0]))
+        wr.writeheader()
+        wr.writerows(layer_rows)
+    summary = []
+    for net in args.networks.split(","):
+        for batch in map(int, args.batches.split(",")):
+            for layout in args.layouts.split(","):
+                sel = [r for r in layer_rows if r["network"] == net and r["batch"] == batch
+                       and r["layout"] == layout]
+                summary.append(dict(network=net, batch=batch, layout=layout, layers=len(sel),
+                                    default_vs_best=geomean([r["speedup_default_vs_cudnn_best"] for r in sel]),
+                                    search_vs_best=geomean([r["speedup_search_vs_cudnn_best"] for r in sel]),
+                                    search_vs_default=geomean([r["speedup_search_vs_cudnn_default"] for r in sel]),
+                                    peak_search=statistics.mean(r["peak_frac_search"] for r in sel),
+                                    peak_cudnn=statistics.mean(r["peak_frac_cudnn_best"] for r in sel)))
+    for batch in map(int, args.batches.split(",")):
+        sel = [r for r in layer_rows if r["batch"] == batch]
+        summary.append(dict(network="all", batch=batch, layout="both", layers=len(sel),
+                            default_vs_best=geomean([r["speedup_default_vs_cudnn_best"] for r in sel]),
+                            search_vs_best=geomean([r["speedup_search_vs_cudnn_best"] for r in sel]),
+                            search_vs_default=geomean([r["speedup_search_vs_cudnn_default"] for r in sel]),
+                            peak_search=statistics.mean(r["peak_frac_search"] for r in sel),
+                            peak_cudnn=statistics.mean(r["peak_frac_cudnn_best"] for r in sel)))
+    with open(out / f"fig15_summary_{tag}.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(summary[0]))
+        wr.writeheader()
+        wr.writerows(summary)
+    plot(layer_rows, args, out / f"fig15_kernels_gpu_{tag}.png", timer.name)
+    print("\nGeomean speedup over cuDNN (strict fp32), per conv layer:")
+    print(f"{'network':10s} {'batch':>5s} {'layout':6s} {'layers':>6s} {'def/best':>9s} "
+          f"{'search/best':>11s} {'search/def':>10s} {'peak%':>6s} {'cudnn%':>6s}")
+    for s in summary:
+        print(f"{s['network']:10s} {s['batch']:5d} {s['layout']:6s} {s['layers']:6d} "
+              f"{s['default_vs_best']:9.2f} {s['search_vs_best']:11.2f} {s['search_vs_default']:10.2f} "
+              f"{s['peak_search'] * 100:6.1f} {s['peak_cudnn'] * 100:6.1f}")
+    return 0
+
+
+def plot(rows: list[dict], args: argparse.Namespace, path: Path, gpu: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nets, batches = args.networks.split(","), [int(b) for b in args.batches.split(",")]
+    fig, axes = plt.subplots(len(batches), len(nets), figsize=(6 * len(nets), 3.6 * len(batches)),
+                             squeeze=False)
+    for i, batch in enumerate(batches):
+        for j, net in enumerate(nets):
+            ax = axes[i][j]
+            for k, layout in enumerate(args.layouts.split(",")):
+                sel = [r for r in rows if r["network"] == net and r["batch"] == batch and r["layout"] == layout]
+                xs = [m + k * 0.4 for m in range(len(sel))]
+                ax.bar(xs, [r["speedup_search_vs_cudnn_best"] for r in sel], width=0.4, label=f"{layout} searched")
+                ax.scatter(xs, [r["speedup_default_vs_cudnn_best"] for r in sel], s=10, color="k",
+                           zorder=3, label="default" if k == 0 else None)
+            ax.axhline(1.0, color="r", lw=0.8)
+            ax.set_yscale("log")
+            ax.set_title(f"{net}, batch {batch}")
+            ax.set_xlabel("conv layer")
+            ax.set_ylabel("speedup over cuDNN best")
+            ax.legend(fontsize=7)
+    fig.suptitle(f"MACO CUDA kernels vs cuDNN (strict fp32), {gpu}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
