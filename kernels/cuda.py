@@ -192,6 +192,11 @@ class CudaConv:
                 n, kk, oh, ow = spec.output_shape
                 out = cupy.empty((n, oh, ow, kk) if nhwc else (n, kk, oh, ow), dtype=cupy.float32)
         yc = _activation(out, spec.output_shape, nhwc, "out")
+        if k.plan.vec_store == 4:
+            for what, arr in (("out", yc), ("residual", rc)):
+                if arr is not None and arr.data.ptr % 16:
+                    raise MacoError(f"{what} must be 16-byte aligned for this kernel's vector stores "
+                                    f"(address {arr.data.ptr:#x})")
         args = (xc, self.weight, self.bias if self.bias is not None else xc,
                 rc if rc is not None else xc, yc)
         fn, p = k.build(), k.plan

@@ -134,12 +134,38 @@ class CudaPlan:
         return self.block_tile("k")
 
     @property
+    def buffers(self) -> int:
+        """Shared-memory stages in flight: 2 is the double buffering of the paper; 3-4 hide
+        more load latency when a stage's compute is short."""
+        return int(self.schedule.option.get("buffers", 2))
+
+    @property
+    def weight_flat(self) -> bool:
+        """A stage's weights are one contiguous, 16-byte aligned run in global and shared memory
+        (blocked packing, whole window per stage, one group per block): copied 16 bytes at a time."""
+        return (self.schedule.weight_packing == "blocked" and self.f("kh")[0] == 1
+                and self.f("kw")[0] == 1 and self.block_tile("g") == 1 and self.block_tile("k") % 4 == 0)
+
+    @property
+    def vec_store(self) -> int:
+        """Outputs one thread stores with one instruction (4 when its contiguous run along the
+        layout's innermost axis, ow for NCHW or k for NHWC, is a multiple of 4 and aligned)."""
+        s, nhwc = self.spec, self.schedule.layout == "NHWC"
+        axis, inner = ("k", s.k) if nhwc else ("ow", s.out_w)
+        f = self.f(axis)
+        if self.stage_out or f[4] % 4 or inner % 4:
+            return 1
+        if nhwc and s.k_per_group % 4:
+            return 1
+        return 4
+
+    @property
     def input_stage_floats(self) -> int:
-        return self.block_tile("n") * self.block_tile("g") * self.stage_c * self.plane
+        return _round4(self.block_tile("n") * self.block_tile("g") * self.stage_c * self.plane)
 
     @property
     def weight_stage_floats(self) -> int:
-        return self.block_tile("g") * self.stage_c * self.stage_kh * self.stage_kw * self.weight_row
+        return _round4(self.block_tile("g") * self.stage_c * self.stage_kh * self.stage_kw * self.weight_row)
 
     @property
     def input_stage_elems(self) -> int:
@@ -152,7 +178,7 @@ class CudaPlan:
 
     @property
     def smem_floats(self) -> int:
-        main = 2 * self.stage_floats
+        main = self.buffers * self.stage_floats
         out = self.split_c * self.block_outputs if self.stage_out else 0
         return max(main, out)
 
@@ -177,9 +203,11 @@ class CudaPlan:
         if self.schedule.kind != "cuda":
             return [f"the CUDA backend needs a 'cuda' schedule, got kind {self.schedule.kind!r}"]
         extra = self.schedule.option
-        unknown = set(extra) - {"split_c", "stage_out"}
+        unknown = set(extra) - {"split_c", "stage_out", "buffers"}
         if unknown:
-            out.append(f"unknown CUDA schedule knob(s) {sorted(unknown)}; known: split_c, stage_out")
+            out.append(f"unknown CUDA schedule knob(s) {sorted(unknown)}; known: split_c, stage_out, buffers")
+        if extra.get("buffers", 2) not in (2, 3, 4):
+            out.append(f"buffers must be 2, 3 or 4, got {extra.get('buffers')!r}")
         s = self.split_c
         if not isinstance(extra.get("split_c", 1), int) or s < 1 or self.f("c")[1] % s:
             out.append(f"split_c {extra.get('split_c')!r} must be a positive int dividing the "
@@ -225,7 +253,8 @@ class CudaPlan:
                  PLANE=self.plane, WROW=self.weight_row, IN_ELEMS=self.input_stage_elems,
                  IN_STAGE=self.input_stage_floats, W_STAGE=self.weight_stage_floats,
                  STAGE=self.stage_floats, NSTAGES=self.stages, NACC=self.accumulators,
-                 TB=self.block_outputs)
+                 TB=self.block_outputs, NBUF=self.buffers, W_FLAT=int(self.weight_flat),
+                 VEC=self.vec_store)
         for axis in SPATIAL_AXES:
             tag = axis.upper()
             for lvl, v in enumerate(self.f(axis)):
@@ -295,6 +324,10 @@ def pack_weight(plan: CudaPlan, weight: Any, xp: Any = None) -> Any:
     return xp.ascontiguousarray(weight.reshape(g, kb, bk, cg, kh, kw).transpose(0, 1, 3, 4, 5, 2))
 
 
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
 def batch_source(plans: list[CudaPlan], names: list[str]) -> str:
     """Many kernels in one translation unit (one nvcc call compiles them all)."""
     return _PRELUDE_DEVICE + "".join(p.unit(n) for p, n in zip(plans, names))
@@ -317,10 +350,15 @@ DEV void cp_async4(float* dst, const float* src, bool ok) {
   unsigned s = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(s), "l"(src), "r"(ok ? 4 : 0));
 }
+DEV void cp_async16(float* dst, const float* src) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(src));
+}
 DEV void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> DEV void cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 #else
 DEV void cp_async4(float* dst, const float* src, bool ok) { *dst = ok ? __ldg(src) : 0.0f; }
+DEV void cp_async16(float* dst, const float* src) { *(float4*)dst = __ldg((const float4*)src); }
 DEV void cp_commit() {}
 template <int N> DEV void cp_wait() {}
 #endif
@@ -334,6 +372,8 @@ _PRELUDE_HOST = r"""
 #define DEV static inline
 #define RESTRICT
 static inline void cp_async4(float* dst, const float* src, bool ok) { *dst = ok ? *src : 0.0f; }
+static inline void cp_async16(float* dst, const float* src) { for (int i = 0; i < 4; ++i) dst[i] = src[i]; }
+struct float4 { float x, y, z, w; };
 """
 
 _BODY = r"""
@@ -387,6 +427,12 @@ DEV void load_stage(const float* RESTRICT x, const float* RESTRICT w, float* sI,
 #endif
     cp_async4(sI + ((nl * B_G + gl) * CC + cl) * PLANE + ph * PW + pw, x + (ok ? src : 0), ok);
   }
+#if W_FLAT
+  {  // the stage's weights: one contiguous run [CC][KH][KW][B_K] of the blocked packing
+    const float* src = w + ((long)(b.g * F0_K + b.k) * CG + c0 * CC) * (KH * KW * B_K);
+    for (int e = tid * 4; e < W_ELEMS; e += NT * 4) cp_async16(sW + e, src + e);
+  }
+#else
   for (int e = tid; e < W_ELEMS; e += NT) {
     int t = e;
 #if BLOCKED
@@ -404,6 +450,7 @@ DEV void load_stage(const float* RESTRICT x, const float* RESTRICT w, float* sI,
 #endif
     cp_async4(sW + ((gl * CC + cl) * KHC + r) * KWC * WROW + s * WROW + kl, w + src, true);
   }
+#endif
 }
 
 // One stage of the reduction: the R1 loops, the R2 loops unrolled around the register outer product.
@@ -485,9 +532,44 @@ DEV int tile_index(int nl, int gl, int kl, int hl, int wl) {
 #endif
 }
 
-// Epilogue straight from registers.
+// Epilogue straight from registers; VEC outputs contiguous in memory go out in one store.
 DEV void epilogue_direct(const float* acc, Coord t, Coord b, const float* RESTRICT bias,
                          const float* RESTRICT res, float* RESTRICT y) {
+#if VEC == 4
+#pragma unroll
+  for (int in = 0; in < R_N; ++in)
+#pragma unroll
+  for (int ig = 0; ig < R_G; ++ig)
+#pragma unroll
+  for (int ik = 0; ik < R_K; ik += (NHWC ? 4 : 1))
+#pragma unroll
+  for (int ih = 0; ih < R_OH; ++ih)
+#pragma unroll
+  for (int iw = 0; iw < R_OW; iw += (NHWC ? 1 : 4)) {
+    const int n = b.n * B_N + LOC(in, t.n, F2_N, F3_N, F4_N), g = b.g * B_G + LOC(ig, t.g, F2_G, F3_G, F4_G);
+    const int k = b.k * B_K + LOC(ik, t.k, F2_K, F3_K, F4_K), oh = b.h * B_OH + LOC(ih, t.h, F2_OH, F3_OH, F4_OH);
+    const int ow = b.w * B_OW + LOC(iw, t.w, F2_OW, F3_OW, F4_OW);
+    const long o = out_index(n, g, k, oh, ow);
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[j] = acc[(((in * R_G + ig) * R_K + ik + (NHWC ? j : 0)) * R_OH + ih) * R_OW + iw + (NHWC ? 0 : j)];
+#if HAS_BIAS
+      v[j] += bias[g * KG + k + (NHWC ? j : 0)];
+#endif
+    }
+#if HAS_RES
+    const float4 r = *(const float4*)(res + o);
+    v[0] += r.x; v[1] += r.y; v[2] += r.z; v[3] += r.w;
+#endif
+#if HAS_RELU
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = v[j] < 0.0f ? 0.0f : v[j];
+#endif
+    float4 q; q.x = v[0]; q.y = v[1]; q.z = v[2]; q.w = v[3];
+    *(float4*)(y + o) = q;
+  }
+#else
 #pragma unroll
   for (int in = 0; in < R_N; ++in)
 #pragma unroll
@@ -502,6 +584,7 @@ DEV void epilogue_direct(const float* acc, Coord t, Coord b, const float* RESTRI
               b.n * B_N + LOC(in, t.n, F2_N, F3_N, F4_N), b.g * B_G + LOC(ig, t.g, F2_G, F3_G, F4_G),
               b.k * B_K + LOC(ik, t.k, F2_K, F3_K, F4_K), b.h * B_OH + LOC(ih, t.h, F2_OH, F3_OH, F4_OH),
               b.w * B_OW + LOC(iw, t.w, F2_OW, F3_OW, F4_OW), bias, res, y);
+#endif
 }
 
 // Staged epilogue, first half: each thread group parks its partial sums in shared memory.
@@ -555,18 +638,19 @@ maco_conv(const float* RESTRICT x, const float* RESTRICT w, const float* RESTRIC
   float acc[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
-  load_stage(x, w, smem, smem + IN_STAGE, 0, tid, b);
-  cp_commit();
+#pragma unroll
+  for (int s = 0; s < NBUF - 1; ++s) {  // prologue: the first NBUF-1 stages in flight
+    if (s < NSTAGES) load_stage(x, w, smem + s * STAGE, smem + s * STAGE + IN_STAGE, s, tid, b);
+    cp_commit();
+  }
   for (int st = 0; st < NSTAGES; ++st) {
-    float* cur = smem + (st & 1) * STAGE;
-    if (st + 1 < NSTAGES) {
-      float* nxt = smem + ((st + 1) & 1) * STAGE;
-      load_stage(x, w, nxt, nxt + IN_STAGE, st + 1, tid, b);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
+    float* cur = smem + (st % NBUF) * STAGE;
+    if (st + NBUF - 1 < NSTAGES) {
+      float* nxt = smem + ((st + NBUF - 1) % NBUF) * STAGE;
+      load_stage(x, w, nxt, nxt + IN_STAGE, st + NBUF - 1, tid, b);
     }
+    cp_commit();  // possibly empty: keeps one group per stage, so the wait below is exact
+    cp_wait<NBUF - 1>();
     __syncthreads();
     compute_stage(cur, cur + IN_STAGE, acc, t, grp);
     __syncthreads();
@@ -599,7 +683,7 @@ int main(int argc, char** argv) {
   std::vector<float> x = load(argv[1], xe), w = load(argv[2], we), bias = load(argv[3], K),
                      res = load(argv[4], HAS_RES ? oe : 0);
   std::vector<float> y(oe, __builtin_nanf(""));
-  const int smem_floats = (2 * STAGE > SPLIT * TB * STAGE_OUT) ? 2 * STAGE : SPLIT * TB;
+  const int smem_floats = (NBUF * STAGE > SPLIT * TB * STAGE_OUT) ? NBUF * STAGE : SPLIT * TB;
   std::vector<float> smem(smem_floats);
   std::vector<float> acc((size_t)NT * NACC);
   const int nblocks = F0_N * F0_G * F0_K * F0_OH * F0_OW;
@@ -607,12 +691,14 @@ int main(int argc, char** argv) {
     const Coord b = block_coord(blk);
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(smem.begin(), smem.end(), __builtin_nanf(""));
-    for (int tid = 0; tid < NT; ++tid) load_stage(x.data(), w.data(), smem.data(), smem.data() + IN_STAGE, 0, tid, b);
+    for (int s = 0; s < NBUF - 1 && s < NSTAGES; ++s)
+      for (int tid = 0; tid < NT; ++tid)
+        load_stage(x.data(), w.data(), smem.data() + s * STAGE, smem.data() + s * STAGE + IN_STAGE, s, tid, b);
     for (int st = 0; st < NSTAGES; ++st) {
-      float* cur = smem.data() + (st & 1) * STAGE;
-      float* nxt = smem.data() + ((st + 1) & 1) * STAGE;
-      if (st + 1 < NSTAGES)
-        for (int tid = 0; tid < NT; ++tid) load_stage(x.data(), w.data(), nxt, nxt + IN_STAGE, st + 1, tid, b);
+      float* cur = smem.data() + (st % NBUF) * STAGE;
+      float* nxt = smem.data() + ((st + NBUF - 1) % NBUF) * STAGE;
+      if (st + NBUF - 1 < NSTAGES)
+        for (int tid = 0; tid < NT; ++tid) load_stage(x.data(), w.data(), nxt, nxt + IN_STAGE, st + NBUF - 1, tid, b);
       for (int tid = 0; tid < NT; ++tid)
         compute_stage(cur, cur + IN_STAGE, &acc[(size_t)tid * NACC], thread_coord(tid % NTS), tid / NTS);
     }

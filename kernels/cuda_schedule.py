@@ -218,6 +218,8 @@ def random_schedule(spec: ConvSpec, rng: np.random.Generator, layout: str = "NCH
         extra: tuple = (("split_c", split),) if split > 1 else ()
         if split == 1 and rng.random() < 0.3:
             extra = extra + (("stage_out", bool(rng.random() < 0.5)),)
+        if rng.random() < 0.4:
+            extra = extra + (("buffers", int(rng.choice([2, 3, 4]))),)
         sch = Schedule(kind="cuda", spatial=spatial, reduction=reduction,
                        unroll=int(rng.choice(UNROLL_STEPS)), layout=layout,
                        inner_order=tuple(rng.permutation(list(REDUCTION_AXES))),

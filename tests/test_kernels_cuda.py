@@ -47,6 +47,29 @@ def _variants() -> list[CudaPlan]:
             for j in range(2):
                 ep = EPILOGUES[(i + j) % len(EPILOGUES)]
                 out.append(plan(spec, random_schedule(spec, rng, layout), bias=ep[0], relu=ep[1], residual=ep[2]))
+    return out + _hand_made()
+
+
+def _hand_made() -> list[CudaPlan]:
+    """Schedules that certainly take the vector-store, 16-byte weight copy, vthread and
+    3-4 buffer paths (random draws reach them rarely)."""
+    a = ConvSpec(2, 16, 8, 16, 32, 3, 3, padding=1)
+    b = ConvSpec(1, 16, 6, 8, 32, 3, 3, padding=1, groups=2)
+    nchw = Schedule(kind="cuda", spatial=((2, 1, 1, 1, 1), (1, 1, 1, 1, 1), (2, 2, 4, 1, 2), (2, 1, 4, 1, 1),
+                                          (1, 1, 2, 2, 4)),
+                    reduction=((4, 2, 2), (1, 1, 3), (1, 3, 1)), unroll=16, extra=(("buffers", 3),))
+    nhwc = Schedule(kind="cuda", spatial=((1, 1, 2, 1, 1), (1, 1, 1, 1, 1), (1, 2, 2, 1, 8), (4, 1, 2, 1, 1),
+                                          (2, 1, 8, 1, 1)),
+                    reduction=((8, 2, 1), (1, 1, 3), (1, 1, 3)), layout="NHWC", unroll=64,
+                    extra=(("buffers", 4),))
+    grouped = Schedule(kind="cuda", spatial=((1, 1, 1, 1, 1), (2, 1, 1, 1, 1), (1, 1, 4, 1, 4), (3, 1, 2, 1, 1),
+                                             (1, 1, 8, 1, 1)),
+                       reduction=((2, 2, 2), (1, 1, 3), (1, 1, 3)), layout="NHWC", extra=(("buffers", 3),))
+    out = [plan(a, nchw, bias=True, relu=True, residual=True), plan(a, nchw),
+           plan(a, nhwc, bias=True, relu=True, residual=True), plan(a, nhwc, residual=True),
+           plan(b, grouped, bias=True, residual=True), plan(b, grouped)]
+    for p in out:
+        assert p.vec_store == 4 and p.weight_flat and p.buffers >= 3, _ids(p)
     return out
 
 
@@ -107,7 +130,7 @@ def test_every_variant_compiles_with_nvcc_for_sm90(tmp_path):
         info = built[p.source_hash]
         assert info.cubin.stat().st_size > 0
         assert info.registers is not None and info.registers <= 255, (_ids(p), info)
-    for p in VARIANTS[::3]:  # the defaults must not spill (random schedules may)
+    for p in VARIANTS[:60:3]:  # the defaults must not spill (random schedules may)
         assert built[p.source_hash].spill_bytes == 0, f"{_ids(p)} spills"
 
 
