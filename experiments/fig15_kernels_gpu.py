@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nvcc built {len(built)} kernels in {time.time() - t0:.1f} s", flush=True)
 
     rows = []
+    cand_rows = []
     for ci, (spec, layout) in enumerate(configs):
         gen = torch.Generator(device="cuda").manual_seed(ci)
         x = torch.randn(spec.input_shape, device="cuda", generator=gen)
@@ -110,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in contenders.items():
                 samples[name].append(timer.time(fn, repeats=args.repeats).median)
         med = {k: statistics.median(v) for k, v in samples.items()}
+        for i, p in enumerate(plans[(spec, layout)]):
+            b = built.get(p.source_hash)
+            cand_rows.append(dict(spec=str(spec), layout=layout, candidate=i,
+                                  us=med.get(f"maco_{i}", float("nan")) * 1e6, rel_err=errs.get(i),
+                                  cudnn_best_us=med["cudnn_best"] * 1e6, blocks=p.blocks, threads=p.threads,
+                                  registers=b.registers if b else "", spill=b.spill_bytes if b else "",
+                                  schedule=p.schedule.to_json()))
+        with open(out / f"fig15_candidates_{tag}.csv", "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(cand_rows[0]))
+            wr.writeheader()
+            wr.writerows(cand_rows)
         maco = {k: v for k, v in med.items() if k.startswith("maco_")}
         best_key = min(maco, key=maco.get) if maco else None
         cold = {}

@@ -23,11 +23,13 @@ from maco.target import Target
 # H100-class per-SM machine model (cycles); the Target supplies SMs, clock and shared memory.
 ISSUE_PER_CLK = 4  # warp instructions per cycle per SM (4 schedulers)
 LDS_PER_CLK = 1  # shared-memory wavefronts per cycle per SM (128 B/clk)
-L2_BYTES_PER_CLK = 28  # L2 -> SM bytes per cycle per SM, sustained
-STAGE_OVERHEAD = 120  # cycles per stage: two barriers and the pipeline refill
+WARP_IPC = 0.5  # instructions per cycle one warp sustains (dependent loads, FMA latency)
+MEM_LATENCY = 800  # cycles from issuing a global->shared copy to its arrival (L2 hit)
+BARRIER = 40  # cycles per __syncthreads
 COPY_INSTR = 14  # instructions per element copied global -> shared (index decode + cp.async)
 MAX_THREADS_SM, MAX_BLOCKS_SM, REGS_SM = 2048, 32, 65536
-WARP_IPC = 0.6  # instructions per cycle one warp sustains (dependent loads, FMA latency)
+DRAM_BYTES_PER_S = 3.0e12
+L2_BYTES_PER_S = 5.5e12
 LAUNCH_SECONDS = 2e-6
 KEEP = 4000  # ranked candidates kept per layer
 AXES = ("n", "g", "k", "oh", "ow")
@@ -67,81 +69,120 @@ def _options(spec: ConvSpec) -> dict[str, list[tuple[int, int]]]:
 
 
 def _stage_channels(cg: int) -> list[int]:
-    ds = [d for d in divisors(cg) if d <= 32]
-    return sorted({d for d in ds if d >= min(4, ds[-1])} | {ds[-1]})
+    ds = [d for d in divisors(cg) if d <= 64]
+    return sorted({d for d in ds if d >= min(8, ds[-1])} | {ds[-1]})
 
 
-@lru_cache(maxsize=256)
-def _ranked(spec: ConvSpec, target: Target, layout: str) -> list[tuple[float, tuple[int, ...]]]:
-    """All structured candidates with their predicted seconds, best first, as raw tuples
-    (tn, rn, tg, rg, tk, rk, th, rh, tw, rw, cc, split). Vectorised: a layer has ~1e5 of them."""
-    opts = _options(spec)
-    ccs = _stage_channels(spec.c_per_group)
-    splits = [1, 2, 4, 8, 16]
-    grids = np.meshgrid(*[np.arange(len(opts[a])) for a in AXES], np.arange(len(ccs)),
-                        np.arange(len(splits)), indexing="ij")
-    idx = [g.ravel() for g in grids]
-    v = {}
-    for i, a in enumerate(AXES):
-        o = np.array(opts[a], dtype=np.int64)
-        v["t" + a], v["r" + a] = o[idx[i], 0], o[idx[i], 1]
-    cc = np.array(ccs, dtype=np.int64)[idx[5]]
-    split = np.array(splits, dtype=np.int64)[idx[6]]
+RAW = ("tn", "rn", "tg", "rg", "tk", "rk", "toh", "roh", "tow", "row", "cc", "split", "buf")
+
+
+def predict(spec: ConvSpec, target: Target, layout: str, v: dict[str, np.ndarray]
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds, feasible) for arrays of raw candidates `v` (keys RAW): a per-SM cycle model.
+
+    Per stage a block issues its FMAs, shared loads and global->shared copies; co-resident
+    blocks share the SM's 4 schedulers, one warp alone issues at most WARP_IPC per cycle, and a
+    stage cannot be shorter than the load latency the other buffers hide. Blocks run in rounds
+    of `blocks per SM` (wave quantisation); DRAM and L2 bandwidth bound the whole launch."""
     sh, sw = spec.stride
     dh, dw = spec.dilation
+    cc, split, buf = v["cc"], v["split"], v["buf"]
     b = {a: v["t" + a] * v["r" + a] for a in AXES}
-    nts = v["tn"] * v["tg"] * v["tk"] * v["toh"] * v["tow"]
-    nt = nts * split
+    nt = v["tn"] * v["tg"] * v["tk"] * v["toh"] * v["tow"] * split
     acc = v["rn"] * v["rg"] * v["rk"] * v["roh"] * v["row"]
     tb = b["n"] * b["g"] * b["k"] * b["oh"] * b["ow"]
-    x, y, z = maco_tile(spec, target)
-    ok = (nt <= 1024) & (nt >= 32) & (acc <= 64) & (tb >= 64) & (tb <= x * y * z)
-    ok &= (cc % split == 0) & ((split == 1) | (nt <= 512))
     ph = (b["oh"] - 1) * sh + (spec.kh - 1) * dh + 1
     pw = (b["ow"] - 1) * sw + (spec.kw - 1) * dw + 1
     plane = ph * pw + ((ph * pw % 2 == 0) & (layout == "NHWC"))
     in_elems = b["n"] * b["g"] * cc * ph * pw
     w_stage = b["g"] * cc * spec.kh * spec.kw * b["k"]
-    stage = b["n"] * b["g"] * cc * plane + w_stage
-    smem = 4 * np.maximum(2 * stage, np.where(split > 1, split * tb, 0))
+    stage = -(-(b["n"] * b["g"] * cc * plane) // 4) * 4 + -(-w_stage // 4) * 4
+    smem = 4 * np.maximum(buf * stage, np.where(split > 1, split * tb, 0))
+    ok = (nt <= 1024) & (nt >= 32) & (acc <= 64) & (cc % split == 0) & ((split == 1) | (nt <= 512))
     ok &= smem <= min(MAX_SMEM_BYTES, target.level("shared").capacity)
     stages = spec.c_per_group // cc
     blocks = spec.n * spec.groups * spec.k_per_group * spec.out_h * spec.out_w // tb
-    # per (c, kh) step of one thread: the register row of inputs serves all kw taps
     row_len = (v["row"] - 1) * sw + (spec.kw - 1) * dw + 1
-    x_loads = v["rn"] * v["rg"] * v["roh"] * row_len
-    w_loads = v["rg"] * v["rk"] * spec.kw
-    fmas = acc * spec.kw
-    steps = spec.c_per_group // split * spec.kh
+    x_lds = v["rn"] * v["rg"] * v["roh"] * np.where(sw == 1, -(-row_len // 2), row_len)
+    w_lds = v["rg"] * spec.kw * np.where(v["rk"] % 4 == 0, v["rk"] // 4,
+                                         np.where(v["rk"] % 2 == 0, v["rk"] // 2, v["rk"]))
+    steps = cc // split * spec.kh  # (c, kh) steps of one thread per stage
+    wflat = (b["k"] % 4 == 0) & (b["g"] == 1)
+    copy = (in_elems * COPY_INSTR + np.where(wflat, w_stage, w_stage * COPY_INSTR)) / nt
+    instr = steps * (acc * spec.kw + x_lds + w_lds + 2) + copy  # per thread per stage
     warps = -(-nt // 32)
-    regs = np.minimum(255, -(-(24 + acc + v["rg"] * v["rk"] + x_loads) // 8) * 8)
+    regs = np.minimum(255, -(-(24 + acc + v["rg"] * v["rk"] + v["rn"] * v["roh"] * row_len) // 8) * 8)
     with np.errstate(divide="ignore"):
         bps = np.minimum.reduce([np.full_like(nt, MAX_BLOCKS_SM), MAX_THREADS_SM // (warps * 32),
                                  target.level("shared").capacity // (smem + 1024),
                                  REGS_SM // (warps * 32 * regs)])
     ok &= bps >= 1
-    copy = (in_elems + w_stage) * stages
-    warp_instr = steps * (fmas + x_loads + w_loads + 2) + copy * COPY_INSTR / nt
-    issue = warps * warp_instr / ISSUE_PER_CLK
-    lds = warps * steps * (x_loads + w_loads) / LDS_PER_CLK
-    l2 = copy * 4 / L2_BYTES_PER_CLK
-    latency = warp_instr / WARP_IPC + stages * STAGE_OVERHEAD
+    bps = np.maximum(bps, 1)
+    # stores: per-thread runs along the layout's innermost axis make a warp touch `run` x more sectors
+    inner_run = v["rk"] if layout == "NHWC" else v["row"]
+    inner_ext = spec.k if layout == "NHWC" else spec.out_w
+    vec = (split == 1) & (inner_run % 4 == 0) & (inner_ext % 4 == 0)
+    ineff = np.where((split > 1) | vec, 1, np.minimum(inner_run, 8))
+    store = tb / 32 * ineff * 2 + np.where(split > 1, tb * split / 32 * 2, 0)
+
+    def block_cycles(m: np.ndarray) -> np.ndarray:
+        stage_c = np.maximum.reduce([m * warps * instr / ISSUE_PER_CLK, instr / WARP_IPC,
+                                     MEM_LATENCY / (buf - 1),
+                                     m * warps * steps * (x_lds + w_lds) / LDS_PER_CLK])
+        return stages * (stage_c + BARRIER) + MEM_LATENCY + m * store
+
     per_sm = -(-blocks // target.cores)
-    rounds = -(-per_sm // np.maximum(bps, 1))
-    cycles = np.maximum(per_sm * np.maximum.reduce([issue, lds, l2]), rounds * latency)
-    seconds = cycles / ((target.freq_ghz or 1.5) * 1e9) + LAUNCH_SECONDS
-    # tie-break toward the MACO tile ratio x*y = R*z
-    r = spec.kh * spec.kw / (sh * sw)
-    seconds = seconds * (1 + 0.01 * np.abs(np.log(b["n"] * b["oh"] * b["ow"] / (r * b["g"] * b["k"]))))
-    keep = np.flatnonzero(ok)
-    order = keep[np.argsort(seconds[keep], kind="stable")][:KEEP]
-    cols = [v["tn"], v["rn"], v["tg"], v["rg"], v["tk"], v["rk"], v["toh"], v["roh"], v["tow"],
-            v["row"], cc, split]
-    return [(float(seconds[i]), tuple(int(c[i]) for c in cols)) for i in order]
+    full, rem = per_sm // bps, per_sm % bps
+    cycles = full * block_cycles(bps) + np.where(rem > 0, block_cycles(np.maximum(rem, 1)), 0)
+    hz = (target.freq_ghz or 1.5) * 1e9
+    dram = (spec.input_bytes + spec.weight_bytes + spec.output_bytes) / DRAM_BYTES_PER_S
+    l2 = blocks * (in_elems + w_stage) * stages * 4 / L2_BYTES_PER_S
+    seconds = np.maximum.reduce([cycles / hz, np.full(cycles.shape, dram), l2]) + LAUNCH_SECONDS
+    return seconds, ok
+
+
+@lru_cache(maxsize=256)
+def _ranked(spec: ConvSpec, target: Target, layout: str) -> list[tuple[float, tuple[int, ...]]]:
+    """The structured candidates with their predicted seconds, best first, as raw tuples (RAW
+    order). Vectorised over the spatial choices; one pass per (stage channels, split, buffers)."""
+    opts = _options(spec)
+    grids = np.meshgrid(*[np.arange(len(opts[a])) for a in AXES], indexing="ij")
+    base: dict[str, np.ndarray] = {}
+    for i, a in enumerate(AXES):
+        o = np.array(opts[a], dtype=np.int64)
+        base["t" + a], base["r" + a] = o[grids[i].ravel(), 0], o[grids[i].ravel(), 1]
+    nts = base["tn"] * base["tg"] * base["tk"] * base["toh"] * base["tow"]
+    acc = base["rn"] * base["rg"] * base["rk"] * base["roh"] * base["row"]
+    tb = nts * acc
+    x, y, z = maco_tile(spec, target)
+    pre = (acc <= 64) & (nts <= 1024) & (tb >= 64) & (tb <= x * y * z)  # the MACO tile caps the block
+    base = {k: a[pre] for k, a in base.items()}
+    r = spec.kh * spec.kw / (spec.stride[0] * spec.stride[1])
+    ratio = np.abs(np.log(base["tn"] * base["rn"] * base["toh"] * base["roh"] * base["tow"] * base["row"]
+                          / (r * base["tg"] * base["rg"] * base["tk"] * base["rk"])))
+    found: list[tuple[np.ndarray, np.ndarray]] = []
+    for cc in _stage_channels(spec.c_per_group):
+        for split in (1, 2, 4, 8, 16):
+            if cc % split:
+                continue
+            for buf in (2, 3):
+                v = dict(base, cc=np.full_like(base["tn"], cc), split=np.full_like(base["tn"], split),
+                         buf=np.full_like(base["tn"], buf))
+                sec, ok = predict(spec, target, layout, v)
+                sec = sec * (1 + 0.01 * ratio)  # tie-break toward the MACO ratio x*y = R*z
+                keep = np.flatnonzero(ok)
+                keep = keep[np.argsort(sec[keep], kind="stable")[:KEEP]]
+                found.append((sec[keep], np.stack([v[k][keep] for k in RAW], axis=1)))
+    if not found:
+        return []
+    secs = np.concatenate([f[0] for f in found])
+    raws = np.concatenate([f[1] for f in found])
+    order = np.argsort(secs, kind="stable")[:KEEP]
+    return [(float(secs[i]), tuple(int(c) for c in raws[i])) for i in order]
 
 
 def _schedule(spec: ConvSpec, layout: str, raw: tuple[int, ...]) -> Schedule:
-    tn, rn, tg, rg, tk, rk, th, rh, tw, rw, cc, split = raw
+    tn, rn, tg, rg, tk, rk, th, rh, tw, rw, cc, split, buf = raw
     e = dict(n=spec.n, g=spec.groups, k=spec.k_per_group, oh=spec.out_h, ow=spec.out_w)
 
     def sp(axis: str, t: int, r: int) -> tuple[int, ...]:
@@ -152,7 +193,7 @@ def _schedule(spec: ConvSpec, layout: str, raw: tuple[int, ...]) -> Schedule:
                              sp("ow", tw, rw)),
                     reduction=((spec.c_per_group // cc, cc, 1), (1, 1, spec.kh), (1, 1, spec.kw)),
                     unroll=64, layout=layout, weight_packing="blocked",
-                    extra=(("split_c", split),) if split > 1 else ())
+                    extra=((("split_c", split),) if split > 1 else ()) + ((("buffers", buf),) if buf != 2 else ()))
 
 
 def predicted_seconds(spec: ConvSpec, schedule: Schedule, target: Target | None = None) -> float | None:
@@ -171,7 +212,7 @@ def candidates(spec: ConvSpec, target: Target | None = None, layout: str = "NCHW
     out: list[Schedule] = []
     seen: set[tuple[int, ...]] = set()
     for _, raw in _ranked(spec, target, layout):
-        shape = raw[:10:2] + raw[1:10:2]  # threads and register tile; stage depth may repeat
+        shape = raw[:10]  # threads and register tile; stage depth and buffers may repeat
         if shape in seen:
             continue
         seen.add(shape)

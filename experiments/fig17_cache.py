@@ -1,0 +1,186 @@
+"""Figure 17: L1 hit rate (Nsight Compute) of MACO's default CUDA kernels and cuDNN's on a few
+conv layers, with the counters that explain the times (L2 hit rate, SM throughput, issue
+activity, occupancy, warp stall reasons). Writes fig17_cache_<gpu>.csv / .png and the raw ncu
+CSV under --out.
+
+    python experiments/fig17_cache.py --out results        # runs itself under ncu
+
+The worker warms every contender up first (cuDNN autotuning, compilation), then profiles one
+launch of each between cudaProfilerStart/Stop; a marker kernel before each contender maps ncu's
+kernel list back to (layer, contender), whatever number of kernels cuDNN launches.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+LAYERS = ["n1_c64_h56_w56_k64_r3x3_p1", "n1_c128_h28_w28_k128_r3x3_p1", "n1_c256_h14_w14_k256_r3x3_p1",
+          "n1_c512_h7_w7_k512_r3x3_p1", "n1_c256_h13_w13_k256_r3x3_p1", "n1_c3_h224_w224_k64_r3x3_p1",
+          "n8_c256_h28_w28_k512_r3x3_p1"]
+METRICS = ["gpu__time_duration.sum", "l1tex__t_sector_hit_rate.pct", "lts__t_sector_hit_rate.pct",
+           "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+           "sm__warps_active.avg.pct_of_peak_sustained_active",
+           "smsp__issue_active.avg.pct_of_peak_sustained_active",
+           "regex:sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+           "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio",
+           "launch__registers_per_thread", "launch__grid_size", "launch__block_size"]
+
+
+def worker(layers: list[str], layout: str) -> None:
+    import cupy
+    import torch
+
+    from maco import ConvSpec
+    from maco.gpu_measure import CudnnConv
+    from maco.kernels.cuda import compile_cuda
+
+    marker = cupy.RawKernel('extern "C" __global__ void maco_marker(int i) { }', "maco_marker")
+    runs = []
+    for text in layers:
+        spec = ConvSpec.parse(text)
+        x = torch.randn(spec.input_shape, device="cuda")
+        w = torch.randn(spec.weight_shape, device="cuda")
+        fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+        conv = compile_cuda(spec, layout=layout).bind(w)
+        maco = conv.prepare(x.contiguous(memory_format=fmt))
+        cudnn = CudnnConv(spec, layout, True).prepare(x, w)
+        for _ in range(5):
+            maco()
+            cudnn()
+        runs += [(text, "maco", maco), (text, "cudnn", cudnn)]
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for i, (_, _, fn) in enumerate(runs):
+        marker((1,), (1,), (cupy.int32(i),))
+        fn()
+    marker((1,), (1,), (cupy.int32(len(runs)),))
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("RUNS", ";".join(f"{t},{c}" for t, c, _ in runs))
+
+
+def parse_raw(path: Path) -> list[dict[str, str]]:
+    """ncu's raw page: a header of metric names, a row of units, then one row per kernel."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+    header = rows[start]
+    return [dict(zip(header, r)) for r in rows[start + 2:] if len(r) == len(header)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--layers", default=",".join(LAYERS))
+    ap.add_argument("--layout", default="NCHW")
+    ap.add_argument("--worker", action="store_true")
+    args = ap.parse_args(argv)
+    layers = args.layers.split(",")
+    if args.worker:
+        worker(layers, args.layout)
+        return 0
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        print("ncu (Nsight Compute) not found: fig17 needs it", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    tag = re.sub(r"[^a-z0-9]", "", torch.cuda.get_device_name(0).lower().split("nvidia")[-1])[:8] or "gpu"
+    rep = out / "fig17_ncu"
+    cmd = [ncu, "--profile-from-start", "off", "--force-overwrite", "--export", str(rep)]
+    for m in METRICS:
+        cmd += ["--metrics", m]
+    cmd += [sys.executable, __file__, "--worker", "--layers", args.layers, "--layout", args.layout]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    runs_line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RUNS ")]
+    if proc.returncode or not runs_line:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    runs = [tuple(item.split(",")) for item in runs_line[0][5:].split(";")]
+    raw = out / f"fig17_ncu_raw_{tag}.csv"
+    with open(raw, "w") as f:
+        subprocess.run([ncu, "--import", f"{rep}.ncu-rep", "--csv", "--page", "raw"], stdout=f, check=True)
+    kernels = parse_raw(raw)
+    # assign kernels to contenders: everything after marker i and before marker i+1
+    groups: dict[int, list[dict[str, str]]] = {}
+    current = -1
+    for k in kernels:
+        if "maco_marker" in k.get("Kernel Name", ""):
+            current += 1
+            continue
+        if 0 <= current < len(runs):
+            groups.setdefault(current, []).append(k)
+    rows = []
+    for i, (layer, who) in enumerate(runs):
+        ks = groups.get(i, [])
+        dur = [float(k.get("gpu__time_duration.sum", "0").replace(",", "") or 0) for k in ks]
+        total = sum(dur) or 1.0
+
+        def wavg(metric: str) -> float:
+            vals = [(float(k[metric].replace(",", "")), d) for k, d in zip(ks, dur)
+                    if k.get(metric, "").replace(",", "").replace(".", "", 1).isdigit()]
+            return sum(v * d for v, d in vals) / sum(d for _, d in vals) if vals else float("nan")
+
+        row = {"layer": layer, "layout": args.layout, "impl": who, "kernels": len(ks),
+               "names": "|".join(k.get("Kernel Name", "")[:60] for k in ks), "duration_ns": total}
+        for k in ks[:1]:
+            for metric in k:
+                if metric.startswith(("l1tex__", "lts__", "sm__", "smsp__", "launch__")):
+                    row[metric] = wavg(metric)
+        rows.append(row)
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k))
+    path = out / f"fig17_cache_{tag}.csv"
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+    print(f"{'layer':32s} {'impl':6s} {'us':>7s} {'L1 hit%':>8s} {'L2 hit%':>8s} {'SM%':>6s} {'issue%':>7s} {'fma%':>6s}")
+    for r in rows:
+        print(f"{r['layer']:32s} {r['impl']:6s} {r['duration_ns'] / 1e3:7.1f} "
+              f"{r.get('l1tex__t_sector_hit_rate.pct', float('nan')):8.1f} "
+              f"{r.get('lts__t_sector_hit_rate.pct', float('nan')):8.1f} "
+              f"{r.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', float('nan')):6.1f} "
+              f"{r.get('smsp__issue_active.avg.pct_of_peak_sustained_active', float('nan')):7.1f} "
+              f"{r.get('sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active', float('nan')):6.1f}")
+    stalls = sorted(k for k in keys if "issue_stalled" in k)
+    for r in rows:
+        if r["impl"] == "maco":
+            top = sorted(((r.get(s, 0) or 0, s) for s in stalls), reverse=True)[:4]
+            print(f"  stalls {r['layer']}: " + ", ".join(
+                f"{s.split('stalled_')[1].split('_per')[0]}={v:.2f}" for v, s in top))
+    plot(rows, out / f"fig17_cache_{tag}.png", tag)
+    return 0
+
+
+def plot(rows: list[dict], path: Path, tag: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(layers)), 3.8))
+    for j, impl in enumerate(("maco", "cudnn")):
+        vals = [next((r.get("l1tex__t_sector_hit_rate.pct", float("nan")) for r in rows
+                      if r["layer"] == lay and r["impl"] == impl), float("nan")) for lay in layers]
+        ax.bar([i + 0.4 * j for i in range(len(layers))], vals, width=0.4,
+               label="MACO default" if impl == "maco" else "cuDNN best")
+    ax.set_xticks([i + 0.2 for i in range(len(layers))])
+    ax.set_xticklabels([lay.replace("_", "\n", 2) for lay in layers], fontsize=7)
+    ax.set_ylabel("L1 hit rate (%)")
+    ax.set_title(f"L1 hit rate, strict fp32 ({tag})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
