@@ -22,7 +22,8 @@ from pathlib import Path
 
 LAYERS = ["n1_c64_h56_w56_k64_r3x3_p1", "n1_c128_h28_w28_k128_r3x3_p1", "n1_c256_h14_w14_k256_r3x3_p1",
           "n1_c512_h7_w7_k512_r3x3_p1", "n1_c256_h13_w13_k256_r3x3_p1", "n1_c3_h224_w224_k64_r3x3_p1",
-          "n8_c256_h28_w28_k512_r3x3_p1"]
+          "n8_c256_h28_w28_k512_r3x3_p1", "n1_c64_h56_w56_k64_r3x3_p1@NHWC", "n8_c3_h224_w224_k64_r3x3_p1@NHWC",
+          "n8_c3_h224_w224_k64_r3x3_p1"]  # spec[@layout], NCHW when no layout is given
 METRICS = ["gpu__time_duration.sum", "l1tex__t_sector_hit_rate.pct", "lts__t_sector_hit_rate.pct",
            "sm__throughput.avg.pct_of_peak_sustained_elapsed",
            "sm__warps_active.avg.pct_of_peak_sustained_active",
@@ -32,7 +33,7 @@ METRICS = ["gpu__time_duration.sum", "l1tex__t_sector_hit_rate.pct", "lts__t_sec
            "launch__registers_per_thread", "launch__grid_size", "launch__block_size"]
 
 
-def worker(layers: list[str], layout: str) -> None:
+def worker(layers: list[str]) -> None:
     import cupy
     import torch
 
@@ -42,7 +43,9 @@ def worker(layers: list[str], layout: str) -> None:
 
     marker = cupy.RawKernel('extern "C" __global__ void maco_marker(int i) { }', "maco_marker")
     runs = []
-    for text in layers:
+    for item in layers:
+        text, _, layout = item.partition("@")
+        layout = layout or "NCHW"
         spec = ConvSpec.parse(text)
         x = torch.randn(spec.input_shape, device="cuda")
         w = torch.randn(spec.weight_shape, device="cuda")
@@ -53,7 +56,7 @@ def worker(layers: list[str], layout: str) -> None:
         for _ in range(5):
             maco()
             cudnn()
-        runs += [(text, "maco", maco), (text, "cudnn", cudnn)]
+        runs += [(item, "maco", maco), (item, "cudnn", cudnn)]
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     for i, (_, _, fn) in enumerate(runs):
@@ -70,20 +73,29 @@ def parse_raw(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
-    header = rows[start]
-    return [dict(zip(header, r)) for r in rows[start + 2:] if len(r) == len(header)]
+    header, units = rows[start], rows[start + 1]
+    scale = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
+    out = []
+    for r in rows[start + 2:]:
+        if len(r) != len(header):
+            continue
+        d = dict(zip(header, r))
+        for name, unit in zip(header, units):  # durations in ns whatever unit ncu chose
+            if name.startswith("gpu__time_duration") and unit in scale and d[name]:
+                d[name] = str(float(d[name].replace(",", "")) * scale[unit])
+        out.append(d)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results")
     ap.add_argument("--layers", default=",".join(LAYERS))
-    ap.add_argument("--layout", default="NCHW")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args(argv)
     layers = args.layers.split(",")
     if args.worker:
-        worker(layers, args.layout)
+        worker(layers)
         return 0
     ncu = shutil.which("ncu")
     if ncu is None:
@@ -96,16 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     tag = re.sub(r"[^a-z0-9]", "", torch.cuda.get_device_name(0).lower().split("nvidia")[-1])[:8] or "gpu"
     rep = out / "fig17_ncu"
     cmd = [ncu, "--profile-from-start", "off", "--force-overwrite", "--export", str(rep)]
-    for m in METRICS:
-        cmd += ["--metrics", m]
-    cmd += [sys.executable, __file__, "--worker", "--layers", args.layers, "--layout", args.layout]
+    cmd += ["--metrics", ",".join(METRICS)]
+    cmd += [sys.executable, __file__, "--worker", "--layers", args.layers]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     runs_line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RUNS ")]
     if proc.returncode or not runs_line:
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
         return 1
     runs = [tuple(item.split(",")) for item in runs_line[0][5:].split(";")]
-    raw = out / f"fig17_ncu_raw_{tag}.csv"
+    raw = Path(f"{rep}_raw.csv")
     with open(raw, "w") as f:
         subprocess.run([ncu, "--import", f"{rep}.ncu-rep", "--csv", "--page", "raw"], stdout=f, check=True)
     kernels = parse_raw(raw)
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if 0 <= current < len(runs):
             groups.setdefault(current, []).append(k)
-    rows = []
+    rows: list[dict] = []
     for i, (layer, who) in enumerate(runs):
         ks = groups.get(i, [])
         dur = [float(k.get("gpu__time_duration.sum", "0").replace(",", "") or 0) for k in ks]
@@ -129,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     if k.get(metric, "").replace(",", "").replace(".", "", 1).isdigit()]
             return sum(v * d for v, d in vals) / sum(d for _, d in vals) if vals else float("nan")
 
-        row = {"layer": layer, "layout": args.layout, "impl": who, "kernels": len(ks),
+        row = {"layer": layer.split("@")[0], "layout": (layer.split("@") + ["NCHW"])[1], "impl": who, "kernels": len(ks),
                "names": "|".join(k.get("Kernel Name", "")[:60] for k in ks), "duration_ns": total}
         for k in ks[:1]:
             for metric in k:
@@ -142,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         wr = csv.DictWriter(f, fieldnames=keys)
         wr.writeheader()
         wr.writerows(rows)
-    print(f"{'layer':32s} {'impl':6s} {'us':>7s} {'L1 hit%':>8s} {'L2 hit%':>8s} {'SM%':>6s} {'issue%':>7s} {'fma%':>6s}")
+    print(f"{'layer':37s} {'impl':6s} {'us':>7s} {'L1 hit%':>8s} {'L2 hit%':>8s} {'SM%':>6s} {'issue%':>7s} {'fma%':>6s}")
     for r in rows:
-        print(f"{r['layer']:32s} {r['impl']:6s} {r['duration_ns'] / 1e3:7.1f} "
+        print(f"{r['layer'] + ' ' + r['layout']:37s} {r['impl']:6s} {r['duration_ns'] / 1e3:7.1f} "
               f"{r.get('l1tex__t_sector_hit_rate.pct', float('nan')):8.1f} "
               f"{r.get('lts__t_sector_hit_rate.pct', float('nan')):8.1f} "
               f"{r.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', float('nan')):6.1f} "
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["impl"] == "maco":
             top = sorted(((r.get(s, 0) or 0, s) for s in stalls), reverse=True)[:4]
-            print(f"  stalls {r['layer']}: " + ", ".join(
+            print(f"  stalls {r['layer']} {r['layout']}: " + ", ".join(
                 f"{s.split('stalled_')[1].split('_per')[0]}={v:.2f}" for v, s in top))
     plot(rows, out / f"fig17_cache_{tag}.png", tag)
     return 0
@@ -166,15 +177,16 @@ def plot(rows: list[dict], path: Path, tag: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    layers = list(dict.fromkeys(f"{r['layer']}@{r['layout']}" for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(layers)), 3.8))
     for j, impl in enumerate(("maco", "cudnn")):
         vals = [next((r.get("l1tex__t_sector_hit_rate.pct", float("nan")) for r in rows
-                      if r["layer"] == lay and r["impl"] == impl), float("nan")) for lay in layers]
+                      if f"{r['layer']}@{r['layout']}" == lay and r["impl"] == impl), float("nan"))
+                for lay in layers]
         ax.bar([i + 0.4 * j for i in range(len(layers))], vals, width=0.4,
                label="MACO default" if impl == "maco" else "cuDNN best")
     ax.set_xticks([i + 0.2 for i in range(len(layers))])
-    ax.set_xticklabels([lay.replace("_", "\n", 2) for lay in layers], fontsize=7)
+    ax.set_xticklabels([lay.replace("_", "\n", 2).replace("@", "\n") for lay in layers], fontsize=7)
     ax.set_ylabel("L1 hit rate (%)")
     ax.set_title(f"L1 hit rate, strict fp32 ({tag})")
     ax.legend()

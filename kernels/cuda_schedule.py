@@ -31,6 +31,7 @@ MAX_THREADS_SM, MAX_BLOCKS_SM, REGS_SM = 2048, 32, 65536
 DRAM_BYTES_PER_S = 3.0e12
 L2_BYTES_PER_S = 5.5e12
 LAUNCH_SECONDS = 2e-6
+PARTIAL_WRITE = 7  # cost factor of output sectors written in halves (see predict)
 KEEP = 4000  # ranked candidates kept per layer
 AXES = ("n", "g", "k", "oh", "ow")
 
@@ -118,12 +119,21 @@ def predict(spec: ConvSpec, target: Target, layout: str, v: dict[str, np.ndarray
                                  REGS_SM // (warps * 32 * regs)])
     ok &= bps >= 1
     bps = np.maximum(bps, 1)
-    # stores: per-thread runs along the layout's innermost axis make a warp touch `run` x more sectors
-    inner_run = v["rk"] if layout == "NHWC" else v["row"]
+    # stores: lanes next to each other run along the layout's innermost axis (ow for NCHW, k for
+    # NHWC). A 32-byte sector that one warp instruction only half writes costs a read-modify-write
+    # in DRAM (ECC granule): measured ~7x slower on an H100, so such shapes are all but excluded.
+    t_in = v["tk"] if layout == "NHWC" else v["tow"]
+    r_in = v["rk"] if layout == "NHWC" else v["row"]
     inner_ext = spec.k if layout == "NHWC" else spec.out_w
-    vec = (split == 1) & (inner_run % 4 == 0) & (inner_ext % 4 == 0)
-    ineff = np.where((split > 1) | vec, 1, np.minimum(inner_run, 8))
+    vec = np.where((split == 1) & (r_in % 4 == 0) & (inner_ext % 4 == 0), 4, 1)
+    lanes = np.minimum(t_in, 32)
+    contiguous = (split > 1) | (r_in == vec) | (r_in == 1)
+    span = np.where(split > 1, 128, np.where(contiguous, lanes * vec * 4, vec * 4))  # bytes per run
+    partial = span < 32
+    sectors = np.where(contiguous, (32 // np.where(split > 1, 32, lanes)) * -(-span // 32), 32)
+    ineff = sectors / (4 * np.where(split > 1, 1, vec)) * np.where(partial, PARTIAL_WRITE, 1)
     store = tb / 32 * ineff * 2 + np.where(split > 1, tb * split / 32 * 2, 0)
+    out_bytes = spec.output_bytes * np.where(partial, PARTIAL_WRITE, 1)
 
     def block_cycles(m: np.ndarray) -> np.ndarray:
         stage_c = np.maximum.reduce([m * warps * instr / ISSUE_PER_CLK, instr / WARP_IPC,
@@ -135,9 +145,9 @@ def predict(spec: ConvSpec, target: Target, layout: str, v: dict[str, np.ndarray
     full, rem = per_sm // bps, per_sm % bps
     cycles = full * block_cycles(bps) + np.where(rem > 0, block_cycles(np.maximum(rem, 1)), 0)
     hz = (target.freq_ghz or 1.5) * 1e9
-    dram = (spec.input_bytes + spec.weight_bytes + spec.output_bytes) / DRAM_BYTES_PER_S
+    dram = (spec.input_bytes + spec.weight_bytes + out_bytes) / DRAM_BYTES_PER_S
     l2 = blocks * (in_elems + w_stage) * stages * 4 / L2_BYTES_PER_S
-    seconds = np.maximum.reduce([cycles / hz, np.full(cycles.shape, dram), l2]) + LAUNCH_SECONDS
+    seconds = np.maximum.reduce([cycles / hz, dram, l2]) + LAUNCH_SECONDS
     return seconds, ok
 
 
