@@ -74,13 +74,14 @@ def parse_raw(path: Path) -> list[dict[str, str]]:
         rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
     header, units = rows[start], rows[start + 1]
-    scale = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+             "second": 1e6, "s": 1e6}
     out = []
     for r in rows[start + 2:]:
         if len(r) != len(header):
             continue
         d = dict(zip(header, r))
-        for name, unit in zip(header, units):  # durations in ns whatever unit ncu chose
+        for name, unit in zip(header, units):  # durations in us whatever unit ncu chose
             if name.startswith("gpu__time_duration") and unit in scale and d[name]:
                 d[name] = str(float(d[name].replace(",", "")) * scale[unit])
         out.append(d)
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    tag = re.sub(r"[^a-z0-9]", "", torch.cuda.get_device_name(0).lower().split("nvidia")[-1])[:8] or "gpu"
+    name = torch.cuda.get_device_name(0)
+    m = re.search(r"(H100|H200|A100|L40S?|B200|V100)", name, re.I)
+    tag = (m.group(1) if m else re.sub(r"[^a-z0-9]", "", name.lower())[:12] or "gpu").lower()
     rep = out / "fig17_ncu"
     cmd = [ncu, "--profile-from-start", "off", "--force-overwrite", "--export", str(rep)]
     cmd += ["--metrics", ",".join(METRICS)]
@@ -140,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     if k.get(metric, "").replace(",", "").replace(".", "", 1).isdigit()]
             return sum(v * d for v, d in vals) / sum(d for _, d in vals) if vals else float("nan")
 
-        row = {"layer": layer.split("@")[0], "layout": (layer.split("@") + ["NCHW"])[1], "impl": who, "kernels": len(ks),
-               "names": "|".join(k.get("Kernel Name", "")[:60] for k in ks), "duration_ns": total}
+        row = {"layer": layer.split("@")[0], "layout": (layer.split("@") + ["NCHW"])[1], "impl": who,
+               "kernels": len(ks), "names": "|".join(k.get("Kernel Name", "")[:60] for k in ks),
+               "duration_us": total}
         for k in ks[:1]:
             for metric in k:
                 if metric.startswith(("l1tex__", "lts__", "sm__", "smsp__", "launch__")):
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         wr.writerows(rows)
     print(f"{'layer':37s} {'impl':6s} {'us':>7s} {'L1 hit%':>8s} {'L2 hit%':>8s} {'SM%':>6s} {'issue%':>7s} {'fma%':>6s}")
     for r in rows:
-        print(f"{r['layer'] + ' ' + r['layout']:37s} {r['impl']:6s} {r['duration_ns'] / 1e3:7.1f} "
+        print(f"{r['layer'] + ' ' + r['layout']:37s} {r['impl']:6s} {r['duration_us']:7.1f} "
               f"{r.get('l1tex__t_sector_hit_rate.pct', float('nan')):8.1f} "
               f"{r.get('lts__t_sector_hit_rate.pct', float('nan')):8.1f} "
               f"{r.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', float('nan')):6.1f} "
@@ -188,7 +192,7 @@ def plot(rows: list[dict], path: Path, tag: str) -> None:
     ax.set_xticks([i + 0.2 for i in range(len(layers))])
     ax.set_xticklabels([lay.replace("_", "\n", 2).replace("@", "\n") for lay in layers], fontsize=7)
     ax.set_ylabel("L1 hit rate (%)")
-    ax.set_title(f"L1 hit rate, strict fp32 ({tag})")
+    ax.set_title(f"L1 hit rate, strict fp32 ({tag}; ncu locks clocks to base)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
