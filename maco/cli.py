@@ -8,7 +8,7 @@ import sys
 
 from maco.errors import MacoError
 
-COMMANDS = ["layers"]
+COMMANDS = ["layers", "collect"]
 
 
 def build_parser() -> argparse.ArgumentParser:

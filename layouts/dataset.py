@@ -1,0 +1,307 @@
+"""The latency data set behind the layout predictor: random conv configurations plus every layer
+of the built-in networks, each timed in each layout, one CSV row per (spec, layout, device).
+
+The file only ever grows: each row is appended with one O_APPEND write and fsync, so a crash
+leaves whole rows and a rerun skips every (spec, layout, device) already present. The
+environment that produced a row is kept once in a sidecar JSON (`<file>.env.json`), keyed by
+the `env_id` column. A corrupt line is reported (warning and `bad_lines`) and skipped.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from maco.errors import MacoError
+from maco.spec import ConvSpec
+from maco.timing import Timing, environment
+
+from maco.layouts.latency import LAYOUTS, check_device, check_layout, measure_layouts, write_atomic
+
+SPEC_COLUMNS = ["n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h", "pad_w",
+                "dil_h", "dil_w", "groups"]
+COLUMNS = ["spec", "layout", "device", "source", *SPEC_COLUMNS, "seconds", "min", "max", "stdev",
+           "repeats", "number", "gflops", "env_id", "time"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One conv in one layout on one device, and how long torch took."""
+
+    spec: ConvSpec
+    layout: str
+    device: str
+    source: str  # "random" or "<network>:<layer name>"
+    timing: Timing
+    env_id: str = ""
+    time: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (str(self.spec), self.layout, self.device)
+
+    @property
+    def seconds(self) -> float:
+        return self.timing.median
+
+    def fields(self) -> list[Any]:
+        s, t = self.spec, self.timing
+        return [str(s), self.layout, self.device, self.source, s.n, s.c, s.h, s.w, s.k, s.kh, s.kw,
+                *s.stride, *s.padding, *s.dilation, s.groups, repr(t.median), repr(t.min),
+                repr(t.max), repr(t.stdev), t.repeats, t.number,
+                f"{s.flops / t.median / 1e9:.4f}" if t.median > 0 else "0", self.env_id,
+                f"{self.time:.3f}"]
+
+    @classmethod
+    def from_fields(cls, values: Sequence[str]) -> "Row":
+        if len(values) != len(COLUMNS):
+            raise ValueError(f"{len(values)} fields, expected {len(COLUMNS)}")
+        d = dict(zip(COLUMNS, values))
+        i = {name: int(d[name]) for name in SPEC_COLUMNS + ["repeats", "number"]}
+        spec = ConvSpec(i["n"], i["c"], i["h"], i["w"], i["k"], i["kh"], i["kw"],
+                        (i["stride_h"], i["stride_w"]), (i["pad_h"], i["pad_w"]),
+                        (i["dil_h"], i["dil_w"]), i["groups"])
+        if str(spec) != d["spec"]:
+            raise ValueError(f"spec column {d['spec']!r} disagrees with the shape columns ({spec})")
+        timing = Timing(float(d["seconds"]), float(d["min"]), float(d["max"]), float(d["stdev"]),
+                        i["repeats"], i["number"])
+        if not (math.isfinite(timing.median) and timing.median > 0):
+            raise ValueError(f"seconds={d['seconds']!r} is not a positive time")
+        return cls(spec, check_layout(d["layout"]), d["device"], d["source"], timing, d["env_id"],
+                   float(d["time"]))
+
+
+def _csv_line(values: Sequence[Any]) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(values)
+    return buf.getvalue()
+
+
+class Dataset:
+    """A data set file: read it (skipping and reporting corrupt lines) and append rows to it."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.env_path = self.path.with_name(self.path.name + ".env.json")
+        self.bad_lines: list[tuple[int, str]] = []  # (line number, reason) found by the last load
+
+    def load(self) -> list[Row]:
+        """Every good row; corrupt lines go to `bad_lines` with a warning."""
+        self.bad_lines = []
+        if not self.path.exists():
+            return []
+        try:
+            text = self.path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MacoError(f"cannot read data set {str(self.path)!r}: {exc}") from None
+        lines = text.splitlines()
+        if not lines:
+            return []
+        header = next(csv.reader([lines[0]]), [])
+        if header != COLUMNS:
+            raise MacoError(f"{str(self.path)!r} is not a MACO latency data set "
+                            f"(header {','.join(header)[:80]!r}, expected {','.join(COLUMNS[:5])},...)")
+        rows = []
+        for number, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            try:
+                rows.append(Row.from_fields(next(csv.reader([line]))))
+            except (ValueError, MacoError, StopIteration, csv.Error) as exc:
+                self.bad_lines.append((number, str(exc)))
+        if self.bad_lines:
+            first = self.bad_lines[0]
+            warnings.warn(f"{self.path}: skipped {len(self.bad_lines)} corrupt line(s), "
+                          f"first at line {first[0]}: {first[1]}", stacklevel=2)
+        return rows
+
+    def append(self, rows: Iterable[Row]) -> None:
+        """Append whole rows in one write (header first if the file is new)."""
+        data = "".join(_csv_line(r.fields()) for r in rows)
+        if not data:
+            return
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            write_atomic(self.path, _csv_line(COLUMNS).encode())
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            if _ends_without_newline(self.path):  # a torn last line stays a line of its own
+                data = "\n" + data
+            os.write(fd, data.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def environments(self) -> dict[str, dict[str, Any]]:
+        if not self.env_path.exists():
+            return {}
+        try:
+            return json.loads(self.env_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MacoError(f"cannot read environment file {str(self.env_path)!r}: {exc}") from None
+
+    def record_environment(self, env: dict[str, Any]) -> str:
+        """The id of `env`, added to the sidecar JSON if new."""
+        env_id = hashlib.sha1(json.dumps(env, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        envs = self.environments()
+        if env_id not in envs:
+            envs[env_id] = env
+            write_atomic(self.env_path, json.dumps(envs, indent=1, sort_keys=True, default=str).encode())
+        return env_id
+
+
+def _ends_without_newline(path: Path) -> bool:
+    size = path.stat().st_size
+    if size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) != b"\n"
+
+
+def load_rows(path: str | os.PathLike[str]) -> list[Row]:
+    """The good rows of a data set file (a MacoError if it does not exist)."""
+    ds = Dataset(path)
+    if not ds.path.exists():
+        raise MacoError(f"data set {str(path)!r} does not exist; create it with `maco collect`")
+    return ds.load()
+
+
+# -- what to measure ------------------------------------------------------------------------------
+_COMMON_CHANNELS = [8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 576, 768, 960,
+                    1024, 2048]
+_COMMON_SIZES = [7, 13, 14, 27, 28, 55, 56, 112, 224]
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def _channels(rng: random.Random) -> int:
+    return rng.choice(_COMMON_CHANNELS) if rng.random() < 0.65 else _log_uniform(rng, 4, 1024)
+
+
+def _size(rng: random.Random) -> int:
+    return rng.choice(_COMMON_SIZES) if rng.random() < 0.65 else _log_uniform(rng, 4, 230)
+
+
+def random_spec(rng: random.Random, *, max_flops: float = 2e9, max_bytes: int = 64 << 20,
+                batches: Sequence[int] = (1, 2, 4, 8),
+                batch_weights: Sequence[float] = (0.8, 0.08, 0.07, 0.05)) -> ConvSpec:
+    """One conv drawn from shapes CNNs use: common channel counts and feature-map sizes mixed
+    with log-uniform ones, kernels 1..11 (a few rectangular), strides 1/2/4, 'same' or zero
+    padding, some dilation, grouped and depthwise convs; at most `max_flops` flops and
+    `max_bytes` of input plus output, so that no configuration takes long to time."""
+    while True:
+        n = rng.choices(list(batches), list(batch_weights))[0]
+        kernel = rng.choices([1, 3, 5, 7, 11], [0.35, 0.45, 0.1, 0.07, 0.03])[0]
+        kh = kw = kernel
+        if rng.random() < 0.05:
+            kh, kw = rng.choice([(1, 3), (3, 1), (1, 7), (7, 1)])
+        h = _size(rng)
+        w = h if rng.random() < 0.85 else _size(rng)
+        c = 3 if rng.random() < 0.06 else _channels(rng)
+        k = _channels(rng)
+        r = rng.random()
+        groups = 1
+        if r < 0.12 and c > 1:  # depthwise, sometimes with a channel multiplier
+            groups, k = c, c * rng.choice([1, 1, 1, 2])
+            kh = kw = rng.choice([3, 3, 5, 7])
+        elif r < 0.2:
+            options = [g for g in (2, 4, 8, 16, 32) if c % g == 0 and g < c]
+            if options:
+                groups = rng.choice(options)
+                k = max(groups, k // groups * groups)
+        big = max(kh, kw) >= 7
+        stride = rng.choices([1, 2, 4], [0.72, 0.25, 0.03 if big else 0.0])[0]
+        dilation = 2 if kh == kw == 3 and rng.random() < 0.08 else 1
+        pad_kind = rng.choices(["same", "zero", "other"], [0.7, 0.25, 0.05])[0]
+        if pad_kind == "same":
+            padding = (dilation * (kh - 1) // 2, dilation * (kw - 1) // 2)
+        elif pad_kind == "zero":
+            padding = (0, 0)
+        else:
+            p = rng.randint(0, max(kh, kw) // 2 + 1)
+            padding = (p, p)
+        try:
+            spec = ConvSpec(n, c, h, w, k, kh, kw, stride, padding, dilation, groups)
+        except MacoError:
+            continue
+        if spec.flops <= max_flops and spec.input_bytes + spec.output_bytes <= max_bytes:
+            return spec
+
+
+def random_specs(count: int, seed: int = 0, **kwargs: Any) -> list[ConvSpec]:
+    """`count` random specs; the first m of count > m equal the m of a shorter call (same seed),
+    so a larger --random extends a data set instead of replacing it."""
+    if count < 0:
+        raise MacoError(f"the number of random configurations must be >= 0, got {count}")
+    rng = random.Random(seed)
+    return [random_spec(rng, **kwargs) for _ in range(count)]
+
+
+def network_specs(names: Sequence[str], batch: int = 1) -> list[tuple[str, ConvSpec]]:
+    """(source, spec) for every distinct conv layer of the named built-in networks."""
+    from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
+
+    out = []
+    for name in names:
+        if name not in NETWORKS:
+            raise MacoError(f"unknown network {name!r}; choose from {', '.join(NETWORKS)}")
+        out += [(f"{name}:{layers[0]}", spec) for spec, layers in
+                distinct_convs(network_convs(name, batch))]
+    return out
+
+
+@dataclass
+class CollectSummary:
+    measured: int  # specs timed now (all their layouts)
+    skipped: int  # specs whose layouts were all already present
+    rows: int  # rows in the file afterwards
+    bad_lines: int
+    seconds: float
+
+
+def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
+            layouts: Sequence[str] = LAYOUTS, device: str = "cpu", *, rounds: int = 3,
+            repeats: int = 3, min_run_time: float = 1e-3, progress: bool = True) -> CollectSummary:
+    """Time every (source, spec) in every layout (interleaved, see measure_layouts) and append
+    the rows; pairs already in the file are skipped, so an interrupted run resumes."""
+    start = time.perf_counter()
+    layouts = [check_layout(lay) for lay in layouts]
+    dev = str(check_device(device))
+    ds = Dataset(path)
+    have = {row.key for row in ds.load()}
+    env_id = ds.record_environment(environment())
+    todo: list[tuple[str, ConvSpec, list[str]]] = []
+    seen: set[ConvSpec] = set()
+    for source, spec in specs:
+        if spec in seen:
+            continue
+        seen.add(spec)
+        missing = [lay for lay in layouts if (str(spec), lay, dev) not in have]
+        if missing:
+            todo.append((source, spec, missing))
+    skipped = len(seen) - len(todo)
+    from tqdm import tqdm
+
+    for source, spec, missing in tqdm(todo, desc="collect", unit="conv", disable=not progress):
+        timings = measure_layouts(spec, missing, dev, rounds=rounds, repeats=repeats,
+                                  min_run_time=min_run_time)
+        now = time.time()
+        ds.append(Row(spec, lay, dev, source, timings[lay], env_id, now) for lay in missing)
+    rows = ds.load()
+    return CollectSummary(measured=len(todo), skipped=skipped, rows=len(rows),
+                          bad_lines=len(ds.bad_lines), seconds=time.perf_counter() - start)
+
+
+__all__ = ["COLUMNS", "Row", "Dataset", "load_rows", "random_spec", "random_specs",
+           "network_specs", "collect", "CollectSummary"]

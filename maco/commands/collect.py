@@ -1,0 +1,61 @@
+"""`maco collect`: build or extend the latency data set (random convs plus network layers, each
+timed in each layout by the measurement protocol); rerunning resumes where it stopped."""
+from __future__ import annotations
+
+import argparse
+
+from maco.commands.common import print_table
+from maco.errors import MacoError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("collect", help="time random and network convs in each layout into a CSV data set",
+                       description="Time random conv configurations and every distinct conv layer of "
+                       "built-in networks in each layout (torch: oneDNN on CPU, cuDNN on GPU), appending "
+                       "one CSV row per (spec, layout, device). Rows already in the file are skipped, so "
+                       "an interrupted run resumes; the environment goes to <out>.env.json.")
+    p.add_argument("--out", default=None, help="CSV file (default results/dataset_<device>.csv)")
+    p.add_argument("--random", type=int, default=400, metavar="N",
+                   help="random configurations (default 400; the same seed and a larger N extend the set)")
+    p.add_argument("--networks", default="resnet18,alexnet,vgg11",
+                   help="comma-separated built-in networks whose layers to add ('' for none)")
+    p.add_argument("--batch", default="1", help="batch sizes of the network layers, comma-separated (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random configurations (default 0)")
+    p.add_argument("--layouts", default="NCHW,NHWC", help="layouts to time (default NCHW,NHWC)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--max-gflop", type=float, default=2.0,
+                   help="cap on a random configuration's GFLOP, which bounds its timing cost (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per layout (default 3)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise MacoError(f"--{what} must be comma-separated ints, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise MacoError(f"--{what} must list positive ints, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    from maco.layouts.dataset import collect, network_specs, random_specs
+    from maco.layouts.latency import check_device
+
+    device = check_device(args.device).type
+    out = args.out or f"results/dataset_{device}.csv"
+    if args.max_gflop <= 0:
+        raise MacoError(f"--max-gflop must be positive, got {args.max_gflop}")
+    if args.rounds <= 0:
+        raise MacoError(f"--rounds must be positive, got {args.rounds}")
+    networks = [n.strip() for n in args.networks.split(",") if n.strip()]
+    specs = [(src, spec) for b in _ints(args.batch, "batch") for src, spec in network_specs(networks, b)]
+    specs += [("random", s) for s in random_specs(args.random, args.seed, max_flops=args.max_gflop * 1e9)]
+    layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
+    summary = collect(out, specs, layouts, args.device, rounds=args.rounds,
+                      progress=not args.no_progress)
+    print_table(f"maco collect -> {out}", ["measured", "skipped", "rows", "bad lines", "seconds"],
+                [(summary.measured, summary.skipped, summary.rows, summary.bad_lines, summary.seconds)])
+    return 0
