@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
+import numpy as np
+
 from maco.errors import MacoError
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -32,12 +34,49 @@ LAYOUTS = ("NCHW", "NHWC")
 WEIGHT_PACKINGS = ("none", "blocked")  # blocked: [K/v][C][kh][kw][v], v = vector width
 UNROLL_STEPS = (0, 16, 64, 512)
 REGISTER_RESERVE = 4  # vector registers left for input broadcasts and weights
+# GPU limits: threads per block, accumulators per thread (at most half the per-thread registers),
+# dynamic shared memory one block may opt into on sm_80/sm_90 (the CUDA backend's limits).
+GPU_MAX_THREADS = 1024
+GPU_MAX_ACCUMULATORS = 128
+GPU_MAX_SMEM_BYTES = 227 << 10
+GPU_BUFFERS = (2, 3, 4)  # shared-memory stages in flight (2 = double buffering)
 
 
 def axis_extents(spec: ConvSpec) -> dict[str, int]:
     """Loop extents of the sketch's axes for one conv."""
     return {"n": spec.n, "g": spec.groups, "k": spec.k_per_group, "oh": spec.out_h,
             "ow": spec.out_w, "c": spec.c_per_group, "kh": spec.kh, "kw": spec.kw}
+
+
+def gpu_max_accumulators(target: Target) -> int:
+    """Accumulators one GPU thread may hold: half its registers (the rest for operands), <= 128."""
+    return min(GPU_MAX_ACCUMULATORS, target.level("registers").elements // 2)
+
+
+def gpu_max_shared_bytes(target: Target) -> int:
+    return min(GPU_MAX_SMEM_BYTES, target.level("shared").capacity)
+
+
+def _round4(n: Any) -> Any:
+    return -(-n // 4) * 4
+
+
+def gpu_shared_bytes(spec: ConvSpec, block: dict[str, Any], cc: Any, khc: Any, kwc: Any,
+                     layout: str, buffers: int, stage_out: bool, split: int = 1) -> Any:
+    """Shared bytes of one block from its block tile and stage sizes (ints or numpy arrays),
+    mirroring maco.kernels.cuda_codegen.CudaPlan.smem_bytes."""
+    ph = (block["oh"] - 1) * spec.stride[0] + (khc - 1) * spec.dilation[0] + 1
+    pw = (block["ow"] - 1) * spec.stride[1] + (kwc - 1) * spec.dilation[1] + 1
+    plane = ph * pw
+    if layout == "NHWC":
+        plane = plane + (plane % 2 == 0)
+    stage = (_round4(block["n"] * block["g"] * cc * plane)
+             + _round4(block["g"] * cc * khc * kwc * block["k"]))
+    floats = buffers * stage
+    if stage_out:
+        out = split * block["n"] * block["g"] * block["k"] * block["oh"] * block["ow"]
+        floats = np.maximum(floats, out)
+    return 4 * floats
 
 
 @dataclass(frozen=True)
@@ -82,6 +121,31 @@ class Schedule:
     @property
     def option(self) -> dict[str, Any]:
         return dict(self.extra)
+
+    # -- GPU sketch (block, vthread, thread, inner, inner): see maco.kernels.cuda_codegen ----
+    def gpu_thread_tile(self) -> dict[str, int]:
+        """Outputs one thread owns per axis: vthread x the two inner factors (f1*f3*f4)."""
+        return {a: f[1] * f[3] * f[4] for a, f in zip(SPATIAL_AXES, self.spatial)}
+
+    def gpu_block_tile(self) -> dict[str, int]:
+        """Outputs one thread block owns per axis (f1*f2*f3*f4)."""
+        return {a: prod(f[1:]) for a, f in zip(SPATIAL_AXES, self.spatial)}
+
+    @property
+    def gpu_threads(self) -> int:
+        """Threads per block: the thread-level factors times the channel split (split_c)."""
+        return prod(f[2] for f in self.spatial) * int(self.option.get("split_c", 1))
+
+    def gpu_shared_bytes(self, spec: ConvSpec) -> int:
+        """Dynamic shared memory of one block, as the CUDA backend lays it out: `buffers` stages
+        of (input patch of the stage's channels + their weights), each rounded to 4 floats, the
+        NHWC patch plane padded to odd; or the staged outputs when stage_out is on."""
+        opt = self.option
+        split = int(opt.get("split_c", 1))
+        stage_out = bool(opt.get("stage_out", split > 1))
+        return int(gpu_shared_bytes(spec, self.gpu_block_tile(), prod(self.factors("c")[1:]),
+                                    prod(self.factors("kh")[1:]), prod(self.factors("kw")[1:]),
+                                    self.layout, int(opt.get("buffers", 2)), stage_out, split))
 
     # -- validity ------------------------------------------------------------
     def problems(self, spec: ConvSpec, target: Target | None = None) -> list[str]:
@@ -133,6 +197,27 @@ class Schedule:
                 if self.accumulators > regs - REGISTER_RESERVE:
                     out.append(f"register tile needs {self.accumulators} accumulators but only "
                                f"{regs - REGISTER_RESERVE} of {regs} vector registers are free")
+            else:
+                out += self._gpu_problems(spec, target)
+        return out
+
+    def _gpu_problems(self, spec: ConvSpec, target: Target) -> list[str]:
+        out = []
+        opt = self.option
+        split, buffers = opt.get("split_c", 1), opt.get("buffers", 2)
+        if not isinstance(split, int) or split < 1 or self.factors("c")[1] % split:
+            return [f"split_c {split!r} must be a positive int dividing the c1 factor {self.factors('c')[1]}"]
+        if buffers not in GPU_BUFFERS:
+            return [f"buffers must be one of {GPU_BUFFERS}, got {buffers!r}"]
+        if self.gpu_threads > GPU_MAX_THREADS:
+            out.append(f"{self.gpu_threads} threads per block exceed {GPU_MAX_THREADS}")
+        acc, acc_max = prod(self.gpu_thread_tile().values()), gpu_max_accumulators(target)
+        if acc > acc_max:
+            out.append(f"thread tile of {acc} accumulators exceeds {acc_max} "
+                       f"(half of {target.name}'s per-thread registers, at most {GPU_MAX_ACCUMULATORS})")
+        smem, smem_max = self.gpu_shared_bytes(spec), gpu_max_shared_bytes(target)
+        if smem > smem_max:
+            out.append(f"shared memory {smem} B per block exceeds {smem_max} B")
         return out
 
     def validate(self, spec: ConvSpec, target: Target | None = None) -> "Schedule":

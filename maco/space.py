@@ -1,0 +1,425 @@
+"""The schedule space of one conv: every Schedule of the target's sketch with every annotation.
+
+CPU sketch "SSRSRS": each spatial axis (n, g, k, oh, ow) in 4 perfect factors, each reduction
+axis (c, kh, kw) in 2. Annotations: parallel = how many outermost S0 loops are fused and
+parallel (0..5), vector axis k or ow (width = SIMD lanes when the register factor of that axis is
+a multiple of them, else 1), unroll (UNROLL_STEPS), inner_order (the 6 orders of c, kh, kw),
+layout (NCHW, NHWC), weight packing (none, blocked). Valid: the accumulators fit the free vector
+registers (Schedule.problems).
+
+GPU sketch "SSSRRSRS": spatial axes in 5 factors (block, vthread, thread, inner, inner), reduction
+axes in 3 (stage, R1, R2). Annotations: unroll, inner_order, layout, weight packing, and in
+`extra` the shared-memory stages in flight ("buffers" 2 = double buffering, 3, 4), the channel
+split across thread groups ("split_c" 1, 2, 4, 8, 16, dividing c1; it stages outputs through
+shared memory) and, without a split, whether outputs go through shared memory ("stage_out").
+Valid: <= 1024 threads per block, the thread tile within half the per-thread registers, shared
+memory within the block limit (Schedule.problems).
+
+Counting is exact and never enumerates schedules. A CPU tiling of an axis is a chain of
+divisors t3 | t2 | t1 | extent (t_l = product of the factors from level l inwards); the
+conditions only look at one level of all axes at a time, so the count is a sum over the joint
+divisor grids of the three levels, taken level by level with divisibility matrices (a zeta
+transform over the product of divisor lattices). On GPU a spatial axis reduces to
+(threads t, thread tile r) with multiplicity tau3(r) (the ordered (f1, f3, f4)); the joint grid
+of these pairs is bucketed by block tile (t*r per axis) and shared memory is checked per block
+tile and stage. Sampling walks the same tables with exact integer weights, so it is uniform over
+the (pruned) space without rejection.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import permutations
+from math import comb, prod
+from typing import Sequence
+
+import numpy as np
+
+from maco.errors import MacoError
+from maco.schedule import (GPU_BUFFERS, GPU_MAX_THREADS, LAYOUTS, REDUCTION_AXES, REGISTER_RESERVE,
+                           SPATIAL_AXES, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule, axis_extents,
+                           gpu_max_accumulators, gpu_max_shared_bytes, gpu_shared_bytes)
+from maco.spec import ConvSpec
+from maco.target import Target
+
+CPU_VECTOR_AXES = ("k", "ow")
+CPU_PARALLEL = tuple(range(len(SPATIAL_AXES) + 1))
+INNER_ORDERS = tuple(permutations(REDUCTION_AXES))
+GPU_SPLITS = (1, 2, 4, 8, 16)
+GPU_STAGE_OUT = (False, True)
+
+
+# -- number theory -----------------------------------------------------------------------------
+@lru_cache(maxsize=4096)
+def divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return tuple(sorted(set(small + [n // d for d in small])))
+
+
+def _exponents(n: int) -> list[int]:
+    out, p = [], 2
+    while p * p <= n:
+        e = 0
+        while n % p == 0:
+            n //= p
+            e += 1
+        if e:
+            out.append(e)
+        p += 1
+    if n > 1:
+        out.append(1)
+    return out
+
+
+def n_factorizations(n: int, parts: int) -> int:
+    """Ordered ways to write n as a product of `parts` positive factors (tau_parts(n))."""
+    return prod(comb(e + parts - 1, parts - 1) for e in _exponents(n))
+
+
+@lru_cache(maxsize=4096)
+def factorizations(n: int, parts: int) -> tuple[tuple[int, ...], ...]:
+    """All ordered `parts`-tuples of positive ints with product n."""
+    if parts == 1:
+        return ((n,),)
+    return tuple((d,) + rest for d in divisors(n) for rest in factorizations(n // d, parts - 1))
+
+
+def _choice(weights: np.ndarray, rng: random.Random) -> int:
+    """Index drawn with probability weights[i] / sum (exact integer arithmetic)."""
+    cs = np.cumsum(weights.astype(np.int64).ravel())
+    total = int(cs[-1]) if cs.size else 0
+    if total <= 0:
+        raise MacoError("internal: sampling from an empty part of the space")
+    return int(np.searchsorted(cs, rng.randrange(total), side="right"))
+
+
+def _rng(rng: random.Random | int | None) -> random.Random:
+    if isinstance(rng, random.Random):
+        return rng
+    if rng is None or isinstance(rng, int):
+        return random.Random(rng)
+    raise MacoError(f"rng must be a random.Random or an int seed, got {type(rng).__name__}")
+
+
+def _check(spec: ConvSpec, target: Target) -> None:
+    if not isinstance(spec, ConvSpec):
+        raise MacoError(f"expected a ConvSpec, got {type(spec).__name__}")
+    if not isinstance(target, Target):
+        raise MacoError(f"expected a Target, got {type(target).__name__}")
+
+
+def _plan(spec: ConvSpec, target: Target, pruned: bool, config):
+    if not pruned:
+        return None
+    from maco.prune import plan
+
+    return plan(spec, target, config)
+
+
+def _orders(rules) -> tuple[tuple[str, ...], ...]:
+    return tuple(o for o in INNER_ORDERS if rules is None or not rules.alpha_one or o[0] == "c")
+
+
+def _window(extent: int, rules) -> tuple[int, ...]:
+    """Allowed inner extents of kh/kw (the full window only when alpha = 1)."""
+    return (extent,) if rules is not None and rules.alpha_one else divisors(extent)
+
+
+def _grid(values: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Per-axis 1-D arrays reshaped to broadcast over a 5-D grid."""
+    return [v.reshape([-1 if i == j else 1 for j in range(len(values))]) for i, v in enumerate(values)]
+
+
+def _cache_mask(rules, tile: str, spec: ConvSpec, axes: list[np.ndarray]) -> np.ndarray | bool:
+    if rules is None:
+        return True
+    mask = True
+    for rule in rules.caches:
+        if rule.tile == tile:
+            mask = mask & rule.ok(spec, rules.reuse, *axes)
+    return mask
+
+
+# -- CPU ---------------------------------------------------------------------------------------
+@dataclass
+class _Cpu:
+    divs: list[np.ndarray]
+    div_of: list[np.ndarray]  # div_of[a][i, j]: divs[a][i] divides divs[a][j]
+    vec: np.ndarray  # (2, grid): register tile + vector axis choice valid
+    n3: np.ndarray
+    n2: np.ndarray
+    n1: np.ndarray
+    c1: tuple[int, ...]
+    kh1: tuple[int, ...]
+    kw1: tuple[int, ...]
+    orders: tuple[tuple[str, ...], ...]
+    size: int
+
+
+def _up(x: np.ndarray, div_of: list[np.ndarray]) -> np.ndarray:
+    """y[j] = sum over i dividing j (per axis) of x[i]."""
+    for ax, m in enumerate(div_of):
+        x = np.moveaxis(np.tensordot(m.T.astype(np.int64), np.moveaxis(x, ax, 0), axes=1), 0, ax)
+    return x
+
+
+def _vector_width(target: Target, t: np.ndarray) -> np.ndarray:
+    return np.where(t % target.simd_width == 0, target.simd_width, 1)
+
+
+@lru_cache(maxsize=64)
+def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
+    ext = axis_extents(spec)
+    divs = [np.array(divisors(ext[a]), dtype=np.int64) for a in SPATIAL_AXES]
+    div_of = [(d[None, :] % d[:, None] == 0) for d in divs]
+    g = _grid(divs)
+    outputs = g[0] * g[1] * g[2] * g[3] * g[4]
+    free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
+    vec = []
+    for axis in CPU_VECTOR_AXES:
+        acc = -(-outputs // _vector_width(target, g[SPATIAL_AXES.index(axis)]))
+        ok = acc <= free
+        if rules is not None and rules.registers is not None:
+            ok = ok & rules.registers.ok(acc)
+        vec.append(ok)
+    vec = np.stack(vec).astype(np.int64)
+    n3 = vec.sum(axis=0)
+    n2 = _up(n3, div_of) * _cache_mask(rules, "S2", spec, g)
+    n1 = _up(n2, div_of) * _cache_mask(rules, "S1", spec, g)
+    c1 = divisors(ext["c"])
+    kh1, kw1 = _window(spec.kh, rules), _window(spec.kw, rules)
+    orders = _orders(rules)
+    annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * len(orders) * len(LAYOUTS) * len(WEIGHT_PACKINGS)
+    size = int(n1.sum()) * len(c1) * len(kh1) * len(kw1) * annotations
+    return _Cpu(divs, div_of, vec, n3, n2, n1, c1, kh1, kw1, orders, size)
+
+
+def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> Schedule:
+    shape = t.n1.shape
+    i1 = np.unravel_index(_choice(t.n1, rng), shape)
+
+    def below(weights: np.ndarray, upper: tuple) -> tuple:
+        mask = np.ones(shape, dtype=bool)
+        for ax, j in enumerate(upper):
+            mask = mask & t.div_of[ax][:, j].reshape([-1 if a == ax else 1 for a in range(len(shape))])
+        return np.unravel_index(_choice(weights * mask, rng), shape)
+
+    i2 = below(t.n2, i1)
+    i3 = below(t.n3, i2)
+    axes = [a for a, ok in zip(CPU_VECTOR_AXES, t.vec[(slice(None),) + i3]) if ok]
+    vaxis = axes[rng.randrange(len(axes))]
+    ext = axis_extents(spec)
+    spatial = []
+    for ax, a in enumerate(SPATIAL_AXES):
+        t1, t2, t3 = (int(t.divs[ax][i[ax]]) for i in (i1, i2, i3))
+        spatial.append((ext[a] // t1, t1 // t2, t2 // t3, t3))
+    c1, kh1, kw1 = (rng.choice(x) for x in (t.c1, t.kh1, t.kw1))
+    reduction = ((ext["c"] // c1, c1), (spec.kh // kh1, kh1), (spec.kw // kw1, kw1))
+    width = target.simd_width if spatial[SPATIAL_AXES.index(vaxis)][3] % target.simd_width == 0 else 1
+    return Schedule(kind="cpu", spatial=tuple(spatial), reduction=reduction,
+                    parallel=rng.choice(CPU_PARALLEL), vector_axis=vaxis, vector_width=width,
+                    unroll=rng.choice(UNROLL_STEPS), inner_order=rng.choice(t.orders),
+                    layout=rng.choice(LAYOUTS), weight_packing=rng.choice(WEIGHT_PACKINGS))
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+@dataclass
+class _Gpu:
+    pairs: list[np.ndarray]  # per axis: (P, 2) array of (threads, thread tile)
+    joint: dict[str, np.ndarray]  # flattened joint grid of pair indices, sorted by block index
+    starts: np.ndarray  # joint entries of block b: starts[b]:starts[b+1]
+    weight: np.ndarray  # joint entry multiplicity: prod over axes of tau3(thread tile)
+    valid: dict[int, np.ndarray]  # per split: joint entry valid (threads, registers)
+    block_dims: list[np.ndarray]
+    combos: list[tuple]  # (cc, split, khc, kwc, layout, buffers, stage_out, multiplicity)
+    combo_w: list[int]
+    block_w: dict[int, np.ndarray]  # per split: weighted valid decompositions per block tile
+    orders: tuple[tuple[str, ...], ...]
+    size: int
+
+
+def _c_splits(c: int, cc: int, split: int) -> list[tuple[int, int]]:
+    """(c1, c2) with c1 * c2 = cc and split | c1."""
+    return [(c1, cc // c1) for c1 in divisors(cc) if c1 % split == 0]
+
+
+@lru_cache(maxsize=16)
+def _gpu(spec: ConvSpec, target: Target, rules) -> _Gpu:
+    ext = axis_extents(spec)
+    divs = [divisors(ext[a]) for a in SPATIAL_AXES]
+    pairs, mult, bpos = [], [], []
+    for d in divs:
+        ps = [(t, r) for b in d for t in divisors(b) for r in (b // t,)]
+        pairs.append(np.array(ps, dtype=np.int64))
+        mult.append(np.array([n_factorizations(r, 3) for _, r in ps], dtype=np.int64))
+        bpos.append(np.array([d.index(t * r) for t, r in ps], dtype=np.int64))
+    mesh = [m.ravel() for m in np.meshgrid(*[np.arange(len(p)) for p in pairs], indexing="ij")]
+    block = np.ravel_multi_index([bp[m] for bp, m in zip(bpos, mesh)], [len(d) for d in divs])
+    order = np.argsort(block, kind="stable")
+    mesh = [m[order] for m in mesh]
+    block = block[order]
+    n_blocks = prod(len(d) for d in divs)
+    starts = np.searchsorted(block, np.arange(n_blocks + 1))
+    threads = prod(p[m, 0] for p, m in zip(pairs, mesh))
+    acc = prod(p[m, 1] for p, m in zip(pairs, mesh))
+    weight = prod(w[m] for w, m in zip(mult, mesh))
+    acc_ok = acc <= gpu_max_accumulators(target)
+    valid, block_w = {}, {}
+    for split in GPU_SPLITS:
+        ok = acc_ok & (threads * split <= GPU_MAX_THREADS)
+        if rules is not None and rules.registers is not None:
+            ok = ok & rules.registers.ok(acc, threads * split)
+        valid[split] = ok
+        block_w[split] = np.bincount(block, weights=weight * ok, minlength=n_blocks).astype(np.int64)
+    bd = [b.ravel() for b in np.meshgrid(*[np.array(d, dtype=np.int64) for d in divs], indexing="ij")]
+    bdict = dict(zip(SPATIAL_AXES, bd))
+    shared_ok = np.asarray(_cache_mask(rules, "block", spec, bd), dtype=bool) & np.ones(n_blocks, bool)
+    limit = gpu_max_shared_bytes(target)
+    combos, combo_w = [], []
+    khs, kws = _window(spec.kh, rules), _window(spec.kw, rules)
+    for cc in divisors(ext["c"]):
+        for split in GPU_SPLITS:
+            mc = len(_c_splits(ext["c"], cc, split))
+            if not mc or not block_w[split].any():
+                continue
+            for khc in khs:
+                for kwc in kws:
+                    m = mc * n_factorizations(khc, 2) * n_factorizations(kwc, 2)
+                    for layout in LAYOUTS:
+                        for buffers in GPU_BUFFERS:
+                            for stage_out in (GPU_STAGE_OUT if split == 1 else (True,)):
+                                smem = gpu_shared_bytes(spec, bdict, cc, khc, kwc, layout, buffers,
+                                                        stage_out, split)
+                                w = int((block_w[split] * (shared_ok & (smem <= limit))).sum())
+                                if w:
+                                    combos.append((cc, split, khc, kwc, layout, buffers, stage_out, m))
+                                    combo_w.append(w * m)
+    orders = _orders(rules)
+    size = sum(combo_w) * len(UNROLL_STEPS) * len(orders) * len(WEIGHT_PACKINGS)
+    joint = dict(zip(SPATIAL_AXES, mesh))
+    return _Gpu(pairs, joint, starts, weight, valid, bd, combos, combo_w, block_w, orders, size)
+
+
+def _sample_gpu(spec: ConvSpec, target: Target, t: _Gpu, rules, rng: random.Random) -> Schedule:
+    if not t.combo_w:
+        raise MacoError(f"the GPU space of {spec} on {target.name} is empty")
+    pick, acc = rng.randrange(sum(t.combo_w)), 0
+    for combo, w in zip(t.combos, t.combo_w):
+        acc += w
+        if pick < acc:
+            break
+    cc, split, khc, kwc, layout, buffers, stage_out, _ = combo
+    bdict = dict(zip(SPATIAL_AXES, t.block_dims))
+    smem = gpu_shared_bytes(spec, bdict, cc, khc, kwc, layout, buffers, stage_out, split)
+    ok = (smem <= gpu_max_shared_bytes(target)) & np.asarray(_cache_mask(rules, "block", spec, t.block_dims))
+    b = _choice(t.block_w[split] * ok, rng)
+    lo, hi = t.starts[b], t.starts[b + 1]
+    seg = [t.joint[a][lo:hi] for a in SPATIAL_AXES]
+    j = _choice(t.weight[lo:hi] * t.valid[split][lo:hi], rng)
+    ext = axis_extents(spec)
+    spatial = []
+    for i, a in enumerate(SPATIAL_AXES):
+        threads, tile = (int(v) for v in t.pairs[i][seg[i][j]])
+        f1, f3, f4 = rng.choice(factorizations(tile, 3))
+        spatial.append((ext[a] // (threads * tile), f1, threads, f3, f4))
+    c1, c2 = rng.choice(_c_splits(ext["c"], cc, split))
+    kh1, kh2 = rng.choice(factorizations(khc, 2))
+    kw1, kw2 = rng.choice(factorizations(kwc, 2))
+    reduction = ((ext["c"] // cc, c1, c2), (spec.kh // khc, kh1, kh2), (spec.kw // kwc, kw1, kw2))
+    extra = []
+    if buffers != 2:
+        extra.append(("buffers", buffers))
+    if split > 1:
+        extra.append(("split_c", split))
+    elif stage_out:
+        extra.append(("stage_out", True))
+    return Schedule(kind="cuda", spatial=tuple(spatial), reduction=reduction,
+                    unroll=rng.choice(UNROLL_STEPS), inner_order=rng.choice(t.orders), layout=layout,
+                    weight_packing=rng.choice(WEIGHT_PACKINGS), extra=tuple(sorted(extra)))
+
+
+# -- public API --------------------------------------------------------------------------------
+def count_with(spec: ConvSpec, target: Target, rules=None) -> int:
+    """Size of the space under a prune.PrunePlan (None: the full space)."""
+    return (_cpu if target.kind == "cpu" else _gpu)(spec, target, rules).size
+
+
+def space_size(spec: ConvSpec, target: Target, pruned: bool = False, config=None) -> int:
+    """Exact number of schedules in the space (pruned: after MACO pruning with `config`)."""
+    _check(spec, target)
+    return count_with(spec, target, _plan(spec, target, pruned, config))
+
+
+def sample(spec: ConvSpec, target: Target, rng: random.Random | int | None = None,
+           pruned: bool = False, config=None) -> Schedule:
+    """One schedule drawn uniformly from the (pruned) space."""
+    _check(spec, target)
+    rng = _rng(rng)
+    rules = _plan(spec, target, pruned, config)
+    if target.kind == "cpu":
+        return _sample_cpu(spec, target, _cpu(spec, target, rules), rng)
+    return _sample_gpu(spec, target, _gpu(spec, target, rules), rules, rng)
+
+
+def sample_many(spec: ConvSpec, target: Target, n: int, rng: random.Random | int | None = None,
+                pruned: bool = False, config=None) -> list[Schedule]:
+    """`n` independent uniform draws (duplicates possible, as with any sampling with replacement)."""
+    if not isinstance(n, int) or n < 0:
+        raise MacoError(f"n must be a non-negative int, got {n!r}")
+    rng = _rng(rng)
+    return [sample(spec, target, rng, pruned, config) for _ in range(n)]
+
+
+def contains(schedule: Schedule, spec: ConvSpec, target: Target, pruned: bool = False,
+             config=None) -> bool:
+    """Whether `schedule` is a point of the (pruned) space of `spec` on `target`."""
+    return not why_not(schedule, spec, target, pruned, config)
+
+
+def why_not(schedule: Schedule, spec: ConvSpec, target: Target, pruned: bool = False,
+            config=None) -> list[str]:
+    """What keeps `schedule` out of the (pruned) space (empty if it is in)."""
+    _check(spec, target)
+    out = schedule.problems(spec, target)
+    if out:
+        return out
+    if schedule.unroll not in UNROLL_STEPS:
+        out.append(f"unroll {schedule.unroll} not in {UNROLL_STEPS}")
+    if schedule.kind == "cpu":
+        if schedule.vector_axis not in CPU_VECTOR_AXES:
+            out.append(f"vector axis {schedule.vector_axis!r} not in {CPU_VECTOR_AXES}")
+        else:
+            inner = schedule.factors(schedule.vector_axis)[-1]
+            width = target.simd_width if inner % target.simd_width == 0 else 1
+            if schedule.vector_width != width:
+                out.append(f"vector width {schedule.vector_width}: the space uses {width} for a "
+                           f"register factor {inner} of {schedule.vector_axis}")
+        if schedule.parallel not in CPU_PARALLEL:
+            out.append(f"parallel {schedule.parallel} not in {CPU_PARALLEL}")
+        if schedule.extra:
+            out.append(f"the CPU space has no extra knobs, got {dict(schedule.extra)}")
+    else:
+        if (schedule.parallel, schedule.vector_axis, schedule.vector_width) != (1, "k", 1):
+            out.append("GPU schedules keep parallel=1, vector_axis='k', vector_width=1")
+        opt = schedule.option
+        canonical = []
+        if opt.get("buffers", 2) != 2:
+            canonical.append(("buffers", opt["buffers"]))
+        split = opt.get("split_c", 1)
+        if split not in GPU_SPLITS:
+            out.append(f"split_c {split!r} not in {GPU_SPLITS}")
+        if split != 1:
+            canonical.append(("split_c", split))
+            if opt.get("stage_out", True) is not True:
+                out.append("split_c > 1 stages outputs through shared memory")
+        elif opt.get("stage_out", False):
+            canonical.append(("stage_out", True))
+        if tuple(sorted(schedule.extra)) != tuple(sorted(canonical)) and not out:
+            out.append(f"extra {dict(schedule.extra)} is not in the space's canonical form "
+                       f"{dict(canonical)} (defaults left out)")
+    if out or not pruned:
+        return out
+    from maco.prune import reasons
+
+    return reasons(schedule, spec, target, config)
