@@ -1,0 +1,55 @@
+"""`maco space`: exact sizes of the schedule space of each conv layer, before and after MACO pruning."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from maco.commands.common import print_table, resolve_layers
+from maco.errors import MacoError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "space", help="schedule-space sizes per conv layer, unpruned and MACO-pruned",
+        description="Count the schedule space of each conv layer exactly (perfect tilings times "
+        "annotation choices; the CPU sketch SSRSRS or the GPU sketch SSSRRSRS) and the space left "
+        "after MACO pruning (x*y ~ R*z and footprint ~ S/Np at every memory level, alpha = 1), "
+        "with the ratio. Pruning that had to be relaxed for a layer is noted.")
+    p.add_argument("layer", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2: its "
+                   "distinct conv layers) or a layer spec such as n1_c64_h56_w56_k64_r3_p1")
+    p.add_argument("--target", default="host", help="host (this CPU, default) or h100 (GPU sketch)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--tolerance", type=float, default=2.0,
+                   help="pruning tolerance on x*y / (R*z) (default 2: within a factor of 2)")
+    p.add_argument("--fill", type=float, default=0.25,
+                   help="least share of a level a tile's footprint must fill (default 0.25)")
+    p.add_argument("--samples", type=int, default=0, metavar="N",
+                   help="also print N schedules drawn uniformly from the pruned space of each layer, "
+                   "one JSON object per line")
+    p.add_argument("--seed", type=int, default=0, help="random seed for --samples (default 0)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from maco import prune, space
+    from maco.target import Target
+
+    if args.batch < 1:
+        raise MacoError(f"--batch must be a positive int, got {args.batch}")
+    if args.samples < 0:
+        raise MacoError(f"--samples must be >= 0, got {args.samples}")
+    target = Target.named(args.target)
+    config = prune.PruneConfig(tolerance=args.tolerance, fill_low=args.fill)
+    layers = resolve_layers(args.layer, args.batch)
+    rows = []
+    for name, spec in layers:
+        full = space.space_size(spec, target)
+        kept = space.space_size(spec, target, pruned=True, config=config)
+        note = "; ".join(prune.plan(spec, target, config).notes)
+        rows.append((name, str(spec), full, kept, full / kept, note))
+    print_table(f"schedule space on {target.name} ({target.kind} sketch), batch {args.batch}",
+                ["layer", "spec", "unpruned", "pruned", "ratio", "relaxed"], rows)
+    for name, spec in layers if args.samples else []:
+        for s in space.sample_many(spec, target, args.samples, args.seed, pruned=True, config=config):
+            print(json.dumps({"layer": name, "spec": spec.to_dict(), "schedule": s.to_dict()}, sort_keys=True))
+    return 0

@@ -1,0 +1,151 @@
+"""MACO pruning: the conditions on hand-computed tiles, tolerances as parameters, relaxation, and
+that pruned samples really satisfy x*y ~ R*z and the fill bounds at every level."""
+import random
+from math import prod
+
+import pytest
+
+from maco import prune, space
+from maco.errors import MacoError
+from maco.prune import CacheRule, PruneConfig, RegisterRule
+from maco.schedule import SPATIAL_AXES, Schedule
+from maco.spec import ConvSpec
+from maco.target import Target
+
+HOST = Target.host()
+H100 = Target.h100()
+RESNET_3X3 = ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")
+
+
+def test_footprint_by_hand():
+    spec = ConvSpec.parse("n1_c8_h10_w10_k16_r3_s2_p1")
+    # 2 x 3 outputs (y, x), 4 filters: outputs 24, patch (2-1)*2+3 = 5 by (3-1)*2+3 = 7, weights 4*9
+    assert prune.footprint(spec, 1, 1, 4, 2, 3) == 24 + 35 + 36
+    dil = ConvSpec.parse("n2_c8_h10_w10_k16_r3_d2_p2_g2")
+    # dilated window 5: patch (2-1)+5 = 6 by (3-1)+5 = 7 per image; two groups double everything
+    assert prune.footprint(dil, 2, 2, 4, 2, 3) == 2 * (2 * 24 + 2 * 42 + 36)
+
+
+def test_reuse_and_footprint_follow_the_bounds():
+    specs = [RESNET_3X3, ConvSpec.parse("n1_c3_h224_w224_k64_r11_s4_p2"),
+             ConvSpec.parse("n1_c8_h10_w10_k16_r3_s2_d2_p2")]
+    try:
+        from maco.bounds import footprint as bounds_footprint, reuse as bounds_reuse
+    except ImportError:  # bounds not built yet: the paper's average reuse
+        bounds_footprint, bounds_reuse = None, lambda s: s.kh * s.kw / (s.stride[0] * s.stride[1])
+    assert prune.reuse(RESNET_3X3) == pytest.approx(9.0)
+    for spec in specs:
+        assert prune.reuse(spec) == pytest.approx(bounds_reuse(spec))
+        if bounds_footprint is not None:
+            for x, y, z in ((1, 1, 1), (3, 2, 5), (8, 14, 16)):
+                assert prune.footprint(spec, 1, 1, z, y, x) == bounds_footprint(spec, x, y, z)
+
+
+def test_cache_rule_by_hand():
+    spec = RESNET_3X3
+    rule = CacheRule("L1", "S2", capacity=8192, floor=2048, tolerance=2.0)
+    # x*y = 8*14 = 112, R*z = 9*16 = 144: ratio 0.78 within [0.5, 2]; footprint 1792+160*... in range
+    fp = prune.footprint(spec, 1, 1, 16, 14, 8)
+    assert 2048 <= fp <= 8192 and rule.ok(spec, 9.0, 1, 1, 16, 14, 8)
+    assert not rule.ok(spec, 9.0, 1, 1, 64, 14, 8)  # ratio 112/576 < 1/2
+    assert not rule.ok(spec, 9.0, 1, 1, 2, 4, 4)  # ratio fine (16/18) but footprint far below the floor
+    assert rule.why(spec, 9.0, dict(n=1, g=1, k=64, oh=14, ow=8))[0].startswith("L1: S2 tile has x*y/(R*z)")
+    regs = RegisterRule(6, 12, warp=32)
+    assert regs.ok(6) and regs.ok(12) and not regs.ok(5) and not regs.ok(13)
+    assert regs.ok(8, 64) and not regs.ok(8, 48)
+
+
+def _levels_hold(s: Schedule, spec: ConvSpec, target: Target, plan) -> None:
+    """Recompute every condition of the plan by hand for one schedule."""
+    r = plan.reuse
+    if s.kind == "cpu":
+        tiles = {"S2": {a: s.tile(a, 2) for a in SPATIAL_AXES}, "S1": {a: s.tile(a, 1) for a in SPATIAL_AXES}}
+        acc = s.accumulators
+    else:
+        tiles = {"block": s.gpu_block_tile()}
+        acc = prod(s.gpu_thread_tile().values())
+        if plan.registers.warp:
+            assert s.gpu_threads % 32 == 0
+    assert plan.registers.acc_min <= acc <= plan.registers.acc_max
+    for rule in plan.caches:
+        t = tiles[rule.tile]
+        ratio = t["n"] * t["oh"] * t["ow"] / (r * t["k"])
+        assert 1 / rule.tolerance <= ratio <= rule.tolerance
+        ih = (t["oh"] - 1) * spec.stride[0] + (spec.kh - 1) * spec.dilation[0] + 1
+        iw = (t["ow"] - 1) * spec.stride[1] + (spec.kw - 1) * spec.dilation[1] + 1
+        fp = t["g"] * (t["n"] * t["k"] * t["oh"] * t["ow"] + t["n"] * ih * iw + t["k"] * spec.kh * spec.kw)
+        assert rule.floor <= fp <= rule.capacity
+    assert s.factors("kh")[0] == 1 and s.factors("kw")[0] == 1 and s.inner_order[0] == "c"
+
+
+@pytest.mark.parametrize("target", [HOST, H100])
+def test_pruned_samples_meet_every_condition(target):
+    spec = RESNET_3X3
+    plan = prune.plan(spec, target)
+    assert not plan.relaxed  # the paper's default tolerances are satisfiable on this layer
+    names = {c.level for c in plan.caches}
+    assert names == ({"L1", "L2"} if target.kind == "cpu" else {"shared"})
+    for s in space.sample_many(spec, target, 200, random.Random(1), pruned=True):
+        _levels_hold(s, spec, target, plan)
+
+
+def test_unpruned_samples_mostly_fail_and_reasons_agree_with_keeps():
+    rng = random.Random(2)
+    dropped = 0
+    for s in space.sample_many(RESNET_3X3, HOST, 200, rng):
+        why = prune.reasons(s, RESNET_3X3, HOST)
+        assert prune.keeps(s, RESNET_3X3, HOST) == (not why)
+        dropped += bool(why)
+    assert dropped > 190  # the pruned space is a tiny fraction of the full one
+
+
+def test_tolerance_is_a_parameter_and_monotone():
+    sizes = [space.space_size(RESNET_3X3, HOST, pruned=True, config=PruneConfig(tolerance=t))
+             for t in (1.5, 2.0, 4.0, 16.0)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    loose = PruneConfig(fill_low=0.0, register_fill=0.0, tolerance=1e9, alpha_one=False)
+    # with every condition wide open, pruning keeps all but the cache capacity limits
+    assert space.space_size(RESNET_3X3, HOST, pruned=True, config=loose) < space.space_size(RESNET_3X3, HOST)
+    fills = [space.space_size(RESNET_3X3, HOST, pruned=True, config=PruneConfig(fill_low=f))
+             for f in (0.5, 0.25, 0.0)]
+    assert fills == sorted(fills)
+
+
+def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
+    s = space.sample(RESNET_3X3, HOST, 4, pruned=True)
+    split = Schedule(**{**s.__dict__, "reduction": (s.reduction[0], (3, 1), s.reduction[2])})
+    assert any("kernel window" in w for w in prune.reasons(split, RESNET_3X3, HOST))
+    order = Schedule(**{**s.__dict__, "inner_order": ("kh", "c", "kw")})
+    assert any("inner_order" in w for w in prune.reasons(order, RESNET_3X3, HOST))
+    no_alpha = PruneConfig(alpha_one=False)
+    assert not prune.reasons(order, RESNET_3X3, HOST, no_alpha)
+    assert space.space_size(RESNET_3X3, HOST, True, no_alpha) > space.space_size(RESNET_3X3, HOST, True)
+
+
+@pytest.mark.parametrize("text", ["n1_c512_h7_w7_k512_r3_p1", "n1_c3_h7_w5_k1_r7x5", "n1_c1_h1_w1_k1_r1",
+                                  "n1_c4_h300_w2_k3_r1"])
+@pytest.mark.parametrize("target", [HOST, H100])
+def test_relaxation_keeps_the_pruned_space_non_empty(text, target):
+    spec = ConvSpec.parse(text)
+    strict = PruneConfig(tolerance=1.01, fill_low=1.0, register_fill=1.0, max_relax=2)
+    plan = prune.plan(spec, target, strict)
+    assert space.space_size(spec, target, pruned=True, config=strict) > 0
+    assert plan.relaxed and "relaxed" in plan.describe() or "dropped" in plan.describe()
+    s = space.sample(spec, target, 0, pruned=True, config=strict)
+    assert prune.keeps(s, spec, target, strict)
+
+
+def test_relaxation_widens_by_documented_steps():
+    spec = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")
+    plan = prune.plan(spec, HOST)
+    for rule in plan.caches:
+        assert rule.tolerance == pytest.approx(2.0 * 2 ** rule.relaxed)
+    assert any(rule.relaxed for rule in plan.caches)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tolerance=0.5), dict(fill_low=1.5), dict(register_fill=-1),
+                                    dict(gpu_accumulators=(9, 4)), dict(max_relax=-1)])
+def test_bad_config_names_the_value(kwargs):
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(MacoError, match=name):
+        PruneConfig(**kwargs)
