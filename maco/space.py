@@ -230,7 +230,8 @@ class _Gpu:
     joint: dict[str, np.ndarray]  # flattened joint grid of pair indices, sorted by block index
     starts: np.ndarray  # joint entries of block b: starts[b]:starts[b+1]
     weight: np.ndarray  # joint entry multiplicity: prod over axes of tau3(thread tile)
-    valid: dict[int, np.ndarray]  # per split: joint entry valid (threads, registers)
+    threads: np.ndarray  # joint entry threads per block (without the channel split)
+    acc: np.ndarray  # joint entry accumulators per thread
     block_dims: list[np.ndarray]
     combos: list[tuple]  # (cc, split, khc, kwc, layout, buffers, stage_out, multiplicity)
     combo_w: list[int]
@@ -244,7 +245,15 @@ def _c_splits(c: int, cc: int, split: int) -> list[tuple[int, int]]:
     return [(c1, cc // c1) for c1 in divisors(cc) if c1 % split == 0]
 
 
-@lru_cache(maxsize=16)
+def _thread_ok(target: Target, rules, threads: np.ndarray, acc: np.ndarray, split: int) -> np.ndarray:
+    """Thread-level validity (and the register rule of pruning) of joint entries for one split."""
+    ok = (acc <= gpu_max_accumulators(target)) & (threads * split <= GPU_MAX_THREADS)
+    if rules is not None and rules.registers is not None:
+        ok = ok & rules.registers.ok(acc, threads * split)
+    return ok
+
+
+@lru_cache(maxsize=8)
 def _gpu(spec: ConvSpec, target: Target, rules) -> _Gpu:
     ext = axis_extents(spec)
     divs = [divisors(ext[a]) for a in SPATIAL_AXES]
@@ -264,14 +273,9 @@ def _gpu(spec: ConvSpec, target: Target, rules) -> _Gpu:
     threads = prod(p[m, 0] for p, m in zip(pairs, mesh))
     acc = prod(p[m, 1] for p, m in zip(pairs, mesh))
     weight = prod(w[m] for w, m in zip(mult, mesh))
-    acc_ok = acc <= gpu_max_accumulators(target)
-    valid, block_w = {}, {}
-    for split in GPU_SPLITS:
-        ok = acc_ok & (threads * split <= GPU_MAX_THREADS)
-        if rules is not None and rules.registers is not None:
-            ok = ok & rules.registers.ok(acc, threads * split)
-        valid[split] = ok
-        block_w[split] = np.bincount(block, weights=weight * ok, minlength=n_blocks).astype(np.int64)
+    block_w = {split: np.bincount(block, weights=weight * _thread_ok(target, rules, threads, acc, split),
+                                  minlength=n_blocks).astype(np.int64) for split in GPU_SPLITS}
+    mesh = [m.astype(np.int16 if len(p) < 2 ** 15 else np.int32) for m, p in zip(mesh, pairs)]
     bd = [b.ravel() for b in np.meshgrid(*[np.array(d, dtype=np.int64) for d in divs], indexing="ij")]
     bdict = dict(zip(SPATIAL_AXES, bd))
     shared_ok = np.asarray(_cache_mask(rules, "block", spec, bd), dtype=bool) & np.ones(n_blocks, bool)
@@ -298,7 +302,8 @@ def _gpu(spec: ConvSpec, target: Target, rules) -> _Gpu:
     orders = _orders(rules)
     size = sum(combo_w) * len(UNROLL_STEPS) * len(orders) * len(WEIGHT_PACKINGS)
     joint = dict(zip(SPATIAL_AXES, mesh))
-    return _Gpu(pairs, joint, starts, weight, valid, bd, combos, combo_w, block_w, orders, size)
+    return _Gpu(pairs, joint, starts, weight, threads.astype(np.int32), acc.astype(np.int32), bd, combos,
+                combo_w, block_w, orders, size)
 
 
 def _sample_gpu(spec: ConvSpec, target: Target, t: _Gpu, rules, rng: random.Random) -> Schedule:
@@ -316,7 +321,8 @@ def _sample_gpu(spec: ConvSpec, target: Target, t: _Gpu, rules, rng: random.Rand
     b = _choice(t.block_w[split] * ok, rng)
     lo, hi = t.starts[b], t.starts[b + 1]
     seg = [t.joint[a][lo:hi] for a in SPATIAL_AXES]
-    j = _choice(t.weight[lo:hi] * t.valid[split][lo:hi], rng)
+    j = _choice(t.weight[lo:hi] * _thread_ok(target, rules, t.threads[lo:hi].astype(np.int64),
+                                              t.acc[lo:hi].astype(np.int64), split), rng)
     ext = axis_extents(spec)
     spatial = []
     for i, a in enumerate(SPATIAL_AXES):
