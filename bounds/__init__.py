@@ -1,1 +1,25 @@
-"""Symbolic I/O lower bounds of convolution, optimal tiles and an I/O simulator."""
+"""Symbolic I/O lower bounds of convolution, optimal tiles and an I/O simulator.
+
+    derive_conv()                         the paper's derivation in sympy (T, Q_lower, Q_dataflow, conditions)
+    conv_io_lower_bound(spec, S)          eq. (7), loads + stores in elements
+    best_lower_bound(spec, S)             the largest valid bound (eq. 7, compulsory, GEMM for 1x1)
+    reuse(spec)                           R, the exact maximal reuse of one input element
+    optimal_tile(spec, S, Np=1)           the I/O-optimal integer tile of the alpha=1 dataflow
+    dataflow_io(spec, tile)               that dataflow's exact loads + stores
+    tiles_for_target(spec, target)        the tile at every memory level
+    simulate_io(spec, tile, S, policy)    replay the loop nest through an LRU or OPT cache
+"""
+from maco.bounds.conv import (BoundReport, ConvDerivation, best_lower_bound, bound_report,
+                              compulsory_io, conv_as_gemm, conv_io_lower_bound, derive_conv,
+                              gemm_io_leading, gemm_io_lower_bound, paper_reuse, pebble_T, reuse,
+                              vertex_count)
+from maco.bounds.pebble import PebbleBound, Stage, multistage_bound
+from maco.bounds.simulate import IOCounts, schedule_loops, simulate_io, tile_loops
+from maco.bounds.tiles import (Tile, continuous_tile, dataflow_io, dataflow_loads, footprint,
+                               optimal_tile, tiles_for_target)
+
+__all__ = ["BoundReport", "ConvDerivation", "IOCounts", "PebbleBound", "Stage", "Tile", "best_lower_bound",
+           "bound_report", "compulsory_io", "continuous_tile", "conv_as_gemm", "conv_io_lower_bound",
+           "dataflow_io", "dataflow_loads", "derive_conv", "footprint", "gemm_io_leading",
+           "gemm_io_lower_bound", "multistage_bound", "optimal_tile", "paper_reuse", "pebble_T",
+           "reuse", "schedule_loops", "simulate_io", "tile_loops", "tiles_for_target", "vertex_count"]
