@@ -8,7 +8,7 @@ import sys
 
 from maco.errors import MacoError
 
-COMMANDS = ["layers", "collect", "space"]
+COMMANDS = ["layers", "collect", "space", "bound"]
 
 
 def build_parser() -> argparse.ArgumentParser:

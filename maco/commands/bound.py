@@ -1,0 +1,121 @@
+"""`maco bound`: I/O lower bounds of a conv, the optimal tile at every memory level, and how far
+the tile's dataflow is from the bound."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from maco.commands.common import print_table, resolve_layers
+from maco.errors import MacoError
+from maco.spec import ConvSpec
+from maco.target import MemoryLevel, Target
+
+SHAPE_FLAGS = ("c", "h", "w", "k")
+
+
+def _int_or_pair(text: str) -> int | tuple[int, int]:
+    m = re.fullmatch(r"(\d+)(?:x(\d+))?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected N or HxW, got {text!r}")
+    return int(m.group(1)) if m.group(2) is None else (int(m.group(1)), int(m.group(2)))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bound", help="I/O lower bounds, optimal tiles per memory level, dataflow I/O vs bound",
+        description="Print the symbolic I/O lower bound of direct convolution (the paper's "
+        "eq. 7/8), its value, and at every memory level the I/O-optimal output tile x*y*z "
+        "(x along ow, y along oh, z filters), the exact loads + stores of the alpha=1 dataflow with "
+        "that tile, and its ratio to the best valid lower bound. All sizes are fp32 elements; each "
+        "level is taken at one processor's share S/Np. Give a network (one row per distinct "
+        "layer), a layer spec, or the shape flags.",
+        epilog="examples:  maco bound --c 64 --h 56 --w 56 --k 64 --kernel 3 --padding 1\n"
+               "           maco bound resnet18 --target host\n"
+               "           maco bound n1_c64_h56_w56_k64_r3_p1 --S 8192 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("layer", nargs="?", help="network name (resnet18, alexnet, vgg11, resnet50, "
+                   "mobilenet_v2) or layer spec such as n1_c64_h56_w56_k64_r3_p1")
+    shape = p.add_argument_group("shape (instead of LAYER)")
+    shape.add_argument("--c", type=int, help="input channels")
+    shape.add_argument("--h", type=int, help="input height")
+    shape.add_argument("--w", type=int, help="input width")
+    shape.add_argument("--k", type=int, help="output channels (filters)")
+    shape.add_argument("--kernel", type=_int_or_pair, default=3, help="kernel size, N or HxW (default 3)")
+    shape.add_argument("--padding", type=_int_or_pair, default=0, help="zero padding, N or HxW (default 0)")
+    shape.add_argument("--stride", type=_int_or_pair, default=1, help="stride, N or HxW (default 1)")
+    shape.add_argument("--dilation", type=_int_or_pair, default=1, help="dilation, N or HxW (default 1)")
+    shape.add_argument("--groups", type=int, default=1, help="groups (default 1; = c for depthwise)")
+    p.add_argument("--n", "--batch", dest="n", type=int, default=1, help="batch size (default 1)")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--S", dest="S", type=int, help="one fast memory of S fp32 elements instead of a target")
+    mem.add_argument("--target", default="host", help="memory hierarchy: host (this CPU, from the OS) "
+                     "or h100 (default host)")
+    p.add_argument("--np", dest="np", type=int, default=1, help="processors sharing the --S memory (default 1)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run)
+
+
+def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
+    given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
+    if args.layer is not None:
+        if given:
+            raise MacoError(f"give either LAYER ({args.layer!r}) or the shape flags, not both "
+                            f"(got --{', --'.join(given)})")
+        if args.n < 1:
+            raise MacoError(f"--n must be a positive batch size, got {args.n}")
+        return resolve_layers(args.layer, args.n)
+    missing = [f"--{f}" for f in SHAPE_FLAGS if getattr(args, f) is None]
+    if missing:
+        raise MacoError(f"give a network, a layer spec, or all of --c --h --w --k (missing {' '.join(missing)})")
+    kh, kw = args.kernel if isinstance(args.kernel, tuple) else (args.kernel, args.kernel)
+    spec = ConvSpec(args.n, args.c, args.h, args.w, args.k, kh, kw, args.stride, args.padding,
+                    args.dilation, args.groups)
+    return [(str(spec), spec)]
+
+
+def _levels(args: argparse.Namespace) -> tuple[str, list[MemoryLevel]]:
+    if args.S is not None:
+        if args.S <= 0:
+            raise MacoError(f"--S must be a positive number of elements, got {args.S}")
+        if args.np <= 0:
+            raise MacoError(f"--np must be a positive number of processors, got {args.np}")
+        return f"S = {args.S} elements", [MemoryLevel("S", args.S * 4, args.np, 1)]
+    target = Target.named(args.target)
+    return f"target {target.name} ({target.model})", list(target.levels)
+
+
+def run(args: argparse.Namespace) -> int:
+    from maco.bounds import derive_conv
+    from maco.bounds.report import analyse_levels
+
+    layers = _layers(args)
+    where, levels = _levels(args)
+    d = derive_conv()
+    symbolic = {"Q_lower": f"S*(|V|/T(2S) - 1), T(S) = {d.T}",
+                "V": str(d.V), "leading": str(d.Q_leading),
+                "dataflow": str(d.Q_dataflow),
+                "conditions": [f"{c.lhs} = {c.rhs}" for c in d.conditions]}
+    results = [(name, spec, analyse_levels(spec, levels)) for name, spec in layers]
+    if args.json:
+        print(json.dumps({"where": where, "symbolic": symbolic, "layers": [
+            {"name": name, "spec": spec.to_dict(), "R": rows[0].bound.R,
+             "levels": [r.to_dict() for r in rows]} for name, spec, rows in results]}, indent=1))
+        return 0
+    print(f"Q >= {symbolic['Q_lower']}")
+    print(f"   ~ {symbolic['leading']}   (eq. 8, leading term)")
+    print(f"dataflow: Q(x, y, z) = {symbolic['dataflow']}, least where "
+          f"{', '.join(symbolic['conditions'])}")
+    print("bounds in fp32 elements (loads + stores); best = max(eq. 7, compulsory, GEMM for 1x1)")
+    for i, lvl in enumerate(levels):
+        rows = []
+        for name, spec, res in results:
+            r = res[i]
+            rows.append((name, str(spec), r.bound.R, r.bound.pebble, f"{r.bound.best:.4g} ({r.bound.best_kind})",
+                         str(r.tile) + ("" if r.tile.fits else " (does not fit)"), r.footprint, r.io,
+                         r.ratio, r.ratio_eq7))
+        print_table(f"{where}, {lvl.name}: S/Np = {lvl.elements_per_processor} elements "
+                    f"({lvl.capacity} bytes, {lvl.processors} processor(s))",
+                    ["layer", "spec", "R", "eq.7 bound", "best bound", "tile x*y*z", "footprint",
+                     "dataflow I/O", "I/O / best", "I/O / eq.7"], rows)
+    return 0
