@@ -2,8 +2,9 @@
 
 The bounds (maco.bounds, DESIGN.md) say: at a memory level of S elements shared by Np
 processors, each processor should own an output tile x*y*z (x along ow, y along oh, z along k)
-with x*y = R*z and footprint x*y*z + x'*y' + z*kh*kw ~ S/Np, sliding over the input channels
-one at a time (alpha = 1). MACO keeps the schedules that satisfy these at every level:
+with x*y = R*z (R: see `reuse`) and footprint x*y*z + x'*y' + z*kh*kw ~ S/Np, sliding over the
+input channels one at a time (alpha = 1). MACO keeps the schedules that satisfy these at every
+level:
 
 Which tile sits in which memory level (CPU nest S0 S1 R0 S2 R1 S3):
   registers  <- S3, the register tile: its accumulators must fit the free vector registers
@@ -20,7 +21,9 @@ GPU nest (block, vthread, thread, inner, inner):
   L2         <- the whole grid: fixed by the spec, not used.
 
 Conditions at a cache level, with the per-processor tile of n, g, k=z, oh=y, ow=x outputs:
-  ratio   n*y*x / (R*z) within [1/tolerance, tolerance]           (x*y ~ R*z, R = bounds.reuse)
+  ratio   n*y*x / (R*z) within [1/tolerance, tolerance]           (x*y ~ R*z);
+          only the lower side when z already spans all K filters of the group, only the upper
+          side when n*y*x already spans every output pixel (the tile cannot grow that way)
   fill    fill_low * min(S/Np, F(layer)/cores) <= F(tile) <= S/Np  (F: footprint with alpha = 1;
           a level never needs more than the layer's share of one core or SM)
 and for the whole nest, alpha = 1: every tile slides over the input channels one at a time with
@@ -77,14 +80,20 @@ class PruneConfig:
 
 
 def reuse(spec: ConvSpec) -> float:
-    """R, the reuse of an input element across the kernel window (from maco.bounds when present)."""
-    try:
-        from maco.bounds import reuse as bounds_reuse  # type: ignore[attr-defined]
-    except ImportError:
-        bounds_reuse = None
-    if bounds_reuse is not None:
-        return float(bounds_reuse(spec))
-    return spec.kh * spec.kw / (spec.stride[0] * spec.stride[1])
+    """R of the tile-shape condition x*y = R*z: taps per input element read, for a large tile.
+
+    Along one axis with k taps, stride s and dilation d, the outputs of a long tile read the inputs
+    whose index mod s is one of {i*d mod s : i < k}, so a tile of x outputs reads ~ x * |that set|
+    inputs for x*k products: R_axis = k / |{i*d mod s}|. For dense windows it is the paper's
+    kh*kw/stride^2; it is 1 for a strided 1x1 conv (no input is read twice, and the skipped ones
+    are not loaded), and dilation counts where it makes a strided window skip inputs.
+    maco.bounds.reuse, the exact *maximal* reuse that the lower bound needs, is not the right R
+    here: with it (4 instead of 2.25 for 3x3 stride 2) maco.bounds.optimal_tile's I/O-optimal
+    tiles fall outside the tolerance band."""
+    def axis(k: int, s: int, d: int) -> float:
+        return k / len({(i * d) % s for i in range(k)})
+
+    return axis(spec.kh, spec.stride[0], spec.dilation[0]) * axis(spec.kw, spec.stride[1], spec.dilation[1])
 
 
 def footprint(spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any) -> Any:
@@ -106,17 +115,24 @@ class CacheRule:
     tolerance: float
     relaxed: int = 0
 
+    def _ratio_ok(self, spec: ConvSpec, r: float, n: Any, k: Any, oh: Any, ow: Any) -> Any:
+        """x*y/(R*z) within the tolerance, one-sided where the tile already spans the layer: a tile
+        with all filters (z = K) cannot grow z, one with every output pixel cannot grow x*y, so the
+        optimum moves past x*y = R*z there (as maco.bounds.optimal_tile does)."""
+        pixels = n * oh * ow
+        ratio = pixels / (r * k)
+        return (((ratio >= 1.0 / self.tolerance) | (pixels >= spec.n * spec.out_h * spec.out_w))
+                & ((ratio <= self.tolerance) | (k >= spec.k_per_group)))
+
     def ok(self, spec: ConvSpec, r: float, n: Any, g: Any, k: Any, oh: Any, ow: Any) -> Any:
-        ratio = (n * oh * ow) / (r * k)
         fp = footprint(spec, n, g, k, oh, ow)
-        return ((ratio >= 1.0 / self.tolerance) & (ratio <= self.tolerance)
-                & (fp >= self.floor) & (fp <= self.capacity))
+        return self._ratio_ok(spec, r, n, k, oh, ow) & (fp >= self.floor) & (fp <= self.capacity)
 
     def why(self, spec: ConvSpec, r: float, t: dict[str, int]) -> list[str]:
         ratio = t["n"] * t["oh"] * t["ow"] / (r * t["k"])
         fp = footprint(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"])
         out = []
-        if not 1.0 / self.tolerance <= ratio <= self.tolerance:
+        if not self._ratio_ok(spec, r, t["n"], t["k"], t["oh"], t["ow"]):
             out.append(f"{self.level}: {self.tile} tile has x*y/(R*z) = {ratio:.3g}, outside "
                        f"[{1 / self.tolerance:.3g}, {self.tolerance:.3g}]")
         if not self.floor <= fp <= self.capacity:

@@ -10,7 +10,7 @@ from maco.errors import MacoError
 from maco.prune import CacheRule, PruneConfig, RegisterRule
 from maco.schedule import SPATIAL_AXES, Schedule
 from maco.spec import ConvSpec
-from maco.target import Target
+from maco.target import MemoryLevel, Target
 
 HOST = Target.host()
 H100 = Target.h100()
@@ -26,19 +26,52 @@ def test_footprint_by_hand():
     assert prune.footprint(dil, 2, 2, 4, 2, 3) == 2 * (2 * 24 + 2 * 42 + 36)
 
 
-def test_reuse_and_footprint_follow_the_bounds():
-    specs = [RESNET_3X3, ConvSpec.parse("n1_c3_h224_w224_k64_r11_s4_p2"),
-             ConvSpec.parse("n1_c8_h10_w10_k16_r3_s2_d2_p2")]
-    try:
-        from maco.bounds import footprint as bounds_footprint, reuse as bounds_reuse
-    except ImportError:  # bounds not built yet: the paper's average reuse
-        bounds_footprint, bounds_reuse = None, lambda s: s.kh * s.kw / (s.stride[0] * s.stride[1])
-    assert prune.reuse(RESNET_3X3) == pytest.approx(9.0)
-    for spec in specs:
-        assert prune.reuse(spec) == pytest.approx(bounds_reuse(spec))
-        if bounds_footprint is not None:
-            for x, y, z in ((1, 1, 1), (3, 2, 5), (8, 14, 16)):
-                assert prune.footprint(spec, 1, 1, z, y, x) == bounds_footprint(spec, x, y, z)
+@pytest.mark.parametrize("text,expected", [("n1_c64_h56_w56_k64_r3_p1", 9.0),
+                                           ("n1_c3_h224_w224_k64_r11_s4_p2", 121 / 16),
+                                           ("n1_c64_h56_w56_k128_r1_s2", 1.0),
+                                           ("n1_c64_h56_w56_k128_r3_s2_p1", 2.25),
+                                           ("n1_c8_h20_w20_k8_r3_s2_d2_p2", 9.0),
+                                           ("n1_c8_h20_w20_k8_r3x1_s1x3_d2", 3.0)])
+def test_reuse_is_the_asymptotic_taps_per_input(text, expected):
+    spec = ConvSpec.parse(text)
+    assert prune.reuse(spec) == pytest.approx(expected)
+    # independent check: products over distinct inputs read by a long run of outputs, per axis
+    r = 1.0
+    for k, s, d in ((spec.kh, spec.stride[0], spec.dilation[0]), (spec.kw, spec.stride[1], spec.dilation[1])):
+        x = 3000
+        read = {o * s + i * d for o in range(x) for i in range(k)}
+        r *= x * k / len(read)
+    assert prune.reuse(spec) == pytest.approx(r, rel=0.01)
+
+
+def test_footprint_matches_the_bounds_convention():
+    bounds = pytest.importorskip("maco.bounds")
+    if not hasattr(bounds, "footprint"):
+        pytest.skip("maco.bounds.footprint not built yet")
+    for spec in (RESNET_3X3, ConvSpec.parse("n1_c3_h224_w224_k64_r11_s4_p2"),
+                 ConvSpec.parse("n1_c8_h10_w10_k16_r3_s2_d2_p2")):
+        for x, y, z in ((1, 1, 1), (3, 2, 5), (8, 14, 16)):
+            assert prune.footprint(spec, 1, 1, z, y, x) == bounds.footprint(spec, x, y, z)
+
+
+@pytest.mark.parametrize("text", ["n1_c64_h56_w56_k64_r3_p1", "n1_c128_h28_w28_k128_r3_p1",
+                                  "n1_c256_h14_w14_k256_r3_p1", "n1_c512_h7_w7_k512_r3_p1",
+                                  "n1_c64_h56_w56_k128_r3_s2_p1", "n1_c64_h56_w56_k128_r1_s2",
+                                  "n1_c64_h27_w27_k192_r5_p2", "n1_c3_h224_w224_k64_r11_s4_p2"])
+@pytest.mark.parametrize("target", [HOST, H100])
+def test_the_bounds_optimal_tiles_pass_the_ratio_condition(text, target):
+    """The I/O-optimal integer tile of maco.bounds at each level satisfies x*y ~ R*z as pruning
+    checks it (one-sided where the tile spans the layer)."""
+    bounds = pytest.importorskip("maco.bounds")
+    if not hasattr(bounds, "optimal_tile"):
+        pytest.skip("maco.bounds.optimal_tile not built yet")
+    spec = ConvSpec.parse(text)
+    plan = prune.plan(spec, target)
+    for rule in plan.caches:
+        level = target.level(rule.level)
+        t = bounds.optimal_tile(spec, level.elements, level.processors)
+        why = rule.why(spec, plan.reuse, dict(n=1, g=1, k=t.z, oh=t.y, ow=t.x))
+        assert not [w for w in why if "x*y/(R*z)" in w], (rule.level, str(t), why)
 
 
 def test_cache_rule_by_hand():
@@ -47,7 +80,13 @@ def test_cache_rule_by_hand():
     # x*y = 8*14 = 112, R*z = 9*16 = 144: ratio 0.78 within [0.5, 2]; footprint 1792+160*... in range
     fp = prune.footprint(spec, 1, 1, 16, 14, 8)
     assert 2048 <= fp <= 8192 and rule.ok(spec, 9.0, 1, 1, 16, 14, 8)
-    assert not rule.ok(spec, 9.0, 1, 1, 64, 14, 8)  # ratio 112/576 < 1/2
+    assert not rule.ok(spec, 9.0, 1, 1, 32, 14, 8)  # ratio 112/288 < 1/2
+    # one-sided where the tile spans the layer: all 64 filters may take x*y > 2*R*z ...
+    wide = CacheRule("L2", "S1", capacity=131072, floor=0, tolerance=2.0)
+    assert wide.ok(spec, 9.0, 1, 1, 64, 28, 56) and not wide.ok(spec, 9.0, 1, 1, 32, 28, 56)
+    # ... and a tile of every output pixel may take x*y < R*z/2
+    small = ConvSpec.parse("n1_c64_h7_w7_k512_r3_p1")
+    assert wide.ok(small, 9.0, 1, 1, 128, 7, 7) and not wide.ok(small, 9.0, 1, 1, 128, 7, 1)
     assert not rule.ok(spec, 9.0, 1, 1, 2, 4, 4)  # ratio fine (16/18) but footprint far below the floor
     assert rule.why(spec, 9.0, dict(n=1, g=1, k=64, oh=14, ow=8))[0].startswith("L1: S2 tile has x*y/(R*z)")
     regs = RegisterRule(6, 12, warp=32)
@@ -70,7 +109,10 @@ def _levels_hold(s: Schedule, spec: ConvSpec, target: Target, plan) -> None:
     for rule in plan.caches:
         t = tiles[rule.tile]
         ratio = t["n"] * t["oh"] * t["ow"] / (r * t["k"])
-        assert 1 / rule.tolerance <= ratio <= rule.tolerance
+        all_pixels = t["n"] * t["oh"] * t["ow"] == spec.n * spec.out_h * spec.out_w
+        all_filters = t["k"] == spec.k_per_group
+        assert 1 / rule.tolerance <= ratio or all_pixels
+        assert ratio <= rule.tolerance or all_filters
         ih = (t["oh"] - 1) * spec.stride[0] + (spec.kh - 1) * spec.dilation[0] + 1
         iw = (t["ow"] - 1) * spec.stride[1] + (spec.kw - 1) * spec.dilation[1] + 1
         fp = t["g"] * (t["n"] * t["k"] * t["oh"] * t["ow"] + t["n"] * ih * iw + t["k"] * spec.kh * spec.kw)
@@ -123,24 +165,39 @@ def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
 
 
 @pytest.mark.parametrize("text", ["n1_c512_h7_w7_k512_r3_p1", "n1_c3_h7_w5_k1_r7x5", "n1_c1_h1_w1_k1_r1",
-                                  "n1_c4_h300_w2_k3_r1"])
+                                  "n1_c4_h300_w2_k3_r1", "n1_c3_h17_w13_k5_r3_s2_d3_p1"])
 @pytest.mark.parametrize("target", [HOST, H100])
-def test_relaxation_keeps_the_pruned_space_non_empty(text, target):
+def test_even_extreme_tolerances_leave_a_non_empty_pruned_space(text, target):
     spec = ConvSpec.parse(text)
-    strict = PruneConfig(tolerance=1.01, fill_low=1.0, register_fill=1.0, max_relax=2)
-    plan = prune.plan(spec, target, strict)
+    strict = PruneConfig(tolerance=1.0, fill_low=1.0, register_fill=1.0, gpu_accumulators=(64, 64),
+                         max_relax=2)
     assert space.space_size(spec, target, pruned=True, config=strict) > 0
-    assert plan.relaxed and "relaxed" in plan.describe() or "dropped" in plan.describe()
     s = space.sample(spec, target, 0, pruned=True, config=strict)
     assert prune.keeps(s, spec, target, strict)
 
 
 def test_relaxation_widens_by_documented_steps():
+    # x*y = 9*z exactly is impossible with divisors of 56 (no factor 3): L1 must widen once to 2
+    plan = prune.plan(RESNET_3X3, HOST, PruneConfig(tolerance=1.0))
+    l1 = next(rule for rule in plan.caches if rule.level == "L1")
+    assert l1.relaxed == 1 and l1.tolerance == pytest.approx(2.0) and l1.capacity == 2 * 8192
+    assert "L1 conditions relaxed 1 step(s)" in plan.notes
+    # 12 accumulators exactly is impossible on 7x7x512 (no factor 3): the register floor halves
     spec = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")
-    plan = prune.plan(spec, HOST)
-    for rule in plan.caches:
-        assert rule.tolerance == pytest.approx(2.0 * 2 ** rule.relaxed)
-    assert any(rule.relaxed for rule in plan.caches)
+    plan = prune.plan(spec, HOST, PruneConfig(register_fill=1.0))
+    assert plan.registers.relaxed == 1 and plan.registers.acc_min == 6
+    # and with the default tolerances these layers need no relaxation at all
+    assert not prune.plan(spec, HOST).relaxed and not prune.plan(RESNET_3X3, HOST).relaxed
+
+
+def test_a_level_that_can_never_hold_is_dropped():
+    # an 11x11 window's weights alone overflow a 1 KiB L1 share: every tile fails that level
+    tiny = Target("tiny", "cpu", (HOST.level("registers"), MemoryLevel("L1", 256), MemoryLevel("L2", 1 << 20)),
+                  cores=1, simd_width=HOST.simd_width)
+    spec = ConvSpec.parse("n1_c3_h64_w64_k64_r11_s4_p2")
+    plan = prune.plan(spec, tiny, PruneConfig(max_relax=1))
+    assert [c.level for c in plan.caches] == ["L2"] and "L1 conditions dropped" in plan.describe()
+    assert space.space_size(spec, tiny, pruned=True, config=PruneConfig(max_relax=1)) > 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(tolerance=0.5), dict(fill_low=1.5), dict(register_fill=-1),
