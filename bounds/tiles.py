@@ -13,7 +13,7 @@ and when the channels are done it stores its outputs once. `dataflow_io` counts 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import sqrt
 from typing import Any
 
@@ -32,12 +32,12 @@ class Tile:
 
     continuous: the paper's real-valued optimum (x*y = R*z, x*y*z = S/Np, x = y) when the tile
     came from optimal_tile; fits: False when even a 1x1x1 tile overflows the memory it was
-    sized for (the tile is then 1x1x1, the least footprint)."""
+    sized for (the tile is then 1x1x1, the least footprint). Tiles compare by x, y, z, fits."""
 
     x: int
     y: int
     z: int
-    continuous: tuple[float, float, float] | None = None
+    continuous: tuple[float, float, float] | None = field(default=None, compare=False)
     fits: bool = True
 
     def __post_init__(self) -> None:
