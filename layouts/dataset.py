@@ -53,6 +53,11 @@ class Row:
     def seconds(self) -> float:
         return self.timing.median
 
+    @property
+    def noise(self) -> float:
+        """Disagreement of the timing rounds: their medians' stdev over the median."""
+        return self.timing.stdev / self.timing.median
+
     def fields(self) -> list[Any]:
         s, t = self.spec, self.timing
         return [str(s), self.layout, self.device, self.source, s.n, s.c, s.h, s.w, s.k, s.kh, s.kw,
@@ -167,12 +172,24 @@ def _ends_without_newline(path: Path) -> bool:
         return f.read(1) != b"\n"
 
 
+def best_rows(rows: Iterable[Row]) -> list[Row]:
+    """One row per (spec, layout, device): of a key timed more than once (a re-timed noisy
+    row is appended, never rewritten), the one whose rounds agreed best."""
+    best: dict[tuple[str, str, str], Row] = {}
+    for row in rows:
+        old = best.get(row.key)
+        if old is None or row.noise < old.noise:
+            best[row.key] = row
+    return list(best.values())
+
+
 def load_rows(path: str | os.PathLike[str]) -> list[Row]:
-    """The good rows of a data set file (a MacoError if it does not exist)."""
+    """The good rows of a data set file, one per key (see best_rows); a MacoError if the file
+    does not exist."""
     ds = Dataset(path)
     if not ds.path.exists():
         raise MacoError(f"data set {str(path)!r} does not exist; create it with `maco collect`")
-    return ds.load()
+    return best_rows(ds.load())
 
 
 # -- what to measure ------------------------------------------------------------------------------
@@ -264,44 +281,73 @@ def network_specs(names: Sequence[str], batch: int = 1) -> list[tuple[str, ConvS
 @dataclass
 class CollectSummary:
     measured: int  # specs timed now (all their layouts)
-    skipped: int  # specs whose layouts were all already present
-    rows: int  # rows in the file afterwards
+    skipped: int  # specs whose layouts were all already present (and quiet enough)
+    retimed: int  # of `measured`, specs timed again because their rows were noisy
+    rows: int  # distinct (spec, layout, device) rows in the file afterwards
     bad_lines: int
     seconds: float
 
 
+def _noise(timings: dict[str, Timing]) -> float:
+    return max(t.stdev / t.median for t in timings.values())
+
+
 def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
             layouts: Sequence[str] = LAYOUTS, device: str = "cpu", *, rounds: int = 3,
-            repeats: int = 3, min_run_time: float = 1e-3, progress: bool = True) -> CollectSummary:
+            repeats: int = 3, min_run_time: float = 1e-3, tolerance: float = 0.1,
+            attempts: int = 3, retime_noisy: bool = False, threads: int | None = None,
+            progress: bool = True) -> CollectSummary:
     """Time every (source, spec) in every layout (interleaved, see measure_layouts) and append
-    the rows; pairs already in the file are skipped, so an interrupted run resumes."""
+    the rows; keys already in the file are skipped, so an interrupted run resumes.
+
+    A spec whose timing rounds disagree by more than `tolerance` (stdev / median of the round
+    medians) is timed again, up to `attempts` times, keeping the quietest attempt: on a shared
+    machine a neighbour's burst lands in one round, not in all. With `retime_noisy`, specs whose
+    rows in the file are noisier than `tolerance` are timed again too (new rows are appended;
+    load_rows keeps the quietest). `threads` sets torch's intra-op threads (default: torch's)."""
+    import torch
+
     start = time.perf_counter()
     layouts = [check_layout(lay) for lay in layouts]
     dev = str(check_device(device))
+    if threads is not None:
+        if threads <= 0:
+            raise MacoError(f"threads must be positive, got {threads}")
+        torch.set_num_threads(threads)
     ds = Dataset(path)
-    have = {row.key for row in ds.load()}
-    env_id = ds.record_environment(environment())
+    have = {row.key: row for row in best_rows(ds.load())}
+    env_id = ds.record_environment({**environment(), "torch_threads": torch.get_num_threads()})
     todo: list[tuple[str, ConvSpec, list[str]]] = []
     seen: set[ConvSpec] = set()
+    retimed = 0
     for source, spec in specs:
         if spec in seen:
             continue
         seen.add(spec)
-        missing = [lay for lay in layouts if (str(spec), lay, dev) not in have]
-        if missing:
-            todo.append((source, spec, missing))
+        old = [have.get((str(spec), lay, dev)) for lay in layouts]
+        if any(r is None for r in old):
+            todo.append((source, spec, layouts))
+        elif retime_noisy and max(r.noise for r in old if r) > tolerance:
+            todo.append((source, spec, layouts))
+            retimed += 1
     skipped = len(seen) - len(todo)
     from tqdm import tqdm
 
-    for source, spec, missing in tqdm(todo, desc="collect", unit="conv", disable=not progress):
-        timings = measure_layouts(spec, missing, dev, rounds=rounds, repeats=repeats,
-                                  min_run_time=min_run_time)
+    for source, spec, lays in tqdm(todo, desc="collect", unit="conv", disable=not progress):
+        best: dict[str, Timing] | None = None
+        for _ in range(max(attempts, 1)):
+            timings = measure_layouts(spec, lays, dev, rounds=rounds, repeats=repeats,
+                                      min_run_time=min_run_time)
+            if best is None or _noise(timings) < _noise(best):
+                best = timings
+            if _noise(best) <= tolerance:
+                break
         now = time.time()
-        ds.append(Row(spec, lay, dev, source, timings[lay], env_id, now) for lay in missing)
-    rows = ds.load()
-    return CollectSummary(measured=len(todo), skipped=skipped, rows=len(rows),
+        ds.append(Row(spec, lay, dev, source, best[lay], env_id, now) for lay in lays)
+    rows = best_rows(ds.load())
+    return CollectSummary(measured=len(todo), skipped=skipped, retimed=retimed, rows=len(rows),
                           bad_lines=len(ds.bad_lines), seconds=time.perf_counter() - start)
 
 
-__all__ = ["COLUMNS", "Row", "Dataset", "load_rows", "random_spec", "random_specs",
+__all__ = ["COLUMNS", "Row", "Dataset", "load_rows", "best_rows", "random_spec", "random_specs",
            "network_specs", "collect", "CollectSummary"]

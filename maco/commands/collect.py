@@ -26,6 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-gflop", type=float, default=2.0,
                    help="cap on a random configuration's GFLOP, which bounds its timing cost (default 2)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per layout (default 3)")
+    p.add_argument("--tolerance", type=float, default=0.1,
+                   help="re-time a conv whose rounds disagree by more than this (stdev/median, default 0.1)")
+    p.add_argument("--attempts", type=int, default=3, help="timing attempts per conv at most (default 3)")
+    p.add_argument("--retime-noisy", action="store_true",
+                   help="also re-time convs already in the file whose rows are noisier than --tolerance")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -54,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
     specs = [(src, spec) for b in _ints(args.batch, "batch") for src, spec in network_specs(networks, b)]
     specs += [("random", s) for s in random_specs(args.random, args.seed, max_flops=args.max_gflop * 1e9)]
     layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
-    summary = collect(out, specs, layouts, args.device, rounds=args.rounds,
+    if args.tolerance <= 0 or args.attempts <= 0:
+        raise MacoError(f"--tolerance and --attempts must be positive, got {args.tolerance}, {args.attempts}")
+    summary = collect(out, specs, layouts, args.device, rounds=args.rounds, tolerance=args.tolerance,
+                      attempts=args.attempts, retime_noisy=args.retime_noisy, threads=args.threads,
                       progress=not args.no_progress)
-    print_table(f"maco collect -> {out}", ["measured", "skipped", "rows", "bad lines", "seconds"],
-                [(summary.measured, summary.skipped, summary.rows, summary.bad_lines, summary.seconds)])
+    print_table(f"maco collect -> {out}", ["measured", "retimed", "skipped", "rows", "bad lines", "seconds"],
+                [(summary.measured, summary.retimed, summary.skipped, summary.rows, summary.bad_lines,
+                  summary.seconds)])
     return 0

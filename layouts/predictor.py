@@ -1,0 +1,458 @@
+"""The layout latency predictor: torch MLPs whose architecture and training are chosen by NAS
+(Optuna, TPE sampler, Hyperband pruner), on features of a conv and a layout, predicting log
+latency. Also the baselines the paper compares with (SVR, linear regression, gradient-boosted
+trees, on the raw latency target as the paper did and on the log target) and the metrics that
+matter to a planner: R2 on latency and log latency, and how often a model picks the slower
+layout and what that costs.
+
+    rows = maco.layouts.dataset.load_rows("results/dataset_cpu.csv")
+    pred = train_predictor(rows, trials=40)
+    pred.predict(spec, "NHWC")  # seconds
+    pred.save("results/predictor_cpu"); LatencyPredictor.load("results/predictor_cpu")
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from maco.errors import MacoError
+from maco.spec import ConvSpec
+
+from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, write_atomic
+
+FEATURES = ["layout", "n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h",
+            "pad_w", "dil_h", "dil_w", "groups", "flops", "input_bytes", "weight_bytes",
+            "output_bytes", "c_per_group", "k_per_group", "out_h", "out_w", "depthwise"]
+# Sizes that span orders of magnitude enter the MLP as logs; small integers stay as they are.
+_LOGGED = {"n", "c", "h", "w", "k", "groups", "flops", "input_bytes", "weight_bytes",
+           "output_bytes", "c_per_group", "k_per_group", "out_h", "out_w"}
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh, "elu": nn.ELU}
+FORMAT_VERSION = 1
+
+
+def layout_id(layout: str) -> int:
+    return LAYOUTS.index(check_layout(layout))
+
+
+def features(specs: Sequence[ConvSpec], layouts: Sequence[str], log: bool = True) -> np.ndarray:
+    """(N, len(FEATURES)) float64: the conv's shape numbers and sizes, logs of the large ones
+    when `log` (the MLP's input), raw values otherwise (the paper's baselines)."""
+    if len(specs) != len(layouts):
+        raise MacoError(f"{len(specs)} specs but {len(layouts)} layouts")
+    out = np.empty((len(specs), len(FEATURES)))
+    for i, (s, lay) in enumerate(zip(specs, layouts)):
+        vals = {"layout": layout_id(lay), "n": s.n, "c": s.c, "h": s.h, "w": s.w, "k": s.k,
+                "kh": s.kh, "kw": s.kw, "stride_h": s.stride[0], "stride_w": s.stride[1],
+                "pad_h": s.padding[0], "pad_w": s.padding[1], "dil_h": s.dilation[0],
+                "dil_w": s.dilation[1], "groups": s.groups, "flops": s.flops,
+                "input_bytes": s.input_bytes, "weight_bytes": s.weight_bytes,
+                "output_bytes": s.output_bytes, "c_per_group": s.c_per_group,
+                "k_per_group": s.k_per_group, "out_h": s.out_h, "out_w": s.out_w,
+                "depthwise": int(s.is_depthwise)}
+        out[i] = [math.log(vals[f]) if log and f in _LOGGED else float(vals[f]) for f in FEATURES]
+    return out
+
+
+# -- the MLP --------------------------------------------------------------------------------------
+@dataclass
+class MLPConfig:
+    """An architecture and its training: what the NAS chooses."""
+
+    layers: int = 3
+    width: int = 128
+    activation: str = "silu"
+    dropout: float = 0.0
+    lr: float = 3e-3
+    weight_decay: float = 1e-5
+    batch_size: int = 64
+    epochs: int = 300
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise MacoError(f"unknown activation {self.activation!r}; choose from {', '.join(ACTIVATIONS)}")
+        if self.layers < 1 or self.width < 1 or self.epochs < 1 or self.batch_size < 1:
+            raise MacoError(f"layers, width, epochs and batch_size must be positive: {self}")
+
+
+def build_mlp(config: MLPConfig, n_in: int) -> nn.Sequential:
+    mods: list[nn.Module] = []
+    width_in = n_in
+    for _ in range(config.layers):
+        mods += [nn.Linear(width_in, config.width), ACTIVATIONS[config.activation]()]
+        if config.dropout > 0:
+            mods.append(nn.Dropout(config.dropout))
+        width_in = config.width
+    mods.append(nn.Linear(width_in, 1))
+    return nn.Sequential(*mods)
+
+
+def train_mlp(config: MLPConfig, x: np.ndarray, y: np.ndarray, *, seed: int = 0,
+              report: Callable[[int, nn.Module], bool] | None = None,
+              report_every: int = 10) -> nn.Sequential:
+    """AdamW with cosine-annealed learning rate on MSE of standardised inputs and target.
+    `report(epoch, model)` is called (model in eval mode) every `report_every` epochs;
+    returning True stops training early (the NAS pruner's hook)."""
+    torch.manual_seed(seed)
+    model = build_mlp(config, x.shape[1])
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=config.epochs)
+    xt, yt = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y, dtype=torch.float32)[:, None]
+    gen = torch.Generator().manual_seed(seed)
+    for epoch in range(1, config.epochs + 1):
+        model.train()
+        perm = torch.randperm(len(xt), generator=gen)
+        for i in range(0, len(xt), config.batch_size):
+            idx = perm[i:i + config.batch_size]
+            loss = nn.functional.mse_loss(model(xt[idx]), yt[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        sched.step()
+        if report is not None and epoch % report_every == 0:
+            model.eval()
+            if report(epoch, model):
+                break
+    return model.eval()
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Small MLPs train ~4x faster on one torch thread than on two busy cores (no fork-join)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _mlp_predict(model: nn.Module, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(x, dtype=torch.float32))[:, 0].double().numpy()
+
+
+# -- the predictor ------------------------------------------------------------------------------
+@dataclass
+class LatencyPredictor:
+    """Seconds of a conv in a layout, from an ensemble of MLPs predicting standardised log
+    latency (their mean in log space), plus an optional conversion-cost model."""
+
+    config: MLPConfig
+    x_mean: np.ndarray
+    x_std: np.ndarray
+    y_mean: float
+    y_std: float
+    models: list[nn.Sequential]
+    device: str = "cpu"
+    conversion: ConversionModel | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def predict_many(self, specs: Sequence[ConvSpec], layouts: Sequence[str]) -> np.ndarray:
+        """Seconds for each (spec, layout) pair, as a float64 array."""
+        if not len(specs):
+            return np.zeros(0)
+        x = (features(specs, layouts) - self.x_mean) / self.x_std
+        z = np.mean([_mlp_predict(m, x) for m in self.models], axis=0)
+        return np.exp(z * self.y_std + self.y_mean)
+
+    def predict(self, spec: ConvSpec, layout: str) -> float:
+        return float(self.predict_many([spec], [layout])[0])
+
+    def predict_conversion(self, shape: Sequence[int], src: str, dst: str) -> float:
+        """The fitted conversion model saved with this predictor (calibrated here if none was)."""
+        from maco.layouts.latency import predict_conversion
+
+        return predict_conversion(shape, src, dst, self.device, model=self.conversion)
+
+    # -- files: <dir>/model.pt (state dicts) and <dir>/predictor.json (config, scalers, checksum)
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Both files written atomically; the JSON (written last) holds the weights' sha256, so
+        a directory caught between the two writes is refused on load, not misread."""
+        folder = Path(path)
+        buf = io.BytesIO()
+        torch.save([m.state_dict() for m in self.models], buf)
+        blob = buf.getvalue()
+        write_atomic(folder / "model.pt", blob)
+        doc = {"format": FORMAT_VERSION, "features": FEATURES, "config": self.config.__dict__,
+               "x_mean": self.x_mean.tolist(), "x_std": self.x_std.tolist(),
+               "y_mean": self.y_mean, "y_std": self.y_std, "device": self.device,
+               "ensemble": len(self.models), "model_sha256": hashlib.sha256(blob).hexdigest(),
+               "conversion": self.conversion.to_dict() if self.conversion else None,
+               "meta": self.meta}
+        write_atomic(folder / "predictor.json", json.dumps(doc, indent=1, default=str).encode())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "LatencyPredictor":
+        folder = Path(path)
+        try:
+            doc = json.loads((folder / "predictor.json").read_text())
+            blob = (folder / "model.pt").read_bytes()
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MacoError(f"cannot read a latency predictor from {str(path)!r}: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
+            raise MacoError(f"{str(path)!r}: unknown predictor format {doc.get('format') if isinstance(doc, dict) else doc!r}")
+        if doc.get("features") != FEATURES:
+            raise MacoError(f"{str(path)!r} was trained on other features than this MACO computes")
+        if hashlib.sha256(blob).hexdigest() != doc.get("model_sha256"):
+            raise MacoError(f"{str(path)!r}: model.pt does not match predictor.json (a torn save?)")
+        try:
+            config = MLPConfig(**doc["config"])
+            states = torch.load(io.BytesIO(blob), weights_only=True)
+            models = []
+            for state in states:
+                model = build_mlp(config, len(FEATURES))
+                model.load_state_dict(state)
+                models.append(model.eval())
+            conv = ConversionModel.from_dict(doc["conversion"]) if doc.get("conversion") else None
+            return cls(config, np.array(doc["x_mean"]), np.array(doc["x_std"]), float(doc["y_mean"]),
+                       float(doc["y_std"]), models, str(doc.get("device", "cpu")), conv,
+                       doc.get("meta") or {})
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise MacoError(f"{str(path)!r}: not a valid latency predictor: {exc}") from None
+
+
+def fit_predictor(specs: Sequence[ConvSpec], layouts: Sequence[str], seconds: np.ndarray,
+                  config: MLPConfig, *, ensemble: int = 1, seed: int = 0, device: str = "cpu",
+                  conversion: ConversionModel | None = None,
+                  meta: dict[str, Any] | None = None) -> LatencyPredictor:
+    """Train `ensemble` MLPs of one config (different seeds) on all the given rows."""
+    seconds = np.asarray(seconds, dtype=float)
+    if len(specs) < 2 or len(specs) != len(seconds) or np.any(seconds <= 0):
+        raise MacoError(f"need >= 2 rows with positive seconds, got {len(specs)} rows")
+    x = features(specs, layouts)
+    x_mean, x_std = x.mean(axis=0), x.std(axis=0)
+    x_std[x_std == 0] = 1.0
+    y = np.log(seconds)
+    y_mean, y_std = float(y.mean()), float(y.std() or 1.0)
+    xs, ys = (x - x_mean) / x_std, (y - y_mean) / y_std
+    with _one_thread():
+        models = [train_mlp(config, xs, ys, seed=seed + i) for i in range(ensemble)]
+    return LatencyPredictor(config, x_mean, x_std, y_mean, y_std, models, device, conversion,
+                            meta or {})
+
+
+# -- NAS ----------------------------------------------------------------------------------------
+def search_config(specs: Sequence[ConvSpec], layouts: Sequence[str], seconds: np.ndarray, *,
+                  trials: int = 30, epochs: int = 200, timeout: float | None = None,
+                  val_fraction: float = 0.2, seed: int = 0, progress: bool = True
+                  ) -> tuple[MLPConfig, Any]:
+    """Optuna NAS: TPE over depth, width, activation, dropout, learning rate, weight decay and
+    batch size; Hyperband prunes trials whose validation loss lags. The validation rows are a
+    spec-grouped part of the given rows (both layouts of a conv on one side). Returns the best
+    config (with `epochs`) and the study."""
+    import optuna
+
+    seconds = np.asarray(seconds, dtype=float)
+    train_idx, val_idx = split_by_spec(specs, val_fraction, seed)
+    x = features(specs, layouts)
+    mean, std = x[train_idx].mean(axis=0), x[train_idx].std(axis=0)
+    std[std == 0] = 1.0
+    x = (x - mean) / std
+    y = np.log(seconds)
+    ym, ysd = y[train_idx].mean(), y[train_idx].std() or 1.0
+    y = (y - ym) / ysd
+    report_every = max(1, epochs // 20)
+
+    def objective(trial: "optuna.Trial") -> float:
+        config = MLPConfig(
+            layers=trial.suggest_int("layers", 1, 5),
+            width=trial.suggest_int("width", 16, 512, log=True),
+            activation=trial.suggest_categorical("activation", sorted(ACTIVATIONS)),
+            dropout=trial.suggest_float("dropout", 0.0, 0.3),
+            lr=trial.suggest_float("lr", 1e-4, 3e-2, log=True),
+            weight_decay=trial.suggest_float("weight_decay", 1e-8, 1e-2, log=True),
+            batch_size=trial.suggest_categorical("batch_size", [32, 64, 128, 256]),
+            epochs=epochs)
+        def val_loss(model: nn.Module) -> float:
+            loss = float(np.mean((_mlp_predict(model, x[val_idx]) - y[val_idx]) ** 2))
+            return loss if math.isfinite(loss) else 1e9
+
+        def report(epoch: int, model: nn.Module) -> bool:
+            trial.report(val_loss(model), epoch)
+            return trial.should_prune()
+
+        model = train_mlp(config, x[train_idx], y[train_idx], seed=seed, report=report,
+                          report_every=report_every)
+        if trial.should_prune():
+            raise optuna.TrialPruned()
+        return val_loss(model)
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed),
+        pruner=optuna.pruners.HyperbandPruner(min_resource=report_every, max_resource=epochs,
+                                              reduction_factor=3))
+    with _one_thread():
+        study.optimize(objective, n_trials=trials, timeout=timeout, show_progress_bar=progress)
+    best = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if not best:
+        raise MacoError("the NAS completed no trial; give it more trials or time")
+    return MLPConfig(**study.best_params, epochs=epochs), study
+
+
+def train_predictor(rows: Sequence[Any], *, trials: int = 30, epochs: int = 200,
+                    timeout: float | None = None, ensemble: int = 3, seed: int = 0,
+                    device: str = "cpu", conversion: ConversionModel | None = None,
+                    progress: bool = True) -> LatencyPredictor:
+    """NAS on the given data set rows (layouts.dataset.Row) of one device, then the best config
+    retrained on all of them as an ensemble."""
+    rows = [r for r in rows if r.device == device]
+    if len(rows) < 10:
+        raise MacoError(f"need at least 10 rows measured on {device!r} to train, got {len(rows)}")
+    specs, lays = [r.spec for r in rows], [r.layout for r in rows]
+    secs = np.array([r.seconds for r in rows])
+    start = time.perf_counter()
+    config, study = search_config(specs, lays, secs, trials=trials, epochs=epochs, timeout=timeout,
+                                  seed=seed, progress=progress)
+    meta = {"rows": len(rows), "trials": len(study.trials), "nas_best_val_mse": study.best_value,
+            "nas_seconds": time.perf_counter() - start}
+    return fit_predictor(specs, lays, secs, config, ensemble=ensemble, seed=seed, device=device,
+                         conversion=conversion, meta=meta)
+
+
+# -- splits, baselines and metrics ---------------------------------------------------------------
+def split_by_spec(specs: Sequence[ConvSpec], test_fraction: float = 0.2,
+                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices (train, test) with every layout of a conv on the same side, so a test conv
+    is unseen and its layouts can be compared."""
+    if not 0 < test_fraction < 1:
+        raise MacoError(f"test fraction must lie in (0, 1), got {test_fraction}")
+    distinct = sorted({str(s) for s in specs})
+    random.Random(seed).shuffle(distinct)
+    test = set(distinct[:max(1, int(round(len(distinct) * test_fraction)))])
+    is_test = np.array([str(s) in test for s in specs])
+    return np.flatnonzero(~is_test), np.flatnonzero(is_test)
+
+
+@dataclass
+class Metrics:
+    """How well predicted seconds match measured ones, and what a planner would lose."""
+
+    r2: float  # on seconds
+    r2_log: float  # on log seconds
+    median_rel_error: float
+    wrong_picks: float  # fraction of convs whose predicted-faster layout is the slower one
+    wrong_picks_5pct: float  # the same, counting only convs whose layouts differ by > 5%
+    pick_cost: float  # extra seconds of the wrong picks / seconds of the best layouts
+    pairs: int  # convs with every layout measured
+    rel_errors: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: v for k, v in self.__dict__.items() if k != "rel_errors"}
+
+
+def r2_score(y: np.ndarray, p: np.ndarray) -> float:
+    ss_res = float(np.sum((y - p) ** 2))
+    ss_tot = float(np.sum((y - np.mean(y)) ** 2))
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan")
+
+
+def evaluate(specs: Sequence[ConvSpec], layouts: Sequence[str], measured: np.ndarray,
+             predicted: np.ndarray) -> Metrics:
+    measured, predicted = np.asarray(measured, float), np.asarray(predicted, float)
+    safe = np.maximum(predicted, 1e-12)  # a raw-target model can predict <= 0
+    by_spec: dict[str, dict[str, tuple[float, float]]] = {}
+    for s, lay, m, p in zip(specs, layouts, measured, predicted):
+        by_spec.setdefault(str(s), {})[lay] = (m, p)
+    wrong = wrong5 = pairs = 0
+    extra = best_total = 0.0
+    for d in by_spec.values():
+        if len(d) < 2:
+            continue
+        pairs += 1
+        best = min(d, key=lambda k: d[k][0])
+        chosen = min(d, key=lambda k: d[k][1])
+        best_total += d[best][0]
+        if chosen != best:
+            wrong += 1
+            extra += d[chosen][0] - d[best][0]
+            wrong5 += d[chosen][0] > 1.05 * d[best][0]
+    return Metrics(r2=r2_score(measured, predicted),
+                   r2_log=r2_score(np.log(measured), np.log(safe)),
+                   median_rel_error=float(np.median(np.abs(predicted - measured) / measured)),
+                   wrong_picks=wrong / pairs if pairs else float("nan"),
+                   wrong_picks_5pct=wrong5 / pairs if pairs else float("nan"),
+                   pick_cost=extra / best_total if best_total else float("nan"), pairs=pairs,
+                   rel_errors=np.abs(predicted - measured) / measured)
+
+
+def baseline_models(seed: int = 0) -> dict[str, Any]:
+    """The paper's comparison models (scikit-learn), each behind a feature scaler."""
+    from sklearn.ensemble import GradientBoostingRegressor
+    from sklearn.linear_model import LinearRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from sklearn.svm import SVR
+
+    return {"SVR": make_pipeline(StandardScaler(), SVR()),
+            "linear": make_pipeline(StandardScaler(), LinearRegression()),
+            "GBRT": GradientBoostingRegressor(random_state=seed)}
+
+
+def fit_baseline(model: Any, specs: Sequence[ConvSpec], layouts: Sequence[str],
+                 seconds: np.ndarray, target: str) -> Callable[[Sequence[ConvSpec], Sequence[str]], np.ndarray]:
+    """Fit on `target` "raw" (raw features, seconds: the paper's setting) or "log" (log
+    features, log seconds); returns a function giving predicted seconds."""
+    if target not in ("raw", "log"):
+        raise MacoError(f"target must be 'raw' or 'log', got {target!r}")
+    log = target == "log"
+    y = np.log(seconds) if log else np.asarray(seconds, float)
+    model.fit(features(specs, layouts, log=log), y)
+
+    def predict(s: Sequence[ConvSpec], lays: Sequence[str]) -> np.ndarray:
+        p = model.predict(features(s, lays, log=log))
+        return np.exp(p) if log else p
+
+    return predict
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m maco.layouts.predictor DATA.csv OUT_DIR: NAS, retrain, calibrate conversions, save."""
+    from maco.layouts.dataset import load_rows
+
+    p = argparse.ArgumentParser(prog="python -m maco.layouts.predictor",
+                                description="Train a layout latency predictor on a `maco collect` data set.")
+    p.add_argument("data")
+    p.add_argument("out")
+    p.add_argument("--trials", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=200)
+    p.add_argument("--timeout", type=float, default=None, help="NAS time limit in seconds")
+    p.add_argument("--ensemble", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        conv = ConversionModel.calibrate(args.device)
+        pred = train_predictor(load_rows(args.data), trials=args.trials, epochs=args.epochs,
+                               timeout=args.timeout, ensemble=args.ensemble, seed=args.seed,
+                               device=args.device, conversion=conv)
+        pred.save(args.out)
+    except MacoError as exc:
+        print(f"error: {exc}")
+        return 2
+    print(f"saved {args.out}: {pred.config} {pred.meta}")
+    return 0
+
+
+__all__ = ["FEATURES", "MLPConfig", "LatencyPredictor", "Metrics", "features", "build_mlp",
+           "train_mlp", "fit_predictor", "search_config", "train_predictor", "split_by_spec",
+           "evaluate", "r2_score", "baseline_models", "fit_baseline"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""The data set: sensible random convs, rows that survive a round trip, resumable collection,
+corrupt and torn lines reported and skipped, and the `maco collect` command."""
+import warnings
+
+import pytest
+
+from maco.cli import main
+from maco.errors import MacoError
+from maco.layouts.dataset import (COLUMNS, Dataset, Row, best_rows, collect, load_rows,
+                                  network_specs, random_specs)
+from maco.spec import ConvSpec
+from maco.timing import Timing
+
+TINY = [("t", ConvSpec.parse(s)) for s in
+        ("n1_c4_h8_w8_k8_r3_p1", "n1_c8_h6_w6_k8_r1", "n1_c8_h9_w9_k8_r3_s2_p1_g8")]
+
+
+def test_random_specs_are_valid_varied_capped_and_prefix_stable():
+    specs = random_specs(300, seed=1, max_flops=5e8)
+    assert specs[:50] == random_specs(50, seed=1, max_flops=5e8)
+    assert specs != random_specs(300, seed=2, max_flops=5e8)
+    assert all(s.flops <= 5e8 for s in specs)
+    assert any(s.is_depthwise for s in specs) and any(1 < s.groups < s.c for s in specs)
+    assert any(s.stride != (1, 1) for s in specs) and any(s.dilation != (1, 1) for s in specs)
+    assert {s.kh for s in specs} >= {1, 3, 5, 7} and sum(s.n == 1 for s in specs) > 200
+    with pytest.raises(MacoError, match="-1"):
+        random_specs(-1)
+
+
+def test_network_specs():
+    specs = network_specs(["alexnet"])
+    assert len(specs) == 5 and specs[0][0] == "alexnet:features.0"
+    with pytest.raises(MacoError, match="'lenet'"):
+        network_specs(["lenet"])
+
+
+def _row(spec, layout="NCHW", seconds=1e-3, stdev=0.0):
+    return Row(spec, layout, "cpu", "t", Timing(seconds, seconds * 0.9, seconds * 1.1, stdev, 3, 2), "e", 1.5)
+
+
+def test_row_round_trip_and_best_rows():
+    spec = ConvSpec.parse("n2_c8_h10_w9_k8_r1x3_s2x1_p0x1_d1_g2")
+    row = _row(spec, "NHWC", 2.5e-4)
+    again = Row.from_fields([str(v) for v in row.fields()])
+    assert again == row and again.key == (str(spec), "NHWC", "cpu")
+    quiet = _row(spec, "NHWC", 3e-4, stdev=1e-6)
+    noisy = _row(spec, "NHWC", 9e-4, stdev=5e-4)
+    assert best_rows([noisy, quiet]) == [quiet]
+
+
+def test_corrupt_and_torn_lines_are_reported_and_skipped(tmp_path):
+    path = tmp_path / "d.csv"
+    ds = Dataset(path)
+    ds.append([_row(TINY[0][1]), _row(TINY[1][1])])
+    good = path.read_text()
+    lines = good.splitlines()
+    bad_spec = lines[1].replace("n1_c4_h8", "n1_c5_h8", 1)
+    path.write_text("\n".join([lines[0], lines[1], "garbage,1,2", bad_spec, lines[2]]) + "\n" + lines[1][:30])
+    ds.append([_row(TINY[2][1])])  # after a torn last line
+    with pytest.warns(UserWarning, match="corrupt"):
+        rows = ds.load()
+    assert [r.spec for r in rows] == [TINY[0][1], TINY[1][1], TINY[2][1]]
+    assert [n for n, _ in ds.bad_lines] == [3, 4, 6]
+
+
+def test_bad_header_and_missing_file(tmp_path):
+    (tmp_path / "x.csv").write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(MacoError, match="not a MACO latency data set"):
+        Dataset(tmp_path / "x.csv").load()
+    with pytest.raises(MacoError, match="maco collect"):
+        load_rows(tmp_path / "none.csv")
+
+
+def test_collect_resumes_without_losing_rows(tmp_path):
+    path = tmp_path / "d.csv"
+    first = collect(path, TINY[:2], rounds=1, repeats=2, min_run_time=1e-4, progress=False)
+    assert (first.measured, first.skipped, first.rows) == (2, 0, 4)
+    text = path.read_text()
+    again = collect(path, TINY, rounds=1, repeats=2, min_run_time=1e-4, progress=False)
+    assert (again.measured, again.skipped, again.rows) == (1, 2, 6)
+    assert path.read_text().startswith(text)  # appended, never rewritten
+    rows = load_rows(path)
+    assert {r.key for r in rows} == {(str(s), lay, "cpu") for _, s in TINY for lay in ("NCHW", "NHWC")}
+    assert all(r.seconds > 0 for r in rows)
+    envs = Dataset(path).environments()
+    assert len(envs) == 1 and rows[0].env_id in envs and "torch" in envs[rows[0].env_id]
+    with open(path) as f:
+        assert f.readline().strip() == ",".join(COLUMNS)
+
+
+def test_collect_command(tmp_path, capsys):
+    out = tmp_path / "d.csv"
+    assert main(["collect", "--out", str(out), "--random", "2", "--networks", "", "--max-gflop", "0.02",
+                 "--rounds", "1", "--no-progress"]) == 0
+    assert len(load_rows(out)) == 4 and "rows" in capsys.readouterr().out
+    assert main(["collect", "--out", str(out), "--batch", "0"]) == 2
+    assert "--batch" in capsys.readouterr().err
+    assert main(["collect", "--out", str(out), "--layouts", "NCWH", "--random", "1", "--networks", ""]) == 2
+    assert "'NCWH'" in capsys.readouterr().err
