@@ -26,6 +26,7 @@ import copy
 import json
 import operator
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from torch import nn
 
 from maco.errors import MacoError
 from maco.spec import ConvSpec
-from maco.timing import environment
+from maco.timing import Timing, environment, time_callable
 
 from maco.layouts.graph import Layer, LayerGraph, node_kind, symbolic_trace, trace_module
 from maco.layouts.latency import check_layout, memory_format
@@ -454,5 +455,56 @@ def plan(model: nn.Module, example_input: Any, layouts: Sequence[str] = ("NCHW",
                       env=environment())
 
 
+# -- end to end ---------------------------------------------------------------------------------
+@dataclass
+class EndToEnd:
+    """Default vs planned model, timed in interleaved rounds: each round times both by the
+    protocol, so a load change on a shared machine hits both; speedup is the median of the
+    rounds' default/planned ratios. `max_abs_diff` compares their outputs on the input."""
+
+    default: Timing
+    planned: Timing
+    ratios: list[float]
+    max_abs_diff: float
+
+    @property
+    def speedup(self) -> float:
+        return float(statistics.median(self.ratios))
+
+
+def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any, *, rounds: int = 5,
+                       repeats: int = 3, min_run_time: float = 0.02,
+                       progress: bool = False) -> EndToEnd:
+    """Time `model` (the default layout) against `planned` (e.g. plan.apply(model)) on
+    `example_input`, interleaved by rounds, with torch.inference_mode."""
+    from tqdm import tqdm
+
+    from maco.layouts.latency import pool_timings
+
+    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+    with torch.inference_mode():
+        want, got = model(*inputs), planned(*inputs)
+        diff = max((float((a - b).abs().max()) for a, b in zip(_tensors(want), _tensors(got))), default=0.0)
+    runs = {"default": lambda: model(*inputs), "planned": lambda: planned(*inputs)}
+    per_round: dict[str, list[Timing]] = {k: [] for k in runs}
+    with torch.inference_mode():
+        for _ in tqdm(range(max(rounds, 1)), desc="end to end", unit="round", disable=not progress,
+                      leave=False):
+            for key, fn in runs.items():
+                per_round[key].append(time_callable(fn, repeats=repeats, min_run_time=min_run_time, warmup=1))
+    ratios = [d.median / p.median for d, p in zip(per_round["default"], per_round["planned"])]
+    return EndToEnd(pool_timings(per_round["default"]), pool_timings(per_round["planned"]), ratios, diff)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, Mapping):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
 __all__ = ["plan", "LayoutPlan", "LayerPlan", "latency_source", "build_problem", "load_predictor",
-           "FLEXIBLE_KINDS"]
+           "compare_end_to_end", "EndToEnd", "FLEXIBLE_KINDS"]

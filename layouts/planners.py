@@ -112,14 +112,14 @@ def _backtrack(problem: LayoutProblem, time_limit: float | None) -> dict[Name, s
 
 # -- two layouts: s-t minimum cut ----------------------------------------------------------------
 def _mincut(problem: LayoutProblem, time_limit: float | None) -> dict[Name, str]:
-    import networkx as nx
-
     layouts = problem.layouts
     if len(layouts) > 2:
         raise MacoError(f"mincut handles two layouts, this problem has {len(layouts)}: "
                         f"{', '.join(layouts)}; use method='milp' or 'exact'")
     if len(layouts) == 1:
         return {v: layouts[0] for v in problem.layers}
+    import networkx as nx
+
     l0, l1 = layouts
     scale = _integer_scale(problem)
     graph = nx.DiGraph()

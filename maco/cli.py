@@ -8,7 +8,7 @@ import sys
 
 from maco.errors import MacoError
 
-COMMANDS = ["layers", "collect", "space", "bound"]
+COMMANDS = ["layers", "collect", "space", "bound", "plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,237 @@
+"""Planner run time: the exact planners (s-t min cut, HiGHS MILP) against the paper's Algorithm 1
+(backtracking with the running best as the bound) on the traced graphs of ResNet-18, AlexNet and
+VGG-11 and on deep random residual graphs of growing depth, each backtracking run capped by a
+time limit. Where backtracking finishes, every method must reach the same cost.
+
+    python experiments/planner_runtime.py [--out results] [--time-limit 20] [--max-depth 1024]
+
+Conv costs: the measured seconds of results/dataset_cpu.csv (`maco collect`) where it has the
+layer, else a synthetic FLOP-rate model; conversions: bytes / 10 GB/s + 5 us (the run time of a
+planner barely depends on the values, only on the graph and on how well backtracking prunes).
+Writes planner_runtime.csv and planner_runtime.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+NETWORKS = ("resnet18", "alexnet", "vgg11")
+COLUMNS = ["graph", "depth", "layers", "free", "edges", "layouts", "method", "seconds", "status",
+           "cost", "agrees"]
+
+
+def conversion_seconds(shape: tuple[int, ...], src: str, dst: str) -> float:
+    return math.prod(shape) * 4 / 10e9 + 5e-6
+
+
+def network_problem(name: str, dataset: dict[tuple[str, str], float]):
+    from maco.layouts.deploy import build_problem
+    from maco.layouts.graph import trace_module
+    from maco.layouts.networks import build, example_input
+
+    gm, graph = trace_module(build(name), example_input())
+    rng = random.Random(name)
+    conv_seconds = {}
+    for layer in graph.convs():
+        spec = layer.spec
+        conv_seconds[layer.name] = {
+            lay: dataset.get((str(spec), lay), spec.flops / (rng.uniform(100, 400) * 1e9))
+            for lay in ("NCHW", "NHWC")}
+    problem, _ = build_problem(gm, graph, ["NCHW", "NHWC"], conv_seconds, conversion_seconds)
+    return problem
+
+
+def residual_problem(depth: int, layouts: list[str], seed: int):
+    """A ResNet-like chain: `depth` conv layers in blocks of two, each block's input also feeding
+    the add after it (a skip connection), with an NCHW-pinned input and output."""
+    from maco.layouts.problem import LayoutProblem
+
+    rng = random.Random(seed)
+    layers, consumers, cost = ["input"], {}, {"input": {"NCHW": 0.0}}
+    prev, block_in = "input", "input"
+    for i in range(depth):
+        name = f"conv{i}"
+        layers.append(name)
+        consumers.setdefault(prev, []).append(name)
+        cost[name] = {lay: rng.uniform(1e-4, 1e-3) for lay in layouts}
+        prev = name
+        if i % 2 == 1:
+            add = f"add{i}"
+            layers.append(add)
+            consumers.setdefault(prev, []).append(add)
+            consumers.setdefault(block_in, []).append(add)
+            cost[add] = {lay: 0.0 for lay in layouts}
+            prev = block_in = add
+    layers.append("output")
+    consumers.setdefault(prev, []).append("output")
+    cost["output"] = {"NCHW": 0.0}
+    convert = {v: {(a, b): rng.uniform(2e-5, 2e-4) for a in layouts for b in layouts if a != b}
+               for v in layers}
+    return LayoutProblem(layers, consumers, cost, convert)
+
+
+def run_methods(problem: Any, graph: str, depth: int | None, time_limit: float,
+                skip_backtrack: bool) -> list[dict]:
+    from maco.layouts.planners import solve
+    from maco.layouts.problem import PlannerTimeout
+
+    k = len(problem.layouts)
+    methods = (["mincut"] if k == 2 else []) + ["milp", "backtrack"]
+    common = dict(graph=graph, depth=depth if depth is not None else "", layers=len(problem.layers),
+                  free=sum(len(problem.layer_cost[v]) > 1 for v in problem.layers),
+                  edges=sum(len(us) for us in problem.consumers.values()), layouts=k)
+    rows, costs = [], {}
+    for method in methods:
+        if method == "backtrack" and skip_backtrack:
+            rows.append(dict(common, method=method, seconds="", status="skipped", cost="", agrees=""))
+            continue
+        start = time.perf_counter()
+        try:
+            sol = solve(problem, method, time_limit=time_limit)
+            status, cost = "optimal", sol.cost
+            costs[method] = cost
+        except PlannerTimeout as exc:
+            status, cost = "timeout", (exc.best.cost if exc.best else "")
+        rows.append(dict(common, method=method, seconds=f"{time.perf_counter() - start:.6f}",
+                         status=status, cost=f"{cost:.9g}" if cost != "" else "", agrees=""))
+    agree = len({round(c, 12) for c in costs.values()}) <= 1 if costs else ""
+    for row in rows:
+        row["agrees"] = agree
+    return rows
+
+
+def load_dataset() -> dict[tuple[str, str], float]:
+    try:
+        from maco.layouts.dataset import load_rows
+
+        return {(str(r.spec), r.layout): r.seconds for r in load_rows("results/dataset_cpu.csv")
+                if r.device == "cpu"}
+    except Exception:  # no data set here: synthetic costs only
+        return {}
+
+
+def measure(time_limit: float, max_depth: int) -> list[dict]:
+    from tqdm import tqdm
+
+    from maco.layouts.planners import solve
+    from maco.layouts.problem import LayoutProblem
+
+    solve(LayoutProblem(["a", "b"], {"a": ["b"]}, {"a": {"A": 1}, "b": {"A": 1, "B": 0}},
+                        {"a": {("A", "B"): 1}}), "mincut")  # import networkx/scipy outside the clock
+    solve(LayoutProblem(["a"], {}, {"a": {"A": 1, "B": 0, "C": 2}}), "milp")
+    dataset = load_dataset()
+    rows: list[dict] = []
+    for name in tqdm(NETWORKS, desc="networks", unit="net"):
+        rows += run_methods(network_problem(name, dataset), name, None, time_limit, False)
+    depths = [d for d in (4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128, 256, 512, 1024, 2048)
+              if d <= max_depth]
+    jobs = [(k, d) for k in (2, 3) for d in depths]
+    given_up = set()
+    for k, depth in tqdm(jobs, desc="random residual graphs", unit="graph"):
+        layouts = ["NCHW", "NHWC", "NCHW16c"][:k]
+        problem = residual_problem(depth, layouts, seed=depth * 10 + k)
+        got = run_methods(problem, f"residual-{k}", depth, time_limit, k in given_up)
+        if any(r["method"] == "backtrack" and r["status"] == "timeout" for r in got):
+            given_up.add(k)  # deeper graphs only take longer: skip them
+        rows += got
+    return rows
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    from maco.layouts.latency import write_atomic as write
+
+    write(path, data)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, buf.getvalue().encode())
+
+
+def plot(rows: list[dict], path: Path, time_limit: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    styles = {"mincut": "o-", "milp": "s-", "backtrack": "^-"}
+    for k, dash in ((2, "-"), (3, ":")):
+        for method, style in styles.items():
+            pts = [(int(r["depth"]), float(r["seconds"])) for r in rows
+                   if r["graph"] == f"residual-{k}" and r["method"] == method and r["status"] == "optimal"]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, style[:-1] + dash, label=f"{method}, {k} layouts")
+            out = [int(r["depth"]) for r in rows if r["graph"] == f"residual-{k}" and r["method"] == method
+                   and r["status"] == "timeout"]
+            if out:
+                ax.plot(out, [time_limit] * len(out), "rx", ms=10)
+    ax.axhline(time_limit, color="r", lw=0.8, ls="--", label=f"time limit {time_limit:g} s (x: timed out)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("conv layers in a random residual graph")
+    ax.set_ylabel("planner run time (s)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    nets = [r for r in rows if r["graph"] in NETWORKS]
+    labels = list(dict.fromkeys(r["graph"] for r in nets))
+    for j, method in enumerate(styles):
+        vals = []
+        for net in labels:
+            r = next((r for r in nets if r["graph"] == net and r["method"] == method), None)
+            vals.append(float(r["seconds"]) if r and r["seconds"] else 0.0)
+        xs = [i + 0.27 * (j - 1) for i in range(len(labels))]
+        bx.bar(xs, vals, 0.27, label=method)
+        for x, net in zip(xs, labels):
+            if any(r["graph"] == net and r["method"] == method and r["status"] == "timeout" for r in nets):
+                bx.text(x, time_limit * 1.1, "timeout", ha="center", fontsize=7, color="r")
+    bx.axhline(time_limit, color="r", lw=0.8, ls="--")
+    bx.set_xticks(range(len(labels)), [f"{n}\n({next(r['layers'] for r in nets if r['graph'] == n)} nodes)"
+                                       for n in labels])
+    bx.set_yscale("log")
+    bx.set_ylabel("planner run time (s)")
+    bx.set_title("traced network graphs, 2 layouts")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    write_atomic(path, buf.getvalue())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results")
+    p.add_argument("--time-limit", type=float, default=20.0, help="cap per planner run (s)")
+    p.add_argument("--max-depth", type=int, default=1024)
+    args = p.parse_args()
+    rows = measure(args.time_limit, args.max_depth)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out / "planner_runtime.csv")
+    plot(rows, out / "planner_runtime.png", args.time_limit)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="planner run time (s)")
+    for col in ("graph", "depth", "layers", "free", "layouts", "method", "seconds", "status", "agrees"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*[str(r[c]) for c in ("graph", "depth", "layers", "free", "layouts", "method",
+                                             "seconds", "status", "agrees")])
+    Console(width=160).print(table)
+    print(f"wrote {out / 'planner_runtime.csv'} and {out / 'planner_runtime.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
