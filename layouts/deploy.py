@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import copy
 import json
+from contextlib import contextmanager
 import operator
 import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -49,6 +50,8 @@ FLEXIBLE_KINDS = frozenset({"conv", "bn", "relu", "act", "pool", "add", "mul", "
 META_KINDS = frozenset({"meta", "getattr"})
 FORMAT_VERSION = 1
 DEFAULT_PREDICTOR = "results/predictor_cpu"
+# How "measure" times each distinct conv: interleaved rounds of both layouts, each by the protocol.
+MEASURE = {"rounds": 3, "repeats": 3, "min_run_time": 2e-3}
 BASE = "NCHW"
 
 ConvCost = Callable[[ConvSpec, str], float]
@@ -76,7 +79,7 @@ def _measure_convs(device: str, progress: bool) -> Callable:
         by_spec: dict[ConvSpec, dict[str, float]] = {}
         specs = list(dict.fromkeys(spec for _, spec in convs))
         for spec in tqdm(specs, desc="measuring convs", unit="conv", disable=not progress, leave=False):
-            timings = measure_layouts(spec, layouts, device, rounds=2, repeats=3)
+            timings = measure_layouts(spec, layouts, device, **MEASURE)
             by_spec[spec] = {lay: t.median for lay, t in timings.items()}
         return {name: by_spec[spec] for name, spec in convs}
     return run
@@ -420,10 +423,14 @@ def _flexible(layer: Layer, graph: LayerGraph) -> bool:
 
 def plan(model: nn.Module, example_input: Any, layouts: Sequence[str] = ("NCHW", "NHWC"),
          latency: Any = "measure", *, predictor: Any = None, conversion: Any = None,
-         method: str = "exact", device: str = "cpu", progress: bool = False,
+         method: str = "exact", device: str | None = None, progress: bool = False,
          time_limit: float | None = None) -> LayoutPlan:
     """Plan a layout per layer of `model` for inputs like `example_input` (see the module
-    docstring for the rules and latency_source for the forms `latency` takes)."""
+    docstring for the rules and latency_source for the forms `latency` takes). Latencies are
+    measured on `device`, by default the example input's."""
+    first = example_input[0] if isinstance(example_input, (tuple, list)) and example_input else example_input
+    if device is None:
+        device = str(first.device) if isinstance(first, torch.Tensor) else "cpu"
     lays = list(dict.fromkeys(check_layout(lay) for lay in layouts))
     if not lays:
         raise MacoError("give at least one layout to plan with")
@@ -482,18 +489,38 @@ def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any,
     from maco.layouts.latency import pool_timings
 
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
-    with torch.inference_mode():
+    cuda = any(t.is_cuda for t in inputs if isinstance(t, torch.Tensor))
+    with torch.inference_mode(), _strict_fp32(cuda):
         want, got = model(*inputs), planned(*inputs)
         diff = max((float((a - b).abs().max()) for a, b in zip(_tensors(want), _tensors(got))), default=0.0)
     runs = {"default": lambda: model(*inputs), "planned": lambda: planned(*inputs)}
     per_round: dict[str, list[Timing]] = {k: [] for k in runs}
-    with torch.inference_mode():
+    sync = torch.cuda.synchronize if cuda else None
+    with torch.inference_mode(), _strict_fp32(cuda):
         for _ in tqdm(range(max(rounds, 1)), desc="end to end", unit="round", disable=not progress,
                       leave=False):
             for key, fn in runs.items():
-                per_round[key].append(time_callable(fn, repeats=repeats, min_run_time=min_run_time, warmup=1))
+                per_round[key].append(time_callable(fn, repeats=repeats, min_run_time=min_run_time,
+                                                    warmup=1, sync=sync))
     ratios = [d.median / p.median for d, p in zip(per_round["default"], per_round["planned"])]
     return EndToEnd(pool_timings(per_round["default"]), pool_timings(per_round["planned"]), ratios, diff)
+
+
+@contextmanager
+def _strict_fp32(cuda: bool) -> Iterator[None]:
+    """On a GPU, time as the per-layer latencies were: fp32 without TF32, cuDNN autotuned."""
+    if not cuda:
+        yield
+        return
+    flags = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+             torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = True, False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+         torch.backends.cuda.matmul.allow_tf32) = flags
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

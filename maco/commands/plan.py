@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="planner (default exact: min cut for two layouts)")
     p.add_argument("--layouts", default="NCHW,NHWC", help="layouts to choose from (default NCHW,NHWC)")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--json", default=None, metavar="FILE", help="save the plan as JSON (atomically)")
     p.add_argument("--rounds", type=int, default=5,
                    help="interleaved end-to-end timing rounds (default 5; 0 skips the timing)")
@@ -58,7 +59,8 @@ def _other_column(args: argparse.Namespace, convs: list[Any], specs: dict[str, A
     by_spec: dict[Any, dict[str, float]] = {}
     for spec in tqdm(list(dict.fromkeys(specs.values())), desc="measuring convs", unit="conv",
                      disable=args.no_progress, leave=False):
-        by_spec[spec] = {lay: t.median for lay, t in measure_layouts(spec, rounds=2, repeats=3).items()}
+        by_spec[spec] = {lay: t.median for lay, t in
+                         measure_layouts(spec, device=args.device, rounds=2, repeats=3).items()}
     return {n: by_spec[s] for n, s in specs.items()}
 
 
@@ -73,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
         raise MacoError(f"--batch must be positive, got {args.batch}")
     if args.rounds < 0:
         raise MacoError(f"--rounds must be >= 0, got {args.rounds}")
-    model, x = build(args.network), example_input(args.batch)
+    from maco.layouts.latency import check_device
+
+    device = check_device(args.device)
+    model, x = build(args.network).to(device), example_input(args.batch).to(device)
     layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
     p = plan(model, x, layouts=layouts, latency=args.latency, predictor=args.predictor,
              method=args.method, progress=not args.no_progress, time_limit=args.time_limit)
@@ -103,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds:
         planned = p.apply(model)
         e2e = compare_end_to_end(model, planned, x, rounds=args.rounds, progress=not args.no_progress)
-        print(f"end to end (torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+        print(f"end to end (torch {torch.__version__}, {where}, "
               f"{args.rounds} interleaved rounds): default {e2e.default.median * 1e3:.2f} ms, "
               f"planned {e2e.planned.median * 1e3:.2f} ms, speedup {e2e.speedup:.2f}x "
               f"(rounds {min(e2e.ratios):.2f}-{max(e2e.ratios):.2f}); "
