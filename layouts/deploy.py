@@ -440,9 +440,8 @@ def plan(model: nn.Module, example_input: Any, layouts: Sequence[str] = ("NCHW",
     convs = [(layer.name, layer.spec) for layer in graph.convs() if layer.spec is not None]
     conv_seconds = costs.conv(convs, lays)  # type: ignore[arg-type]
     problem, _ = build_problem(gm, graph, lays, conv_seconds, costs.conversion)
-    start = time.perf_counter()
     sol = solve(problem, method, time_limit=time_limit)
-    planner_seconds = time.perf_counter() - start
+    planner_seconds = sol.runtime
     default = {v: BASE for v in problem.layers}
     default_cost = problem.cost(default) if all(BASE in problem.layer_cost[v] for v in problem.layers) else None
     converted = problem.conversions(sol.assignment)
@@ -480,7 +479,7 @@ class EndToEnd:
 
 
 def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any, *, rounds: int = 5,
-                       repeats: int = 3, min_run_time: float = 0.02,
+                       repeats: int = 3, min_run_time: float = 0.02, warmup: int = 3,
                        progress: bool = False) -> EndToEnd:
     """Time `model` (the default layout) against `planned` (e.g. plan.apply(model)) on
     `example_input`, interleaved by rounds, with torch.inference_mode."""
@@ -497,6 +496,9 @@ def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any,
     per_round: dict[str, list[Timing]] = {k: [] for k in runs}
     sync = torch.cuda.synchronize if cuda else None
     with torch.inference_mode(), _strict_fp32(cuda):
+        for _ in range(warmup):  # first calls build oneDNN/cuDNN primitives: keep them off the clock
+            for fn in runs.values():
+                fn()
         for _ in tqdm(range(max(rounds, 1)), desc="end to end", unit="round", disable=not progress,
                       leave=False):
             for key, fn in runs.items():

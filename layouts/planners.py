@@ -47,6 +47,10 @@ def solve(problem: LayoutProblem, method: str = "exact", time_limit: float | Non
         raise MacoError(f"time_limit must be > 0 seconds, got {time_limit!r}")
     if method == "exact":
         method = "mincut" if len(problem.layouts) <= 2 else "milp"
+    if method == "mincut":  # a first import takes longer than most plans: not the planner's time
+        import networkx  # noqa: F401
+    elif method == "milp":
+        import scipy.optimize  # noqa: F401
     start = time.perf_counter()
     assignment = {"backtrack": _backtrack, "mincut": _mincut, "milp": _milp}[method](problem, time_limit)
     return Solution(assignment, problem.cost(assignment), method, time.perf_counter() - start)
@@ -90,7 +94,7 @@ def _backtrack(problem: LayoutProblem, time_limit: float | None) -> dict[Name, s
                 found = Solution(assignment, problem.cost(assignment), "backtrack", time_limit or 0.0,
                                  optimal=False)
             raise PlannerTimeout(f"backtracking over {n} layers passed its time limit of "
-                                 f"{time_limit} s after {steps} steps", found)
+                                 f"{time_limit} s after {steps} steps (method='exact' solves it in polynomial time)", found)
         t, cost = options[i][choice[i]]
         lay[i] = t
         for p in producers[i]:
