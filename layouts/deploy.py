@@ -28,7 +28,6 @@ from contextlib import contextmanager
 import operator
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
