@@ -41,21 +41,14 @@ def divisors(n: int) -> list[int]:
 
 
 def maco_tile(spec: ConvSpec, target: Target) -> tuple[float, float, float]:
-    """(x, y, z): output tile along ow, oh, k with x*y = R*z and x*y*z = S/Np at shared memory.
-    Uses maco.bounds.optimal_tile when the bounds package provides it."""
-    shared = target.level("shared")
-    try:
-        from maco.bounds import optimal_tile  # type: ignore[attr-defined]
-
-        t = optimal_tile(spec, shared.elements, shared.processors)
-        return float(t.x), float(t.y), float(t.z)
-    except (ImportError, AttributeError, TypeError):
-        # x*y = R*z and x*y*z = S/Np  =>  R*z^2 = S/Np  =>  z = sqrt(S/(Np R)), x*y = sqrt(R S/Np)
-        r = spec.kh * spec.kw / (spec.stride[0] * spec.stride[1])
-        s = shared.elements_per_processor
-        z = sqrt(s / r)
-        xy = sqrt(r * s)
-        return sqrt(xy), sqrt(xy), z
+    """(x, y, z): the continuous MACO output tile along ow, oh, k at shared memory, x*y = R*z and
+    x*y*z = S/Np. Continuous on purpose: it caps a whole block (all groups and images), so the
+    per-group integer tile of maco.bounds.optimal_tile would be too small for depthwise layers."""
+    # x*y = R*z and x*y*z = S/Np  =>  R*z^2 = S/Np  =>  z = sqrt(S/(Np R)), x*y = sqrt(R S/Np)
+    r = spec.kh * spec.kw / (spec.stride[0] * spec.stride[1])
+    s = target.level("shared").elements_per_processor
+    xy = sqrt(r * s)
+    return sqrt(xy), sqrt(xy), sqrt(s / r)
 
 
 def _options(spec: ConvSpec) -> dict[str, list[tuple[int, int]]]:
