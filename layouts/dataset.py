@@ -23,14 +23,15 @@ from typing import Any, Iterable, Sequence
 
 from maco.errors import MacoError
 from maco.spec import ConvSpec
-from maco.timing import Timing, environment
+from maco.timing import Timing, environment, time_callable
 
-from maco.layouts.latency import LAYOUTS, check_device, check_layout, measure_layouts, write_atomic
+from maco.layouts.latency import (LAYOUTS, check_device, check_layout, conv_callable,
+                                  measure_layouts, write_atomic)
 
 SPEC_COLUMNS = ["n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h", "pad_w",
                 "dil_h", "dil_w", "groups"]
 COLUMNS = ["spec", "layout", "device", "source", *SPEC_COLUMNS, "seconds", "min", "max", "stdev",
-           "repeats", "number", "gflops", "env_id", "time"]
+           "repeats", "number", "gflops", "load", "env_id", "time"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Row:
     timing: Timing
     env_id: str = ""
     time: float = 0.0
+    load: float = 1.0  # the canary's time around this measurement over its quietest (1 = quiet)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -58,13 +60,17 @@ class Row:
         """Disagreement of the timing rounds: their medians' stdev over the median."""
         return self.timing.stdev / self.timing.median
 
+    @property
+    def quiet(self) -> bool:
+        return self.load <= QUIET_LOAD
+
     def fields(self) -> list[Any]:
         s, t = self.spec, self.timing
         return [str(s), self.layout, self.device, self.source, s.n, s.c, s.h, s.w, s.k, s.kh, s.kw,
                 *s.stride, *s.padding, *s.dilation, s.groups, repr(t.median), repr(t.min),
                 repr(t.max), repr(t.stdev), t.repeats, t.number,
-                f"{s.flops / t.median / 1e9:.4f}" if t.median > 0 else "0", self.env_id,
-                f"{self.time:.3f}"]
+                f"{s.flops / t.median / 1e9:.4f}" if t.median > 0 else "0", f"{self.load:.3f}",
+                self.env_id, f"{self.time:.3f}"]
 
     @classmethod
     def from_fields(cls, values: Sequence[str]) -> "Row":
@@ -82,7 +88,7 @@ class Row:
         if not (math.isfinite(timing.median) and timing.median > 0):
             raise ValueError(f"seconds={d['seconds']!r} is not a positive time")
         return cls(spec, check_layout(d["layout"]), d["device"], d["source"], timing, d["env_id"],
-                   float(d["time"]))
+                   float(d["time"]), float(d["load"]))
 
 
 def _csv_line(values: Sequence[Any]) -> str:
@@ -173,12 +179,13 @@ def _ends_without_newline(path: Path) -> bool:
 
 
 def best_rows(rows: Iterable[Row]) -> list[Row]:
-    """One row per (spec, layout, device): of a key timed more than once (a re-timed noisy
-    row is appended, never rewritten), the one whose rounds agreed best."""
+    """One row per (spec, layout, device): of a key timed more than once (a re-timed row is
+    appended, never rewritten), a quiet one before a loaded one, then the one whose rounds
+    agreed best."""
     best: dict[tuple[str, str, str], Row] = {}
     for row in rows:
         old = best.get(row.key)
-        if old is None or row.noise < old.noise:
+        if old is None or (not row.quiet, row.noise) < (not old.quiet, old.noise):
             best[row.key] = row
     return list(best.values())
 
@@ -278,11 +285,47 @@ def network_specs(names: Sequence[str], batch: int = 1) -> list[tuple[str, ConvS
     return out
 
 
+QUIET_LOAD = 1.5  # a canary slower than this times its quietest says the cores are busy now
+# (1.5, not less: on a shared 2-core VM the canary alone wanders 1.0-1.4 from minute to minute)
+CANARY = ConvSpec(1, 32, 28, 28, 32, 3, 3, 1, 1)  # ~15 MFLOP: tens of microseconds when quiet
+
+
+class Canary:
+    """A small fixed conv timed around every measurement. Neighbours on a shared machine are
+    invisible to this process, and a busy core does not always make the rounds disagree: a
+    contended 2-thread oneDNN call can wait for scheduler ticks on every call alike (a 20 us
+    conv measured at a steady 8 or 48 ms). Such a slowdown shows in the canary, which is
+    compared with its own quietest time."""
+
+    def __init__(self, device: str = "cpu", calls: int = 5):
+        self.run = conv_callable(CANARY, "NHWC", device)
+        self.best = math.inf
+        for _ in range(calls):
+            self.load()
+
+    def load(self) -> float:
+        """The canary's time now over its quietest so far (1.0 = as quiet as ever seen)."""
+        t = time_callable(self.run, repeats=5, min_run_time=5e-4, warmup=1).median
+        self.best = min(self.best, t)
+        return t / self.best
+
+    def wait_quiet(self, patience: float = 30.0, limit: float = QUIET_LOAD) -> float:
+        """Back off while the canary is slow (at most `patience` seconds); the last load."""
+        start, pause = time.perf_counter(), 0.25
+        while True:
+            load = self.load()
+            if load <= limit or time.perf_counter() - start >= patience:
+                return load
+            time.sleep(pause)
+            pause = min(pause * 2, 4.0)
+
+
 @dataclass
 class CollectSummary:
     measured: int  # specs timed now (all their layouts)
     skipped: int  # specs whose layouts were all already present (and quiet enough)
-    retimed: int  # of `measured`, specs timed again because their rows were noisy
+    retimed: int  # of `measured`, specs timed again because their rows were noisy or loaded
+    loaded: int  # of `measured`, specs whose best attempt still ran beside a busy neighbour
     rows: int  # distinct (spec, layout, device) rows in the file afterwards
     bad_lines: int
     seconds: float
@@ -296,15 +339,15 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
             layouts: Sequence[str] = LAYOUTS, device: str = "cpu", *, rounds: int = 3,
             repeats: int = 3, min_run_time: float = 1e-3, tolerance: float = 0.1,
             attempts: int = 3, retime_noisy: bool = False, threads: int | None = None,
-            progress: bool = True) -> CollectSummary:
+            patience: float = 30.0, progress: bool = True) -> CollectSummary:
     """Time every (source, spec) in every layout (interleaved, see measure_layouts) and append
     the rows; keys already in the file are skipped, so an interrupted run resumes.
 
     A spec whose timing rounds disagree by more than `tolerance` (stdev / median of the round
-    medians) is timed again, up to `attempts` times, keeping the quietest attempt: on a shared
-    machine a neighbour's burst lands in one round, not in all. With `retime_noisy`, specs whose
-    rows in the file are noisier than `tolerance` are timed again too (new rows are appended;
-    load_rows keeps the quietest). `threads` sets torch's intra-op threads (default: torch's)."""
+    medians), or beside a busy neighbour (see Canary; collection first backs off up to
+    `patience` seconds), is timed again, up to `attempts` times, keeping the best attempt. With
+    `retime_noisy`, specs whose rows in the file are noisy or loaded are timed again too (new
+    rows are appended; load_rows keeps the best). `threads` sets torch's intra-op threads."""
     import torch
 
     start = time.perf_counter()
@@ -327,27 +370,35 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
         old = [have.get((str(spec), lay, dev)) for lay in layouts]
         if any(r is None for r in old):
             todo.append((source, spec, layouts))
-        elif retime_noisy and max(r.noise for r in old if r) > tolerance:
+        elif retime_noisy and any(r.noise > tolerance or not r.quiet for r in old if r):
             todo.append((source, spec, layouts))
             retimed += 1
     skipped = len(seen) - len(todo)
     from tqdm import tqdm
 
+    canary = Canary(dev) if todo else None
+    loaded = 0
     for source, spec, lays in tqdm(todo, desc="collect", unit="conv", disable=not progress):
-        best: dict[str, Timing] | None = None
+        best: tuple[tuple[bool, float], dict[str, Timing], float] | None = None
         for _ in range(max(attempts, 1)):
+            before = canary.wait_quiet(patience)
             timings = measure_layouts(spec, lays, dev, rounds=rounds, repeats=repeats,
                                       min_run_time=min_run_time)
-            if best is None or _noise(timings) < _noise(best):
-                best = timings
-            if _noise(best) <= tolerance:
+            load = max(before, canary.load())
+            score = (load > QUIET_LOAD, _noise(timings))
+            if best is None or score < best[0]:
+                best = (score, timings, load)
+            if not best[0][0] and best[0][1] <= tolerance:
                 break
+        _, timings, load = best
+        loaded += load > QUIET_LOAD
         now = time.time()
-        ds.append(Row(spec, lay, dev, source, best[lay], env_id, now) for lay in lays)
+        ds.append(Row(spec, lay, dev, source, timings[lay], env_id, now, load) for lay in lays)
     rows = best_rows(ds.load())
-    return CollectSummary(measured=len(todo), skipped=skipped, retimed=retimed, rows=len(rows),
-                          bad_lines=len(ds.bad_lines), seconds=time.perf_counter() - start)
+    return CollectSummary(measured=len(todo), skipped=skipped, retimed=retimed, loaded=loaded,
+                          rows=len(rows), bad_lines=len(ds.bad_lines),
+                          seconds=time.perf_counter() - start)
 
 
 __all__ = ["COLUMNS", "Row", "Dataset", "load_rows", "best_rows", "random_spec", "random_specs",
-           "network_specs", "collect", "CollectSummary"]
+           "network_specs", "collect", "CollectSummary", "Canary", "QUIET_LOAD"]

@@ -1,12 +1,12 @@
 """The data set: sensible random convs, rows that survive a round trip, resumable collection,
 corrupt and torn lines reported and skipped, and the `maco collect` command."""
-import warnings
+import time
 
 import pytest
 
 from maco.cli import main
 from maco.errors import MacoError
-from maco.layouts.dataset import (COLUMNS, Dataset, Row, best_rows, collect, load_rows,
+from maco.layouts.dataset import (COLUMNS, Canary, Dataset, Row, best_rows, collect, load_rows,
                                   network_specs, random_specs)
 from maco.spec import ConvSpec
 from maco.timing import Timing
@@ -46,6 +46,15 @@ def test_row_round_trip_and_best_rows():
     quiet = _row(spec, "NHWC", 3e-4, stdev=1e-6)
     noisy = _row(spec, "NHWC", 9e-4, stdev=5e-4)
     assert best_rows([noisy, quiet]) == [quiet]
+    loaded = Row(spec, "NHWC", "cpu", "t", quiet.timing, "e", 2.0, load=3.0)
+    assert best_rows([loaded, noisy]) == [noisy]  # a steady timing under load is no good
+
+
+def test_canary_measures_load_relative_to_its_quietest():
+    canary = Canary(calls=2)
+    assert canary.best > 0 and 0 < canary.load() < 50
+    start = time.perf_counter()
+    assert canary.wait_quiet(patience=0.0) >= 1.0 and time.perf_counter() - start < 1.0
 
 
 def test_corrupt_and_torn_lines_are_reported_and_skipped(tmp_path):
@@ -73,10 +82,12 @@ def test_bad_header_and_missing_file(tmp_path):
 
 def test_collect_resumes_without_losing_rows(tmp_path):
     path = tmp_path / "d.csv"
-    first = collect(path, TINY[:2], rounds=1, repeats=2, min_run_time=1e-4, progress=False)
+    first = collect(path, TINY[:2], rounds=1, repeats=2, min_run_time=1e-4, patience=0,
+                    attempts=1, progress=False)
     assert (first.measured, first.skipped, first.rows) == (2, 0, 4)
     text = path.read_text()
-    again = collect(path, TINY, rounds=1, repeats=2, min_run_time=1e-4, progress=False)
+    again = collect(path, TINY, rounds=1, repeats=2, min_run_time=1e-4, patience=0,
+                    attempts=1, progress=False)
     assert (again.measured, again.skipped, again.rows) == (1, 2, 6)
     assert path.read_text().startswith(text)  # appended, never rewritten
     rows = load_rows(path)
@@ -91,7 +102,7 @@ def test_collect_resumes_without_losing_rows(tmp_path):
 def test_collect_command(tmp_path, capsys):
     out = tmp_path / "d.csv"
     assert main(["collect", "--out", str(out), "--random", "2", "--networks", "", "--max-gflop", "0.02",
-                 "--rounds", "1", "--no-progress"]) == 0
+                 "--rounds", "1", "--patience", "0", "--attempts", "1", "--no-progress"]) == 0
     assert len(load_rows(out)) == 4 and "rows" in capsys.readouterr().out
     assert main(["collect", "--out", str(out), "--batch", "0"]) == 2
     assert "--batch" in capsys.readouterr().err

@@ -30,7 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="re-time a conv whose rounds disagree by more than this (stdev/median, default 0.1)")
     p.add_argument("--attempts", type=int, default=3, help="timing attempts per conv at most (default 3)")
     p.add_argument("--retime-noisy", action="store_true",
-                   help="also re-time convs already in the file whose rows are noisier than --tolerance")
+                   help="also re-time convs already in the file whose rows are noisy or were timed "
+                   "beside a busy neighbour")
+    p.add_argument("--patience", type=float, default=30.0,
+                   help="seconds to wait for quiet cores before timing a conv anyway (default 30)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -54,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or f"results/dataset_{device}.csv"
     if args.max_gflop <= 0:
         raise MacoError(f"--max-gflop must be positive, got {args.max_gflop}")
+    if args.patience < 0:
+        raise MacoError(f"--patience must be >= 0, got {args.patience}")
     if args.rounds <= 0:
         raise MacoError(f"--rounds must be positive, got {args.rounds}")
     networks = [n.strip() for n in args.networks.split(",") if n.strip()]
@@ -64,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
         raise MacoError(f"--tolerance and --attempts must be positive, got {args.tolerance}, {args.attempts}")
     summary = collect(out, specs, layouts, args.device, rounds=args.rounds, tolerance=args.tolerance,
                       attempts=args.attempts, retime_noisy=args.retime_noisy, threads=args.threads,
+                      patience=args.patience,
                       progress=not args.no_progress)
-    print_table(f"maco collect -> {out}", ["measured", "retimed", "skipped", "rows", "bad lines", "seconds"],
-                [(summary.measured, summary.retimed, summary.skipped, summary.rows, summary.bad_lines,
-                  summary.seconds)])
+    print_table(f"maco collect -> {out}",
+                ["measured", "retimed", "under load", "skipped", "rows", "bad lines", "seconds"],
+                [(summary.measured, summary.retimed, summary.loaded, summary.skipped, summary.rows,
+                  summary.bad_lines, summary.seconds)])
     return 0
