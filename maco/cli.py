@@ -8,7 +8,7 @@ import sys
 
 from maco.errors import MacoError
 
-COMMANDS = ["layers", "collect", "space", "bound", "plan"]
+COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -209,19 +209,23 @@ def evolve(spec: ConvSpec, target: Target, population: list[Schedule],
 # -- one task's tuning rounds ------------------------------------------------------------------
 def search_round(state: TaskState, target: Target, model, measurer: Measurer, rng: random.Random,
                  config: SearchConfig, n: int | None = None,
-                 records: RecordFile | None = None) -> list[Record]:
+                 records: RecordFile | None = None, seeds: Sequence[Schedule] = ()) -> list[Record]:
     """Pick and measure one batch of new schedules for `state.spec` ranked by `model` (already
-    fitted by the caller, which may train it on every task); returns the new records."""
+    fitted by the caller, which may train it on every task); returns the new records. `seeds`
+    not measured yet go first (the bound-derived default: a search never starts from nothing)."""
     spec, n = state.spec, n or config.batch
     measured = state.measured
+    first = [s for s in dict.fromkeys(seeds) if s not in measured
+             and s.layout in config.allowed_layouts and not s.problems(spec, target)][:n]
     elites = [r.schedule for r in sorted((r for r in state.records if r.ok), key=lambda r: r.seconds)
               [:config.elite] if r.schedule.layout in config.allowed_layouts]
     init = _sample(spec, target, rng, max(config.population - len(elites), 2), config) + elites
     fitness = lambda pop: list(model.predict(spec, pop))  # noqa: E731
     candidates = [s for s in evolve(spec, target, init, fitness, rng, config) if s not in measured]
-    n_random = min(n, int(round(n * config.eps_greedy)))
+    candidates = [s for s in candidates if s not in first]
+    n_random = min(n - len(first), int(round(n * config.eps_greedy)))
     ranked = sorted(zip(fitness(candidates), range(len(candidates))), reverse=True) if candidates else []
-    picked = [candidates[i] for _, i in ranked[:n - n_random]]
+    picked = first + [candidates[i] for _, i in ranked[:n - len(first) - n_random]]
     extra = [s for s in _sample(spec, target, rng, 3 * n, config) if s not in measured and s not in picked]
     picked += extra[:n - len(picked)]
     if not picked:

@@ -23,6 +23,7 @@ class Task:
     name: str
     spec: ConvSpec
     weight: int = 1
+    seeds: tuple = ()  # schedules to measure first (e.g. the bound-derived default)
 
 
 @dataclass
@@ -93,7 +94,8 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: Measurer,
         all_records = [r for s in states for r in s.records]
         model.fit(all_records)
         new = search_round(state, target, model, measurer, rng, config,
-                           n=min(config.batch, trials - done), records=store)
+                           n=min(config.batch, trials - done), records=store,
+                           seeds=tasks[i].seeds)
         if not new:  # the space of this task is exhausted
             sched.record(i, 10**9, state.best_seconds())
             if all(sched.history.get(j, [(0, 0)])[-1][0] >= 10**9 for j in range(len(tasks))):

@@ -1,0 +1,219 @@
+"""Measuring schedules for the tuner: kernels run in a worker process, so that a crash, a hang or
+a wrong result becomes a recorded error and never a dead tuner.
+
+The parent builds a batch of kernels first (gcc processes in parallel, cached on disk), then
+hands them to the worker one at a time; the worker loads each from the cache, checks it against
+torch's conv2d on the same data and times it by the protocol in maco.timing (on a GPU: CUDA
+events, maco.gpu_measure). torch baselines are timed by the same worker, beside the kernels.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+from maco.errors import MacoError
+from maco.schedule import Schedule
+from maco.spec import ConvSpec
+from maco.target import Target
+from maco.timing import Timing
+
+CHECK_RTOL = 1e-3  # max |y - ref| over max |ref|: fp32 sums of up to ~10^4 terms in another order
+
+
+@dataclass
+class MeasureConfig:
+    repeats: int = 5
+    min_run_time: float = 2e-3  # seconds per repeat (CPU); the GPU timer grows runs itself
+    warmup: int = 2
+    timeout: float = 120.0  # seconds one job may take in the worker (data set-up included)
+    check: bool = True  # compare every kernel's output with torch before timing it
+
+
+class Measurer:
+    """Callable as maco.search.Measurer: `(spec, schedules, target) -> [(Timing|None, error|None)]`.
+    Use as a context manager (or call close()) to stop the worker."""
+
+    def __init__(self, target: Target, config: MeasureConfig | None = None):
+        self.target = target
+        self.config = config or MeasureConfig()
+        self._ctx = mp.get_context("spawn")  # no fork: torch and OpenMP threads do not survive it
+        self._proc: Any = None
+        self._conn: Any = None
+
+    # -- worker lifecycle ------------------------------------------------------------------
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_worker_main, args=(child, self.target.to_dict()),
+                                       daemon=True, name="maco-measure")
+        self._proc.start()
+        child.close()
+        self._conn = parent
+
+    def close(self) -> None:
+        if self._proc is not None:
+            try:
+                self._conn.send(None)
+                self._proc.join(5)
+            except (OSError, EOFError, BrokenPipeError):
+                pass
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        self._proc = self._conn = None
+
+    def __enter__(self) -> "Measurer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _ask(self, job: dict[str, Any]) -> tuple[Any, str | None]:
+        """Run one job in the worker; a timeout or a dead worker becomes an error string."""
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        try:
+            self._conn.send(job)
+            if self._conn.poll(self.config.timeout):
+                return self._conn.recv()
+            reason = f"timed out after {self.config.timeout:g} s"
+        except (EOFError, OSError, BrokenPipeError):
+            reason = None
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join()
+        code = self._proc.exitcode
+        self._proc = self._conn = None
+        return None, reason or f"worker died (exit code {code})"
+
+    # -- public ----------------------------------------------------------------------------
+    def __call__(self, spec: ConvSpec, schedules: Sequence[Schedule],
+                 target: Target | None = None) -> list[tuple[Timing | None, str | None]]:
+        target = target or self.target
+        if target.fingerprint() != self.target.fingerprint():
+            raise MacoError(f"this measurer times on {self.target.name!r}, not {target.name!r}")
+        built = _prebuild(spec, schedules, target)
+        out: list[tuple[Timing | None, str | None]] = []
+        for schedule, build_error in zip(schedules, built):
+            if build_error:
+                out.append((None, build_error))
+                continue
+            result, error = self._ask({"op": "kernel", "spec": spec.to_dict(),
+                                       "schedule": schedule.to_dict(), **self._protocol()})
+            out.append((Timing(**result) if result else None, error))
+        return out
+
+    def baseline(self, spec: ConvSpec, layout: str = "NCHW") -> tuple[Timing | None, str | None]:
+        """torch's conv2d (oneDNN on CPU, cuDNN with its best algorithm on GPU, strict fp32)."""
+        result, error = self._ask({"op": "torch", "spec": spec.to_dict(), "layout": layout,
+                                   **self._protocol()})
+        return (Timing(**result) if result else None), error
+
+    def _protocol(self) -> dict[str, Any]:
+        c = self.config
+        return dict(repeats=c.repeats, min_run_time=c.min_run_time, warmup=c.warmup, check=c.check)
+
+
+def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target) -> list[str | None]:
+    """Compile a batch in parallel into the kernel cache; per schedule, its build error or None."""
+    from maco import kernels
+
+    if target.kind != "cpu":
+        return [None] * len(schedules)  # CUDA kernels are compiled by the worker (NVRTC, cached)
+    return [str(k) if isinstance(k, Exception) else None
+            for k in kernels.build_many(spec, list(schedules), target)]
+
+
+# -- the worker ------------------------------------------------------------------------------
+def _worker_main(conn: Any, target_dict: dict[str, Any]) -> None:
+    target = Target.from_dict(target_dict)
+    data: dict[tuple[ConvSpec, str], Any] = {}
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            conn.send((_run_job(job, target, data), None))
+        except Exception as exc:  # noqa: BLE001 - every failure of a candidate is a record
+            msg = str(exc) if isinstance(exc, MacoError) else \
+                f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+            conn.send((None, msg.strip()))
+
+
+def _conv_data(spec: ConvSpec, device: str, cache: dict[tuple[ConvSpec, str], Any]) -> Any:
+    """Fixed random input and weight for a spec, and torch's output as the reference."""
+    import torch
+
+    key = (spec, device)
+    if key not in cache:
+        cache.clear()  # one spec at a time: big layers must not pile up
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(spec.n, spec.c, spec.h, spec.w, generator=g).to(device)
+        w = torch.randn(spec.k, spec.c_per_group, spec.kh, spec.kw, generator=g).to(device)
+        with torch.no_grad():
+            ref = torch.nn.functional.conv2d(x, w, None, spec.stride, spec.padding, spec.dilation,
+                                             spec.groups)
+        cache[key] = (x, w, ref)
+    return cache[key]
+
+
+@lru_cache(maxsize=1)
+def _gpu_timer() -> Any:
+    from maco.gpu_measure import GpuTimer
+
+    return GpuTimer()
+
+
+def _run_job(job: dict[str, Any], target: Target, cache: dict) -> dict[str, Any]:
+    import torch
+
+    spec = ConvSpec.from_dict(job["spec"])
+    cuda = target.kind == "cuda"
+    if cuda:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    else:
+        torch.set_num_threads(target.cores)
+    x, w, ref = _conv_data(spec, "cuda" if cuda else "cpu", cache)
+    if job["op"] == "torch":
+        fmt = torch.channels_last if job["layout"] == "NHWC" else torch.contiguous_format
+        xl, wl = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
+        if cuda:
+            from maco.gpu_measure import CudnnConv
+
+            fn = CudnnConv(spec, job["layout"], benchmark=True).prepare(xl, wl)
+        else:
+            def fn() -> Any:
+                with torch.no_grad():
+                    return torch.nn.functional.conv2d(xl, wl, None, spec.stride, spec.padding,
+                                                      spec.dilation, spec.groups)
+    else:
+        from maco import kernels
+
+        schedule = Schedule.from_dict(job["schedule"])
+        conv = kernels.compile(spec, schedule, target=target).bind(w)
+        xl = x.contiguous(memory_format=torch.channels_last) if schedule.layout == "NHWC" else x
+        out = torch.empty_like(ref, memory_format=torch.channels_last if schedule.layout == "NHWC"
+                               else torch.contiguous_format)
+        fn = conv.prepare(xl, None, out)
+        if job["check"]:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            err = float((out - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+            if not err <= CHECK_RTOL:
+                raise MacoError(f"wrong result: max error {err:.3g} of the output's magnitude "
+                                f"(limit {CHECK_RTOL:g})")
+    if cuda:
+        timing = _gpu_timer().time(fn, repeats=job["repeats"], warmup=job["warmup"])
+    else:
+        from maco.timing import time_callable
+
+        timing = time_callable(fn, repeats=job["repeats"], min_run_time=job["min_run_time"],
+                               warmup=job["warmup"])
+    return timing.to_dict()
