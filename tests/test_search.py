@@ -1,0 +1,106 @@
+"""The evolutionary search and the cost model on a synthetic landscape (the bound-based analytic
+time with noise), so that the logic is tested apart from compilers and timers."""
+import random
+
+import numpy as np
+import pytest
+
+from maco import ConvSpec, space
+from maco.cost_model import CostModel, analytic_seconds, features
+from maco.records import RecordFile, make_record
+from maco.search import SearchConfig, crossover, evolve, mutate_annotation, mutate_tile
+from maco.timing import Timing
+from maco.tune import Task, tune
+from tests.targets import AVX2
+
+SPEC = ConvSpec.parse("n1_c32_h28_w28_k64_r3_p1")
+
+
+def synthetic(fail_every: int = 0):
+    """A measurer whose 'time' is the analytic estimate with 5% noise; every `fail_every`-th
+    schedule fails, as a crashed kernel would."""
+    rng, calls = random.Random(1), [0]
+
+    def measure(spec, schedules, target):
+        out = []
+        for s in schedules:
+            calls[0] += 1
+            if fail_every and calls[0] % fail_every == 0:
+                out.append((None, "worker died (exit code -11)"))
+                continue
+            t = analytic_seconds(spec, target, s) * rng.uniform(0.95, 1.05)
+            out.append((Timing.from_samples([t], 1), None))
+        return out
+    return measure
+
+
+def test_mutations_and_crossover_keep_perfect_tilings():
+    rng = random.Random(0)
+    config = SearchConfig()
+    pop = space.sample_many(SPEC, AVX2, 40, 0)
+    for _ in range(300):
+        a, b = rng.sample(pop, 2)
+        for child in (mutate_tile(a, rng), mutate_annotation(a, rng, AVX2, config), crossover(a, b, rng)):
+            tiling_problems = [p for p in child.problems(SPEC) if "factors" in p]
+            assert tiling_problems == []
+
+
+def test_evolution_stays_inside_the_pruned_space():
+    from maco import prune
+
+    rng = random.Random(0)
+    config = SearchConfig(population=32, generations=2)
+    init = space.sample_many(SPEC, AVX2, 32, 0, pruned=True)
+    out = evolve(SPEC, AVX2, init, lambda pop: [1.0] * len(pop), rng, config)
+    assert len(out) > len(init)
+    assert all(prune.keeps(s, SPEC, AVX2) and not s.problems(SPEC, AVX2) for s in out)
+
+
+def test_cost_model_learns_the_ranking():
+    train = space.sample_many(SPEC, AVX2, 200, 1)
+    test = space.sample_many(SPEC, AVX2, 100, 2)
+    measure = synthetic()
+    recs = [make_record(SPEC, AVX2, s, t, e) for s, (t, e) in zip(train, measure(SPEC, train, AVX2))]
+    model = CostModel(AVX2).fit(recs)
+    assert model.booster is not None
+    score = model.predict(SPEC, test)
+    truth = np.array([1 / analytic_seconds(SPEC, AVX2, s) for s in test])
+    rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
+    assert np.corrcoef(rank(score), rank(truth))[0, 1] > 0.6
+    assert len(features(SPEC, AVX2, test[0])) == model.booster.num_features()
+
+
+def test_tuning_improves_records_failures_and_resumes(tmp_path):
+    path = tmp_path / "records.jsonl"
+    seed_schedule = space.sample(SPEC, AVX2, 7)
+    task = Task("conv", SPEC, seeds=(seed_schedule,))
+    config = SearchConfig(batch=8, population=48, generations=2)
+    result = tune([task], AVX2, 40, synthetic(fail_every=7), records=path, config=config, seed=3)
+    recs = RecordFile(path).load()
+    assert result.trials == 40 == len(recs)
+    assert recs[0].schedule == seed_schedule  # the seed goes first
+    assert sum(not r.ok for r in recs) == 5 and all("exit code" in r.error for r in recs if not r.ok)
+    first, best = recs[1].seconds, min(r.seconds for r in recs)
+    assert best < first
+    again = tune([task], AVX2, 40, synthetic(), records=path, config=config, seed=3)
+    assert again.trials == 0 and len(RecordFile(path).load()) == 40  # resumed: nothing to do
+    more = tune([task], AVX2, 48, synthetic(), records=path, config=config, seed=3)
+    assert more.trials == 8 and more.best(0).seconds <= best
+
+
+def test_task_scheduler_spreads_trials_by_weight(tmp_path):
+    small = ConvSpec.parse("n1_c16_h14_w14_k16_r3_p1")
+    tasks = [Task("big", SPEC, weight=4), Task("small", small, weight=1)]
+    result = tune(tasks, AVX2, 64, synthetic(), config=SearchConfig(batch=8, population=32,
+                                                                    generations=1), seed=0)
+    counts = [len(s.records) for s in result.states]
+    assert sum(counts) == 64 and min(counts) >= 8 and counts[0] > counts[1]
+
+
+def test_bad_config_is_named():
+    from maco import MacoError
+
+    with pytest.raises(MacoError, match="eps_greedy"):
+        SearchConfig(eps_greedy=2.0)
+    with pytest.raises(MacoError, match="trials must be >= 0, got -1"):
+        tune([Task("c", SPEC)], AVX2, -1, synthetic())
