@@ -8,7 +8,7 @@ import sys
 
 from maco.errors import MacoError
 
-COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune"]
+COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune", "optimize", "reproduce"]
 
 
 def build_parser() -> argparse.ArgumentParser:

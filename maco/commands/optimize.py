@@ -1,0 +1,55 @@
+"""`maco optimize`: the main job (tune, plan layouts, run with MACO kernels, measure end to end)."""
+from __future__ import annotations
+
+import argparse
+
+from maco.errors import MacoError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from maco.optimize import BUDGETS
+
+    p = sub.add_parser(
+        "optimize", help="tune a model's convs, plan its layouts and measure it end to end (the main job)",
+        description="For each distinct conv layer of the model: tune in the MACO-pruned space "
+        "(records reused when present); then plan a layout per layer with the tuned latencies and "
+        "measured conversion costs, run the planned model with MACO kernels where they beat torch, "
+        "and time it end to end against the model as torch runs it by default. Writes the plan, "
+        "records, a per-layer table and plot, and report.md to --out.")
+    p.add_argument("model", nargs="?", default="resnet18",
+                   help="resnet18 (default), alexnet, vgg11, resnet50, mobilenet_v2, or "
+                   "path/to/file.py:ClassName (a torch.nn.Module built with no arguments)")
+    p.add_argument("--target", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--budget", default="quick", choices=list(BUDGETS),
+                   help="measurements per distinct conv: " +
+                   ", ".join(f"{k} {v}" for k, v in BUDGETS.items()) + " (default quick)")
+    p.add_argument("--out", default="maco-out", help="output folder (default maco-out)")
+    p.add_argument("--records", default=None, help="tuning records to reuse and extend "
+                   "(default OUT/records.jsonl)")
+    p.add_argument("--input-shape", default=None,
+                   help="input shape for a model file, e.g. 1,3,224,224 (default 1,3,224,224)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from maco.optimize import optimize
+
+    shape = None
+    if args.input_shape:
+        try:
+            shape = tuple(int(v) for v in args.input_shape.split(","))
+        except ValueError:
+            raise MacoError(f"--input-shape must be comma-separated ints, got {args.input_shape!r}") from None
+        if not shape or any(v < 1 for v in shape):
+            raise MacoError(f"--input-shape must be positive ints, got {args.input_shape!r}")
+    result = optimize(args.model, target=args.target, budget=args.budget, out=args.out,
+                      records=args.records, seed=args.seed, input_shape=shape)
+    for key, label in (("planned_torch", "planned layouts, torch convs"),
+                       ("planned_maco", "planned layouts + MACO kernels")):
+        e = result.end_to_end.get(key)
+        if e:
+            print(f"{label}: {e['speedup']:.2f}x over the default model "
+                  f"({e['planned_s'] * 1e3:.2f} ms vs {e['default_s'] * 1e3:.2f} ms)")
+    print(f"report: {result.out / 'report.md'}  ({result.seconds:.0f} s)")
+    return 0
