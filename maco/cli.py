@@ -8,7 +8,7 @@ import sys
 
 from maco.errors import MacoError
 
-COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune", "optimize", "reproduce"]
+COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune", "optimize", "reproduce", "bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,81 @@
+"""The backend-neutral entry points: compile, build_many, default_schedule.
+
+`target` picks the backend: "cpu"/"host" or a cpu Target -> generated C (maco.kernels.cpu);
+"cuda"/"h100" or a cuda Target -> maco.kernels.cuda (imported only then).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from maco.errors import MacoError
+from maco.schedule import Schedule
+from maco.spec import ConvSpec
+from maco.target import Target
+
+
+def resolve_target(target: Any) -> Target:
+    if target is None:
+        return Target.host()
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, str):
+        return Target.named(target)
+    raise MacoError(f"target must be a name (cpu, host, cuda, h100) or a maco.Target, got {target!r}")
+
+
+def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu", *, bias: bool = False,
+            relu: bool = False, residual: bool = False) -> Any:  # noqa: A001 - the public name
+    """A built kernel for `spec` with `schedule` (the default schedule when None); call
+    .bind(weight, bias) on it. MacoError lists the schedule's problems when it is invalid."""
+    tgt = resolve_target(target)
+    if not isinstance(spec, ConvSpec):
+        raise MacoError(f"spec must be a maco.ConvSpec, got {type(spec).__name__}")
+    if tgt.kind == "cuda":
+        from maco.kernels.cuda import compile_cuda
+
+        return compile_cuda(spec, schedule, bias=bias, relu=relu, residual=residual)
+    from maco.kernels.cpu import compile_cpu
+
+    if schedule is None:
+        schedule = default_schedule(spec, tgt)
+    if not isinstance(schedule, Schedule):
+        raise MacoError(f"schedule must be a maco.Schedule, got {type(schedule).__name__}")
+    return compile_cpu(spec, schedule, tgt, bias=bias, relu=relu, residual=residual)
+
+
+def build_many(spec: ConvSpec, schedules: list[Schedule], target: Any = None, **epilogue: bool) -> list[Any]:
+    """Kernels for many schedules of one spec, compiled in parallel through the disk cache; a
+    schedule that is invalid or does not compile gives its MacoError in place of the kernel."""
+    tgt = resolve_target(target)
+    if tgt.kind == "cuda":
+        from maco.kernels.cuda import compile_cuda
+
+        out: list[Any] = []
+        for schedule in schedules:
+            try:
+                out.append(compile_cuda(spec, schedule, **epilogue))
+            except MacoError as exc:
+                out.append(exc)
+        return out
+    from maco.kernels.cpu import build_many_cpu
+
+    return build_many_cpu(spec, list(schedules), tgt, **epilogue)
+
+
+def default_schedule(spec: ConvSpec, target: Any = None, layout: str = "NCHW") -> Schedule:
+    """The MACO-tiled schedule without search (CPU; the host when target is None)."""
+    tgt = resolve_target(target)
+    if tgt.kind == "cuda":
+        from maco.kernels.cuda import default_schedule as cuda_default
+
+        return cuda_default(spec, tgt, layout)
+    from maco.kernels.cpu_default import default_schedule as cpu_default
+
+    return cpu_default(spec, tgt, layout)
+
+
+def measure_peak(target: Any = None) -> float:
+    """Measured fp32 FMA peak in GFLOP/s of a CPU target on all its cores (cached per host)."""
+    from maco.kernels.cpu_peak import measure_peak as peak
+
+    return peak(resolve_target(target))

@@ -1,0 +1,497 @@
+"""C source of one CPU convolution kernel for a Schedule of the "SSRSRS" sketch.
+
+Loop nest (every bound a compile-time constant):
+
+    S0 (the first `parallel` axes fused into one OpenMP loop)  S1  R0  S2  | R1  S3
+
+The part after `|` is the micro-kernel: the S3 register tile stays in accumulators for its
+whole R1 reduction (MACO's alpha = 1); between R0 steps the partial sums live in the output
+(initialised on the first step, epilogue bias + residual + ReLU on the last).
+
+Every operand is addressed as base + sum(index * stride), so one micro-kernel body serves two
+call sites: interior tiles read the input tensor directly, border tiles (padding) first copy
+their input patch, zero-filled, into a small per-thread buffer and read that. There is no
+padded copy of the whole input.
+
+Micro-kernel flavours, all from the same accumulator list:
+  * intrinsics (AVX-512 __m512 / AVX2 __m256 with FMA) when the vector axis is k with blocked
+    weights (weight vector load, input broadcast) or ow with a unit-stride input row (input
+    vector load, weight broadcast);
+  * portable C (per-accumulator float arrays, `#pragma omp simd` over the lanes) otherwise:
+    any vector axis, width 1, weight packing "none", isa "generic".
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import product
+from math import prod
+
+import numpy as np
+
+from maco.errors import MacoError
+from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
+from maco.spec import ConvSpec
+from maco.target import Target
+
+FUNCTION = "maco_conv"
+
+# isa -> (vector type, lanes, setzero, loadu, broadcast(ptr), fma(a, b, acc), storeu, max, add)
+ISA = {
+    "avx512": ("__m512", 16, "_mm512_setzero_ps()", "_mm512_loadu_ps", "_mm512_set1_ps",
+               "_mm512_fmadd_ps", "_mm512_storeu_ps", "_mm512_max_ps", "_mm512_add_ps"),
+    "avx2": ("__m256", 8, "_mm256_setzero_ps()", "_mm256_loadu_ps", "_mm256_set1_ps",
+             "_mm256_fmadd_ps", "_mm256_storeu_ps", "_mm256_max_ps", "_mm256_add_ps"),
+}
+
+
+def _expr(terms: list[tuple[int, str]]) -> str:
+    """'3*sN + sC' from [(3, 'sN'), (1, 'sC'), (0, 'sH')]; '0' when empty."""
+    parts = []
+    for coef, name in terms:
+        if coef == 0:
+            continue
+        parts.append(name if coef == 1 else f"{coef}*{name}" if name else str(coef))
+    return " + ".join(parts) if parts else "0"
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Everything the generator derives from (spec, schedule, target, epilogue)."""
+
+    spec: ConvSpec
+    schedule: Schedule
+    target: Target
+    bias: bool = False
+    relu: bool = False
+    residual: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule.kind != "cpu":
+            raise MacoError(f"the CPU backend needs a cpu schedule, got kind {self.schedule.kind!r}")
+        problems = self.schedule.problems(self.spec, self.target)
+        if problems:
+            raise MacoError(f"invalid schedule for {self.spec}: " + "; ".join(problems))
+
+    # -- derived sizes ------------------------------------------------------------------
+    @property
+    def nhwc(self) -> bool:
+        return self.schedule.layout == "NHWC"
+
+    @cached_property
+    def f(self) -> dict[str, tuple[int, ...]]:
+        s = self.schedule
+        return {a: s.factors(a) for a in SPATIAL_AXES + REDUCTION_AXES}
+
+    def tile(self, axis: str, level: int) -> int:
+        return prod(self.f[axis][level:])
+
+    @property
+    def lanes(self) -> int:
+        return self.schedule.vector_width
+
+    @property
+    def vaxis(self) -> str:
+        return self.schedule.vector_axis
+
+    @cached_property
+    def in_strides(self) -> dict[str, int]:
+        s = self.spec
+        if self.nhwc:
+            st = {"n": s.h * s.w * s.c, "c": 1, "h": s.w * s.c, "w": s.c}
+        else:
+            st = {"n": s.c * s.h * s.w, "c": s.h * s.w, "h": s.w, "w": 1}
+        st["g"] = s.c_per_group * st["c"]
+        return st
+
+    @cached_property
+    def out_strides(self) -> dict[str, int]:
+        s = self.spec
+        if self.nhwc:
+            return {"n": s.out_h * s.out_w * s.k, "k": 1, "h": s.out_w * s.k, "w": s.k}
+        return {"n": s.k * s.out_h * s.out_w, "k": s.out_h * s.out_w, "h": s.out_w, "w": 1}
+
+    @cached_property
+    def patch_dims(self) -> tuple[int, int]:
+        """Rows and columns of the input patch one micro-kernel call reads."""
+        s = self.spec
+        rows = (self.f["oh"][3] - 1) * s.stride[0] + (self.f["kh"][1] - 1) * s.dilation[0] + 1
+        cols = (self.f["ow"][3] - 1) * s.stride[1] + (self.f["kw"][1] - 1) * s.dilation[1] + 1
+        return rows, cols
+
+    @cached_property
+    def patch_strides(self) -> dict[str, int]:
+        """Strides of the zero-filled border patch: the input's layout, cut to the tile."""
+        rows, cols = self.patch_dims
+        c1, g3 = self.f["c"][1], self.f["g"][3]
+        if self.nhwc:
+            st = {"c": 1, "g": c1, "w": g3 * c1}
+            st["h"] = cols * st["w"]
+            st["n"] = rows * st["h"]
+        else:
+            st = {"w": 1, "h": cols, "c": rows * cols}
+            st["g"] = c1 * st["c"]
+            st["n"] = g3 * st["g"]
+        return st
+
+    @property
+    def patch_elems(self) -> int:
+        rows, cols = self.patch_dims
+        return self.f["n"][3] * self.f["g"][3] * self.f["c"][1] * rows * cols
+
+    @property
+    def padded(self) -> bool:
+        return any(self.spec.padding)
+
+    @cached_property
+    def w_strides(self) -> dict[str, int]:
+        """Weight strides inside one micro-kernel call (k within the register tile, R1 axes)."""
+        s = self.spec
+        taps = s.kh * s.kw
+        if self.schedule.weight_packing == "none":  # torch order (K, C/g, kh, kw)
+            return {"g": s.k_per_group * s.c_per_group * taps, "k": s.c_per_group * taps,
+                    "c": taps, "kh": s.kw, "kw": 1}
+        # blocked: [G][KPG/k3][C0][KH0][KW0][R1 axes in inner_order][k3]
+        st = {"g": s.k_per_group * s.c_per_group * taps, "k": 1}
+        inner = self.f["k"][3]
+        for axis in reversed(self.schedule.inner_order):
+            st[axis] = inner
+            inner *= self.f[axis][1]
+        return st
+
+    def pack_weight(self, w: np.ndarray) -> np.ndarray:
+        """(K, C/g, kh, kw) float32 -> the layout the kernel reads (a new contiguous array)."""
+        if self.schedule.weight_packing == "none":
+            return np.ascontiguousarray(w, dtype=np.float32)
+        s, f = self.spec, self.f
+        k3 = f["k"][3]
+        v = w.reshape(s.groups, s.k_per_group // k3, k3, f["c"][0], f["c"][1], f["kh"][0],
+                      f["kh"][1], f["kw"][0], f["kw"][1])
+        pos = {"c": 4, "kh": 6, "kw": 8}
+        order = (0, 1, 3, 5, 7) + tuple(pos[a] for a in self.schedule.inner_order) + (2,)
+        return np.ascontiguousarray(v.transpose(order), dtype=np.float32)
+
+    # -- micro-kernel flavour -------------------------------------------------------------
+    @property
+    def intrinsics(self) -> str | None:
+        """'avx512' / 'avx2' when the fast path applies, else None (portable C)."""
+        isa, sp = self.target.isa, self.spec
+        if isa not in ISA or self.lanes != ISA[isa][1]:
+            return None
+        if self.vaxis == "k" and self.schedule.weight_packing == "blocked":
+            return isa
+        if self.vaxis == "ow" and not self.nhwc and sp.stride[1] == 1:
+            return isa
+        return None
+
+    @property
+    def threads(self) -> int:
+        return self.target.cores
+
+    # -- source -----------------------------------------------------------------------------
+    @cached_property
+    def source(self) -> str:
+        return _Generator(self).source()
+
+    @cached_property
+    def source_hash(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+
+class _Generator:
+    def __init__(self, plan: CpuPlan):
+        self.p = plan
+        self.s = plan.spec
+        self.sch = plan.schedule
+
+    # accumulators: tuples (n, g, k, oh, ow) of S3 coordinates, the vector axis in steps of lanes
+    def accumulators(self) -> list[tuple[int, ...]]:
+        f, w = self.p.f, self.p.lanes
+        return list(product(*[range(0, f[a][3], w if a == self.p.vaxis else 1) for a in SPATIAL_AXES]))
+
+    def source(self) -> str:
+        p = self.p
+        isa = p.intrinsics
+        head = [f"/* MACO CPU kernel: {p.spec}  schedule {self.sch.to_json()} */",
+                f"/* flavour: {isa or 'portable'}, bias={p.bias}, relu={p.relu}, residual={p.residual} */",
+                "#include <stdlib.h>", "#include <string.h>"]
+        if isa:
+            head.append("#include <immintrin.h>")
+        return "\n".join(head + ["", self.micro_kernel(), "", self.tile_fn(), "", self.driver(), ""])
+
+    # -- micro-kernel ---------------------------------------------------------------------
+    def micro_kernel(self) -> str:
+        p, s = self.p, self.s
+        isa = p.intrinsics
+        accs = self.accumulators()
+        L, V = p.lanes, p.vaxis
+        ws = p.w_strides
+        sh, sw, dh, dw = s.stride[0], s.stride[1], s.dilation[0], s.dilation[1]
+        os_ = p.out_strides
+        kpg = s.k_per_group
+        body: list[str] = []
+        emit = body.append
+
+        def in_off(n: int, g: int, oh: int, ow: int) -> str:
+            return _expr([(n, "sN"), (g, "sG"), (oh * sh, "sH"), (ow * sw, "sW")])
+
+        def w_const(g: int, k: int) -> int:
+            return g * ws["g"] + k * ws["k"]
+
+        def out_off(a: tuple[int, ...]) -> int:
+            n, g, k, oh, ow = a
+            return n * os_["n"] + (g * kpg + k) * os_["k"] + oh * os_["h"] + ow * os_["w"]
+
+        lane_out = {"n": os_["n"], "g": kpg * os_["k"], "k": os_["k"], "oh": os_["h"], "ow": os_["w"]}[V]
+        lane_bias = {"g": kpg, "k": 1}.get(V, 0)
+
+        def bias_off(a: tuple[int, ...]) -> int:
+            return a[1] * kpg + a[2]
+
+        if isa:
+            vt, _, zero, loadu, set1, fma, storeu, vmax, vadd = ISA[isa]
+            for i, _a in enumerate(accs):
+                emit(f"{vt} a{i};")
+        else:
+            for i, _a in enumerate(accs):
+                emit(f"float a{i}[{L}];")
+        # -- init: zero on the first R0 step, else the partial sums from the output
+        emit("if (first) {")
+        for i, _a in enumerate(accs):
+            emit(f"  a{i} = {zero};" if isa else f"  for (int l = 0; l < {L}; l++) a{i}[l] = 0.f;")
+        emit("} else {")
+        for i, a in enumerate(accs):
+            off = out_off(a)
+            if isa and lane_out == 1:
+                emit(f"  a{i} = {loadu}(out + {off});")
+            elif isa:
+                emit(f"  {{ float t[{L}]; for (int l = 0; l < {L}; l++) t[l] = out[{off} + l*{lane_out}]; "
+                     f"a{i} = {loadu}(t); }}")
+            else:
+                emit(f"  for (int l = 0; l < {L}; l++) a{i}[l] = out[{off} + l*{lane_out}];")
+        emit("}")
+        # -- R1 loops
+        depth = 0
+        order = self.sch.inner_order
+        extents = {a: p.f[a][1] for a in REDUCTION_AXES}
+        unroll = self.sch.unroll
+        inner_prod = 1
+        pragmas = {}
+        for axis in reversed(order):
+            inner_prod *= extents[axis]
+            if unroll and extents[axis] > 1:
+                pragmas[axis] = min(unroll, extents[axis]) if inner_prod <= unroll else None
+        innermost_loop = next((a for a in reversed(order) if extents[a] > 1), None)
+        if unroll and innermost_loop and all(v is None for v in pragmas.values()):
+            pragmas[innermost_loop] = min(unroll, extents[innermost_loop])
+        for axis in order:
+            var = {"c": "rc", "kh": "rh", "kw": "rw"}[axis]
+            if extents[axis] == 1:
+                emit("  " * depth + f"{{ const int {var} = 0;")
+            else:
+                if pragmas.get(axis):
+                    emit("  " * depth + f"#pragma GCC unroll {pragmas[axis]}")
+                emit("  " * depth + f"for (int {var} = 0; {var} < {extents[axis]}; {var}++) {{")
+            depth += 1
+        ind = "  " * depth
+        emit(ind + f"const float *ip = in + rc*sC + rh*{dh}*sH + rw*{dw}*sW;")
+        emit(ind + f"const float *wq = w + rc*{ws['c']} + rh*{ws['kh']} + rw*{ws['kw']};")
+        if isa:
+            self._fma_intrinsics(emit, ind, accs, isa, in_off, w_const)
+        else:
+            lane_in = {"n": "sN", "g": "sG", "k": "0", "oh": f"{sh}*sH", "ow": f"{sw}*sW"}[V]
+            lane_w = {"g": ws["g"], "k": ws["k"]}.get(V, 0)
+            for i, (n, g, k, oh, ow) in enumerate(accs):
+                ioff, woff = in_off(n, g, oh, ow), w_const(g, k)
+                if L == 1:
+                    emit(ind + f"a{i}[0] += ip[{ioff}] * wq[{woff}];")
+                else:
+                    emit(ind + "#pragma omp simd")
+                    emit(ind + f"for (int l = 0; l < {L}; l++) a{i}[l] += ip[{ioff} + l*({lane_in})] "
+                         f"* wq[{woff} + l*{lane_w}];")
+        for d in range(depth, 0, -1):
+            emit("  " * (d - 1) + "}")
+        # -- store: raw partial sums, or the epilogue on the last step
+        emit("if (!last) {")
+        for i, a in enumerate(accs):
+            off = out_off(a)
+            if isa and lane_out == 1:
+                emit(f"  {storeu}(out + {off}, a{i});")
+            elif isa:
+                emit(f"  {{ float t[{L}]; {storeu}(t, a{i}); for (int l = 0; l < {L}; l++) "
+                     f"out[{off} + l*{lane_out}] = t[l]; }}")
+            else:
+                emit(f"  for (int l = 0; l < {L}; l++) out[{off} + l*{lane_out}] = a{i}[l];")
+        emit("} else {")
+        if isa and lane_out == 1:
+            emit(f"  const {vt} zero = {zero}; (void)zero;")
+        for i, a in enumerate(accs):
+            off, boff = out_off(a), bias_off(a)
+            if isa and lane_out == 1:
+                v = f"a{i}"
+                if p.bias:
+                    b = f"{loadu}(bias + {boff})" if lane_bias == 1 else f"{set1}(bias[{boff}])"
+                    emit(f"  {v} = {vadd}({v}, {b});")
+                if p.residual:
+                    emit(f"  {v} = {vadd}({v}, {loadu}(res + {off}));")
+                if p.relu:
+                    emit(f"  {v} = {vmax}({v}, zero);")
+                emit(f"  {storeu}(out + {off}, {v});")
+                continue
+            src = "t[l]" if isa else f"a{i}[l]"
+            line = "  { "
+            if isa:
+                line += f"float t[{L}]; {storeu}(t, a{i}); "
+            line += f"for (int l = 0; l < {L}; l++) {{ float v = {src};"
+            if p.bias:
+                line += f" v += bias[{boff} + l*{lane_bias}];"
+            if p.residual:
+                line += f" v += res[{off} + l*{lane_out}];"
+            if p.relu:
+                line += " v = v > 0.f ? v : 0.f;"
+            line += f" out[{off} + l*{lane_out}] = v; }} }}"
+            emit(line)
+        emit("}")
+        sig = ("static inline __attribute__((always_inline)) void micro(const float *restrict in, "
+               "const long sN, const long sG, const long sC, const long sH, const long sW, "
+               "const float *restrict w, const float *bias, const float *res, float *out, "
+               "const int first, const int last)")
+        return sig + " {\n" + "\n".join("  " + line for line in body) + "\n}"
+
+    def _fma_intrinsics(self, emit, ind, accs, isa, in_off, w_const) -> None:
+        p = self.p
+        vt, L, _, loadu, set1, fma = ISA[isa][:6]
+        by_a: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}
+        for i, (n, g, k, oh, ow) in enumerate(accs):
+            by_a.setdefault((n, g, oh, ow), []).append((i, (g, k)))
+        if p.vaxis == "k":  # weight vectors first, then each input broadcast feeds them
+            bs = sorted({b for lst in by_a.values() for _, b in lst})
+            for g, k in bs:
+                emit(ind + f"const {vt} b{g}_{k} = {loadu}(wq + {w_const(g, k)});")
+            for (n, g, oh, ow), lst in by_a.items():
+                emit(ind + f"{{ const {vt} x = {set1}(ip[{in_off(n, g, oh, ow)}]);")
+                for i, (bg, bk) in lst:
+                    emit(ind + f"  a{i} = {fma}(x, b{bg}_{bk}, a{i});")
+                emit(ind + "}")
+        else:  # ow: input row vectors first, then each weight broadcast feeds them
+            by_b: dict[tuple[int, int], list[tuple[int, tuple[int, ...]]]] = {}
+            for key, lst in by_a.items():
+                emit(ind + f"const {vt} x{'_'.join(map(str, key))} = {loadu}(ip + {in_off(*key)});")
+                for i, b in lst:
+                    by_b.setdefault(b, []).append((i, key))
+            for (g, k), lst in by_b.items():
+                emit(ind + f"{{ const {vt} b = {set1}(wq[{w_const(g, k)}]);")
+                for i, key in lst:
+                    emit(ind + f"  a{i} = {fma}(x{'_'.join(map(str, key))}, b, a{i});")
+                emit(ind + "}")
+
+    # -- one call of the micro-kernel at a tile origin ----------------------------------
+    def tile_fn(self) -> str:
+        p, s = self.p, self.s
+        st, ps, os_ = p.in_strides, p.patch_strides, p.out_strides
+        f = p.f
+        rows, cols = p.patch_dims
+        kpg, cpg = s.k_per_group, s.c_per_group
+        taps = s.kh * s.kw
+        k3 = f["k"][3]
+        r1 = f["c"][1] * f["kh"][1] * f["kw"][1]
+        lines = [
+            "static inline __attribute__((always_inline)) void tile(const float *restrict in, "
+            "const float *restrict w, const float *bias, const float *res, float *out, "
+            "float *restrict patch, int n0, int g0, int k0, int oh0, int ow0, int c0, int kh0, int kw0) {",
+            f"  const int first = c0 == 0 && kh0 == 0 && kw0 == 0;",
+            f"  const int last = c0 == {f['c'][0] - 1} && kh0 == {f['kh'][0] - 1} && kw0 == {f['kw'][0] - 1};",
+            f"  const int cb = c0*{f['c'][1]}, khb = kh0*{f['kh'][1]}, kwb = kw0*{f['kw'][1]};",
+            f"  const int ih0 = oh0*{s.stride[0]} - {s.padding[0]} + khb*{s.dilation[0]};",
+            f"  const int iw0 = ow0*{s.stride[1]} - {s.padding[1]} + kwb*{s.dilation[1]};",
+            f"  const long ooff = (long)n0*{os_['n']} + (long)(g0*{kpg} + k0)*{os_['k']} + (long)oh0*{os_['h']} + (long)ow0*{os_['w']};",
+        ]
+        if p.schedule.weight_packing == "none":
+            lines.append(f"  const float *wt = w + ((long)(g0*{kpg} + k0)*{cpg} + cb)*{taps} + khb*{s.kw} + kwb;")
+        else:
+            lines.append(f"  const float *wt = w + (long)g0*{kpg * cpg * taps} + (long)(k0/{k3})*{cpg * taps * k3}"
+                         f" + (long)((c0*{f['kh'][0]} + kh0)*{f['kw'][0]} + kw0)*{r1 * k3};")
+        lines += [
+            f"  const float *bt = bias ? bias + g0*{kpg} + k0 : 0;",
+            "  const float *rt = res ? res + ooff : 0;",
+            "  float *ot = out + ooff;",
+        ]
+        direct = (f"    micro(in + (long)n0*{st['n']} + (long)g0*{st['g']} + (long)cb*{st['c']} + "
+                  f"(long)ih0*{st['h']} + (long)iw0*{st['w']}, {st['n']}, {st['g']}, {st['c']}, {st['h']}, "
+                  f"{st['w']}, wt, bt, rt, ot, first, last);")
+        if not p.padded:
+            lines += ["  (void)patch;", "  {", direct, "  }", "}"]
+            return "\n".join(lines)
+        lines += [
+            f"  if (ih0 >= 0 && ih0 + {rows} <= {s.h} && iw0 >= 0 && iw0 + {cols} <= {s.w}) {{",
+            direct,
+            "  } else {",
+        ]
+        nest = [("n", f["n"][3]), ("g", f["g"][3]), ("c", f["c"][1]), ("r", rows), ("q", cols)]
+        if p.nhwc:
+            nest = [nest[0], nest[3], nest[4], nest[1], nest[2]]
+        ind = "    "
+        for var, ext in nest:
+            lines.append(ind + f"for (int {var} = 0; {var} < {ext}; {var}++)")
+            ind += "  "
+        lines += [
+            ind + "{ const int ih = ih0 + r, iw = iw0 + q;",
+            ind + f"  patch[n*{ps['n']} + g*{ps['g']} + c*{ps['c']} + r*{ps['h']} + q*{ps['w']}] = "
+            f"(ih >= 0 && ih < {s.h} && iw >= 0 && iw < {s.w}) ? in[(long)(n0 + n)*{st['n']} + "
+            f"(long)(g0 + g)*{st['g']} + (long)(cb + c)*{st['c']} + (long)ih*{st['h']} + (long)iw*{st['w']}] : 0.f; }}",
+            f"    micro(patch, {ps['n']}, {ps['g']}, {ps['c']}, {ps['h']}, {ps['w']}, wt, bt, rt, ot, first, last);",
+            "  }",
+            "}",
+        ]
+        return "\n".join(lines)
+
+    # -- the loop nest ---------------------------------------------------------------------
+    def driver(self) -> str:
+        p = self.p
+        f = p.f
+        par = p.schedule.parallel
+        par_axes = SPATIAL_AXES[:par]
+        fused = prod(f[a][0] for a in par_axes)
+        out = [f"void {FUNCTION}(const float *restrict in, const float *restrict w, const float *bias, "
+               "const float *res, float *out) {"]
+        patch = (f"(float *)aligned_alloc(64, {(-(-p.patch_elems * 4 // 64)) * 64})"
+                 if p.padded else "0")
+        if par:
+            out.append(f"  #pragma omp parallel num_threads({p.threads})")
+        out.append("  {")
+        out.append(f"  float *patch = {patch};")
+        ind = "  "
+        if par:
+            out.append(ind + "#pragma omp for schedule(static)")
+            out.append(ind + f"for (long p = 0; p < {fused}; p++) {{")
+            ind += "  "
+            out.append(ind + "long rest = p;")
+            for a in reversed(par_axes):
+                out.append(ind + f"const int {a}_0 = rest % {f[a][0]}; rest /= {f[a][0]};")
+            out.append(ind + "(void)rest;")
+        depth = 0
+        loops = [(f"{a}_0", f[a][0]) for a in SPATIAL_AXES[par:]]
+        loops += [(f"{a}_1", f[a][1]) for a in SPATIAL_AXES]
+        loops += [(f"{a}_r", f[a][0]) for a in REDUCTION_AXES]
+        loops += [(f"{a}_2", f[a][2]) for a in SPATIAL_AXES]
+        for var, ext in loops:
+            if ext == 1:
+                out.append(ind + f"{{ const int {var} = 0;")
+            else:
+                out.append(ind + f"for (int {var} = 0; {var} < {ext}; {var}++) {{")
+            ind += "  "
+            depth += 1
+        origin = ", ".join(f"{a}_0*{p.tile(a, 1)} + {a}_1*{p.tile(a, 2)} + {a}_2*{p.tile(a, 3)}"
+                           for a in SPATIAL_AXES)
+        out.append(ind + f"tile(in, w, bias, res, out, patch, {origin}, c_r, kh_r, kw_r);")
+        for _ in range(depth):
+            ind = ind[:-2]
+            out.append(ind + "}")
+        if par:
+            out.append("  }")
+        out.append("  free(patch);")
+        out.append("  }")
+        out.append("}")
+        return "\n".join(out)
+

@@ -1,0 +1,132 @@
+"""The default CPU schedule: MACO's tiles mapped onto the "SSRSRS" factors, no search.
+
+  * S3 (register tile): the vector axis k when the group has a multiple of the SIMD width of
+    filters (weight vector x input broadcast), else ow (input row vector x weight broadcast);
+    the tile that keeps both FMA pipes busy with the fewest loads per FMA and no spills.
+  * S2 / S1: the I/O-optimal output tiles x*y*z of maco.bounds (x*y = R*z) for L1 and L2,
+    snapped to divisors of the extents and to multiples of the tile inside them.
+  * S0: what is left, with factors moved out of S1/S2 until every core gets the same number of
+    tiles; `parallel` fuses the leading S0 loops that carry them.
+  * R0 = 1: each register tile reduces over all channels and taps in registers.
+"""
+from __future__ import annotations
+
+from math import prod
+
+from maco.bounds import optimal_tile
+from maco.errors import MacoError
+from maco.schedule import LAYOUTS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, axis_extents
+from maco.space import divisors
+from maco.spec import ConvSpec
+from maco.target import Target
+
+
+def _register_tiles(spec: ConvSpec, target: Target, layout: str):
+    """(score, tile dict, vector axis, width) for every register tile worth considering."""
+    W = target.simd_width
+    nregs = target.level("registers").elements // W
+    free = nregs - REGISTER_RESERVE
+    kpg, oh, ow = spec.k_per_group, spec.out_h, spec.out_w
+    fast_ow = layout == "NCHW" and spec.stride[1] == 1 and target.isa in ("avx512", "avx2")
+    out = []
+    for y in divisors(oh):
+        for x in divisors(ow):
+            # vector axis k: kv weight vectors, x*y broadcasts per reduction step
+            if kpg % W == 0:
+                for kv in divisors(kpg // W):
+                    acc = kv * x * y
+                    if acc > free:
+                        continue
+                    loads = kv + x * y
+                    regs = acc + kv + 1
+                    out.append((_score(acc, loads, regs, nregs), dict(k=kv * W, oh=y, ow=x), "k", W))
+            # vector axis ow: x/W input vectors, k3 weight broadcasts per step
+            if fast_ow and x % W == 0:
+                for k3 in divisors(kpg):
+                    acc = k3 * y * x // W
+                    if acc > free:
+                        continue
+                    loads = k3 + y * x // W
+                    regs = acc + y * x // W + 1
+                    out.append((_score(acc, loads, regs, nregs), dict(k=k3, oh=y, ow=x), "ow", W))
+    return out
+
+
+def _score(acc: int, loads: int, regs: int, nregs: int) -> float:
+    """Fraction of FMA peak one reduction step can reach: 2 FMAs and 2 loads per cycle, an
+    accumulator waits 4 cycles for its last FMA, spills cost a load and a store each."""
+    spill = max(0, regs - nregs)
+    cycles = max(acc / 2, (loads + 2 * spill) / 2, 4.0)
+    return acc / 2 / cycles + 0.001 * acc
+
+
+def _scalar_tile(spec: ConvSpec, target: Target) -> dict[str, int]:
+    free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
+    best = (0, {})
+    for y in divisors(spec.out_h):
+        for x in divisors(spec.out_w):
+            for k in divisors(spec.k_per_group):
+                if x * y * k <= free and x * y * k > best[0]:
+                    best = (x * y * k, dict(k=k, oh=y, ow=x))
+    return best[1]
+
+
+def _snap(extent: int, inner: int, want: int) -> int:
+    """The multiple of `inner` dividing `extent` closest to `want` from below (at least inner)."""
+    ok = [d for d in divisors(extent) if d % inner == 0 and d <= max(want, inner)]
+    return max(ok)
+
+
+def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str = "NCHW") -> Schedule:
+    """A fast schedule for `spec` on a CPU target (the host when None) without any search."""
+    target = target or Target.host()
+    if target.kind != "cpu":
+        raise MacoError(f"default_schedule for the CPU backend needs a cpu Target, got {target.name!r}")
+    if layout not in LAYOUTS:
+        raise MacoError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    ext = axis_extents(spec)
+    tiles = _register_tiles(spec, target, layout)
+    if tiles:
+        _, reg, vaxis, width = max(tiles, key=lambda t: (t[0], t[1]["ow"]))
+    else:
+        reg, vaxis, width = _scalar_tile(spec, target), "k", 1
+    t3 = {"n": 1, "g": 1, **reg}
+    # S2 = L1 tile, S1 = L2 tile (per core), from the bounds' optimal tiles
+    t2, t1 = dict(t3), dict(t3)
+    for level, t in (("L1", t2), ("L2", t1)):
+        try:
+            lvl = target.level(level)
+        except MacoError:
+            continue
+        best = optimal_tile(spec, lvl.elements, lvl.processors)
+        inner = t2 if t is t1 else t3
+        for axis, want in (("ow", best.x), ("oh", best.y), ("k", best.z)):
+            t[axis] = _snap(ext[axis], inner[axis], want)
+    for axis in ("n", "g"):
+        t2[axis] = t1[axis] = 1
+    # S0: the rest, split further until the cores share the tiles evenly
+    t0 = {a: ext[a] for a in SPATIAL_AXES}
+    cores = target.cores
+
+    def outer() -> int:
+        return prod(t0[a] // t1[a] for a in SPATIAL_AXES)
+
+    for _ in range(64):
+        if outer() % cores == 0:
+            break
+        for axis in ("n", "g", "oh", "k", "ow"):  # prefer splitting images, groups and rows
+            ds = [d for d in divisors(t1[axis]) if d % t3[axis] == 0 and d < t1[axis]]
+            if ds:
+                t1[axis] = max(ds)
+                t2[axis] = _snap(t1[axis], t3[axis], t2[axis])
+                break
+        else:
+            break  # nothing left to split: accept the imbalance
+    spatial = tuple((ext[a] // t1[a], t1[a] // t2[a], t2[a] // t3[a], t3[a]) for a in SPATIAL_AXES)
+    s0 = [f[0] for f in spatial]
+    parallel = max((i + 1 for i, f in enumerate(s0) if f > 1), default=0)
+    reduction = ((1, ext["c"]), (1, ext["kh"]), (1, ext["kw"]))
+    order = ("c", "kh", "kw") if layout == "NCHW" else ("kh", "kw", "c")
+    return Schedule(kind="cpu", spatial=spatial, reduction=reduction, parallel=parallel,
+                    vector_axis=vaxis, vector_width=width, unroll=0, inner_order=order,
+                    layout=layout, weight_packing="blocked").validate(spec, target)

@@ -1,0 +1,135 @@
+"""`maco bench`: compile MACO's CPU kernel for a layer (default schedule or a saved one), check it
+against torch, and time it beside torch's conv2d in NCHW and channels_last, interleaved."""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from maco.commands.common import print_table, resolve_layers
+from maco.errors import MacoError
+from maco.schedule import Schedule
+from maco.spec import ConvSpec
+from maco.target import Target
+
+CHECK_RTOL = 1e-4
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="time MACO's CPU kernel against torch conv2d (NCHW and channels_last)",
+        description="Compile the CPU kernel of each layer (the default MACO-tiled schedule unless "
+        "--schedule), check it against torch, then time it and torch's conv2d in both layouts in "
+        "interleaved rounds on this machine. GFLOP/s, fraction of the measured FMA peak, and the "
+        "speedup over torch's faster layout.")
+    p.add_argument("layer", help="a network (resnet18, alexnet, vgg11, ...) or a layer spec "
+                   "such as n1_c64_h56_w56_k64_r3_p1")
+    p.add_argument("--schedule", help="JSON file of a Schedule (as Schedule.to_json writes it)")
+    p.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW",
+                   help="layout of the default schedule (default NCHW; --schedule carries its own)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds (default 5)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class BenchRow:
+    name: str
+    spec: ConvSpec
+    seconds: dict[str, float]  # candidate name -> median seconds per call
+    error: float  # max |maco - torch| / max |torch| over the MACO candidates
+
+    def gflops(self, which: str) -> float:
+        return self.spec.flops / self.seconds[which] / 1e9
+
+
+def torch_conv(spec: ConvSpec, x: Any, w: Any, layout: str) -> Callable[[], Any]:
+    """torch's conv2d in one layout, its input and weight converted once."""
+    import torch
+
+    fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+    xl, wl = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
+
+    def fn() -> Any:
+        with torch.no_grad():
+            return torch.nn.functional.conv2d(xl, wl, None, spec.stride, spec.padding, spec.dilation,
+                                              spec.groups)
+    return fn
+
+
+def bench_layer(name: str, spec: ConvSpec, schedules: dict[str, Schedule], target: Target,
+                repeats: int = 5, min_run_time: float = 0.02) -> BenchRow:
+    """Time each MACO schedule and torch (NCHW, NHWC) in `repeats` interleaved rounds; every
+    kernel is checked against torch first (MacoError when it is wrong)."""
+    import torch
+
+    from maco import kernels
+    from maco.timing import time_callable
+
+    torch.set_num_threads(target.cores)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(spec.input_shape, generator=g)
+    w = torch.randn(spec.weight_shape, generator=g)
+    ref = torch_conv(spec, x, w, "NCHW")()
+    scale = max(float(ref.abs().max()), 1e-30)
+    fns: dict[str, Callable[[], Any]] = {}
+    error = 0.0
+    built = kernels.build_many(spec, list(schedules.values()), target)
+    for (label, schedule), kernel in zip(schedules.items(), built):
+        if isinstance(kernel, Exception):
+            raise kernel
+        fmt = torch.channels_last if schedule.layout == "NHWC" else torch.contiguous_format
+        out = torch.empty_like(ref, memory_format=fmt)
+        fn = kernel.bind(w).prepare(x.contiguous(memory_format=fmt), None, out)
+        fn()
+        err = float((out - ref).abs().max()) / scale
+        if not err <= CHECK_RTOL:
+            raise MacoError(f"{name}: the MACO kernel ({label}) is wrong: max error {err:.3g} of the "
+                            f"output's magnitude (limit {CHECK_RTOL:g})")
+        error = max(error, err)
+        fns[label] = fn
+    fns["torch NCHW"] = torch_conv(spec, x, w, "NCHW")
+    fns["torch NHWC"] = torch_conv(spec, x, w, "NHWC")
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(max(1, repeats)):
+        for label, fn in fns.items():
+            t = time_callable(fn, repeats=1, min_run_time=min_run_time, warmup=2)
+            samples[label].append(t.median)
+    return BenchRow(name, spec, {k: statistics.median(v) for k, v in samples.items()}, error)
+
+
+def peak(target: Target) -> float:
+    from maco import kernels
+
+    return kernels.measure_peak(target)
+
+
+def run(args: argparse.Namespace) -> int:
+    from maco import kernels
+
+    if args.repeats < 1:
+        raise MacoError(f"--repeats must be at least 1, got {args.repeats}")
+    target = Target.host()
+    layers = resolve_layers(args.layer, args.batch)
+    fixed = None
+    if args.schedule:
+        try:
+            fixed = Schedule.from_json(Path(args.schedule).read_text())
+        except OSError as exc:
+            raise MacoError(f"cannot read schedule file {args.schedule!r}: {exc}") from None
+    pk = peak(target)
+    rows = []
+    for name, spec in layers:
+        schedule = fixed or kernels.default_schedule(spec, target, args.layout)
+        r = bench_layer(name, spec, {"maco": schedule}, target, repeats=args.repeats)
+        gf = r.gflops("maco")
+        torch_best = max(r.gflops("torch NCHW"), r.gflops("torch NHWC"))
+        rows.append((name, schedule.layout, gf, f"{gf / pk:.0%}", r.gflops("torch NCHW"),
+                     r.gflops("torch NHWC"), f"{gf / torch_best:.2f}x", f"{r.error:.1e}"))
+    print_table(f"MACO CPU kernels on {target.model} ({target.isa}, {target.cores} threads, "
+                f"measured peak {pk:.0f} GFLOP/s)",
+                ["layer", "layout", "MACO GFLOP/s", "of peak", "torch NCHW", "torch NHWC",
+                 "speedup", "max err"], rows)
+    return 0

@@ -1,0 +1,298 @@
+"""CPU kernel generator: every flavour (AVX-512, AVX2, portable) against torch's conv2d, default
+and random schedules, the epilogue, the array plumbing, errors, the build cache and `maco bench`."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from maco import ConvSpec, MacoError, MemoryLevel, Schedule, Target, kernels
+from maco.space import sample
+from tests.targets import AVX2
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+HOST = Target.host()
+GENERIC = Target("generic-sse", "cpu", (MemoryLevel("registers", 16 * 4 * 4, 1, 4),
+                                        MemoryLevel("L1", 32 << 10, 1, 4), MemoryLevel("L2", 1 << 20, 1, 4)),
+                 cores=2, simd_width=4, isa="generic")
+AVX512 = Target("avx512-test", "cpu", (MemoryLevel("registers", 32 * 16 * 4, 1, 16),
+                                       MemoryLevel("L1", 48 << 10, 1, 16), MemoryLevel("L2", 2 << 20, 1, 16)),
+                cores=2, simd_width=16, isa="avx512")
+needs_avx2 = pytest.mark.skipif(HOST.isa not in ("avx2", "avx512"), reason="host has no AVX2+FMA")
+needs_avx512 = pytest.mark.skipif(HOST.isa != "avx512", reason="host has no AVX-512")
+
+SPECS = [
+    "n1_c16_h9_w9_k32_r3x3_p1",            # k path, odd size
+    "n2_c8_h7_w11_k16_r3x3_s2_p1",         # batch 2, stride 2, non-square
+    "n1_c6_h10_w10_k6_r3x3_p1_g3",         # groups 3
+    "n1_c16_h12_w12_k16_r3x3_p1_g16",      # depthwise
+    "n1_c3_h27_w27_k16_r11x11_s4_p2",      # 11x11, stride 4
+    "n1_c8_h13_w12_k16_r5x5_p3_d2",        # dilation 2, padding 3
+    "n8_c16_h6_w6_k32_r1x1",               # 1x1, batch 8
+    "n1_c8_h9_w14_k16_r1x7_p0x3",          # non-square kernel
+    "n1_c8_h8_w32_k8_r3x3_p1",             # few filters: the ow path
+    "n1_c16_h10_w10_k32_r2x2_s2",          # 2x2 stride 2, no padding
+]
+
+
+def reference(spec: ConvSpec, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(spec.input_shape, generator=g)
+    w = torch.randn(spec.weight_shape, generator=g)
+    b = torch.randn(spec.k, generator=g)
+    r = torch.randn(spec.output_shape, generator=g)
+    y = torch.nn.functional.conv2d(x, w, b, spec.stride, spec.padding, spec.dilation, spec.groups)
+    return x, w, b, r, torch.relu(y + r), torch.nn.functional.conv2d(
+        x, w, None, spec.stride, spec.padding, spec.dilation, spec.groups)
+
+
+def run_kernel(kernel, spec: ConvSpec, data, epilogue: bool) -> float:
+    """Relative max error of the kernel on torch tensors in its layout."""
+    x, w, b, r, ref_epi, ref = data
+    fmt = torch.channels_last if kernel.layout == "NHWC" else torch.contiguous_format
+    if epilogue:
+        y = kernel.bind(w, b)(x.contiguous(memory_format=fmt), r.contiguous(memory_format=fmt))
+        want = ref_epi
+    else:
+        y = kernel.bind(w)(x.contiguous(memory_format=fmt))
+        want = ref
+    assert y.is_contiguous(memory_format=fmt)
+    return float((y - want).abs().max()) / float(want.abs().max())
+
+
+def check_batch(spec: ConvSpec, schedules: list[Schedule], target: Target, epilogue: bool) -> None:
+    flags = dict(bias=True, relu=True, residual=True) if epilogue else {}
+    built = kernels.build_many(spec, schedules, target, **flags)
+    data = reference(spec)
+    for schedule, kernel in zip(schedules, built):
+        assert not isinstance(kernel, Exception), f"{schedule.to_json()}: {kernel}"
+        err = run_kernel(kernel, spec, data, epilogue)
+        assert err < 1e-4, f"{spec} {kernel.flavour} {schedule.to_json()}: error {err:.3g}"
+
+
+# -- default schedules ----------------------------------------------------------------------------
+@pytest.mark.parametrize("text", SPECS)
+def test_default_schedules_match_torch(text):
+    spec = ConvSpec.parse(text)
+    schedules = [kernels.default_schedule(spec, HOST, layout) for layout in ("NCHW", "NHWC")]
+    for s in schedules:
+        assert s.problems(spec, HOST) == []
+    check_batch(spec, schedules, HOST, epilogue=text.endswith("p1"))
+
+
+def test_default_schedule_uses_the_fast_path_and_both_cores():
+    spec = ConvSpec.parse("n1_c64_h56_w56_k64_r3x3_p1")
+    for target in (AVX2, AVX512):
+        for layout in ("NCHW", "NHWC"):
+            s = kernels.default_schedule(spec, target, layout)
+            k = kernels.api.resolve_target(target)
+            from maco.kernels.cpu_codegen import CpuPlan
+            plan = CpuPlan(spec, s, k)
+            assert plan.intrinsics == target.isa
+            assert s.vector_axis in ("k", "ow") and s.vector_width == target.simd_width
+            assert s.accumulators >= 8  # enough independent FMA chains
+            fused = np.prod([f[0] for f in s.spatial[:s.parallel]])
+            assert s.parallel > 0 and fused % target.cores == 0
+
+
+@pytest.mark.parametrize("text", ["n1_c7_h13_w17_k11_r3x3_p1", "n1_c5_h11_w11_k13_r5x5_s2_p2",
+                                  "n3_c4_h5_w5_k2_r3x3_p2_d2"])
+def test_default_schedule_valid_on_primes(text):
+    spec = ConvSpec.parse(text)
+    for target in (HOST, AVX2, GENERIC):
+        for layout in ("NCHW", "NHWC"):
+            assert kernels.default_schedule(spec, target, layout).problems(spec, target) == []
+
+
+# -- random schedules of the (pruned) space, every flavour -------------------------------------
+RANDOM_SPECS = ["n1_c16_h9_w9_k32_r3x3_p1", "n2_c8_h8_w8_k16_r3x3_s2_p1", "n1_c8_h10_w16_k16_r5x5_p2_d2",
+                "n1_c8_h8_w8_k8_r3x3_p1_g2"]
+
+
+@pytest.mark.parametrize("text", RANDOM_SPECS)
+def test_random_schedules_match_torch(text):
+    spec = ConvSpec.parse(text)
+    rng = random.Random(1234)
+    schedules = [sample(spec, HOST, rng) for _ in range(6)] + [sample(spec, HOST, rng, pruned=True)
+                                                              for _ in range(4)]
+    assert len({s.to_json() for s in schedules}) > 5
+    check_batch(spec, schedules, HOST, epilogue=True)
+
+
+@needs_avx2
+def test_avx2_path_on_any_x86_host():
+    spec = ConvSpec.parse("n1_c8_h9_w16_k16_r3x3_p1")
+    rng = random.Random(7)
+    schedules = [kernels.default_schedule(spec, AVX2, layout) for layout in ("NCHW", "NHWC")]
+    schedules += [sample(spec, AVX2, rng, pruned=True) for _ in range(6)]
+    ow = Schedule("cpu", ((1, 1, 1, 1), (1, 1, 1, 1), (2, 1, 2, 4), (3, 1, 3, 1), (1, 1, 1, 16)),
+                  ((2, 4), (1, 3), (3, 1)), parallel=4, vector_axis="ow", vector_width=8,
+                  layout="NCHW", weight_packing="none")
+    schedules.append(ow)
+    from maco.kernels.cpu_codegen import CpuPlan
+    flavours = {CpuPlan(spec, s, AVX2).intrinsics for s in schedules}
+    assert "avx2" in flavours
+    check_batch(spec, schedules, AVX2, epilogue=True)
+    assert "__m256" in kernels.build_many(spec, [ow], AVX2)[0].source
+
+
+@needs_avx512
+def test_avx512_path():
+    spec = ConvSpec.parse("n1_c16_h9_w16_k32_r3x3_s1_p1")
+    rng = random.Random(8)
+    schedules = [kernels.default_schedule(spec, AVX512, layout) for layout in ("NCHW", "NHWC")]
+    schedules += [sample(spec, AVX512, rng, pruned=True) for _ in range(4)]
+    ow = Schedule("cpu", ((1, 1, 1, 1), (1, 1, 1, 1), (4, 1, 2, 4), (3, 1, 1, 3), (1, 1, 1, 16)),
+                  ((4, 4), (3, 1), (1, 3)), parallel=3, vector_axis="ow", vector_width=16,
+                  layout="NCHW", weight_packing="blocked", unroll=16)
+    schedules.append(ow)
+    kern = kernels.build_many(spec, [ow], AVX512)[0]
+    assert kern.flavour == "avx512" and "__m512" in kern.source
+    check_batch(spec, schedules, AVX512, epilogue=True)
+
+
+def test_portable_path_every_vector_axis():
+    """Vector axes n, g, oh (never intrinsics), width 1, isa generic: the portable C."""
+    spec = ConvSpec.parse("n4_c8_h8_w12_k8_r3x3_p1_g4")  # 4 groups of 2 channels / 2 filters
+    sp = lambda n, g, k, oh, ow: tuple(tuple(f) for f in (n, g, k, oh, ow))  # noqa: E731
+    red = ((2, 1), (1, 3), (3, 1))
+    schedules = [
+        Schedule("cpu", sp((1, 1, 1, 4), (1, 1, 1, 4), (2, 1, 1, 1), (4, 1, 2, 1), (3, 2, 1, 2)), red,
+                 parallel=3, vector_axis="n", vector_width=4, layout="NCHW", weight_packing="blocked"),
+        Schedule("cpu", sp((2, 1, 1, 2), (1, 1, 1, 4), (1, 1, 2, 1), (2, 2, 1, 2), (6, 1, 1, 2)), red,
+                 parallel=1, vector_axis="g", vector_width=4, layout="NHWC", weight_packing="none",
+                 inner_order=("kw", "c", "kh")),
+        Schedule("cpu", sp((4, 1, 1, 1), (1, 2, 1, 2), (1, 1, 1, 2), (1, 2, 1, 4), (2, 2, 3, 1)), red,
+                 parallel=0, vector_axis="oh", vector_width=4, layout="NCHW", weight_packing="blocked",
+                 unroll=64),
+        Schedule("cpu", sp((1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 2, 1), (2, 2, 1, 2), (3, 1, 1, 4)), red,
+                 parallel=5, vector_axis="ow", vector_width=4, layout="NHWC", weight_packing="blocked",
+                 unroll=512),
+        Schedule("cpu", sp((1, 1, 4, 1), (2, 1, 2, 1), (1, 1, 1, 2), (1, 1, 4, 2), (2, 1, 2, 3)),
+                 ((1, 2), (3, 1), (1, 3)), parallel=2, vector_axis="k", vector_width=1, layout="NCHW",
+                 weight_packing="none"),
+    ]
+    for s in schedules:
+        assert s.problems(spec, GENERIC) == [], s.problems(spec, GENERIC)
+    kerns = kernels.build_many(spec, schedules, GENERIC)
+    assert all(not isinstance(k, Exception) and k.flavour == "portable" for k in kerns), kerns
+    check_batch(spec, schedules, GENERIC, epilogue=True)
+
+
+def test_partial_sums_across_r0_steps():
+    """R0 > 1 on c, kh and kw: partial sums go through the output, epilogue only at the end."""
+    spec = ConvSpec.parse("n1_c16_h9_w9_k32_r3x3_p1")
+    s = Schedule("cpu", ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 2, 16),
+                         (3, 1, 3, 1), (1, 3, 1, 3)), ((4, 4), (3, 1), (3, 1)), parallel=4,
+                 vector_axis="k", vector_width=HOST.simd_width if HOST.isa != "generic" else 1,
+                 layout="NHWC")
+    assert s.problems(spec, HOST) == [], s.problems(spec, HOST)
+    check_batch(spec, [s, dataclasses.replace(s, layout="NCHW")], HOST, epilogue=True)
+
+
+# -- plumbing and errors ------------------------------------------------------------------------------
+def test_numpy_in_numpy_out_torch_in_torch_out():
+    spec = ConvSpec.parse("n1_c8_h6_w7_k16_r3x3_p1")
+    x, w, _, _, _, ref = reference(spec)
+    for layout in ("NCHW", "NHWC"):
+        conv = kernels.compile(spec, kernels.default_schedule(spec, None, layout)).bind(w.numpy())
+        xn = x.numpy() if layout == "NCHW" else np.ascontiguousarray(x.numpy().transpose(0, 2, 3, 1))
+        yn = conv(xn)
+        assert isinstance(yn, np.ndarray) and yn.dtype == np.float32
+        want = ref.numpy() if layout == "NCHW" else ref.numpy().transpose(0, 2, 3, 1)
+        np.testing.assert_allclose(yn, want, rtol=1e-4, atol=1e-4)
+        yt = conv(x)  # a contiguous NCHW tensor is converted once for an NHWC kernel
+        assert isinstance(yt, torch.Tensor) and tuple(yt.shape) == spec.output_shape
+        torch.testing.assert_close(yt, ref, rtol=1e-4, atol=1e-4)
+        out = torch.empty_like(ref, memory_format=torch.channels_last if layout == "NHWC"
+                               else torch.contiguous_format)
+        fn = conv.prepare(x, out=out)
+        out.zero_()
+        assert fn() is None
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_errors_name_the_bad_value():
+    spec = ConvSpec.parse("n1_c8_h6_w7_k16_r3x3_p1")
+    good = kernels.default_schedule(spec, None, "NCHW")
+    bad = dataclasses.replace(good, spatial=((1, 1, 1, 1),) + good.spatial[1:-1] + ((1, 1, 1, 6),))
+    with pytest.raises(MacoError, match="axis ow: factors"):
+        kernels.compile(spec, bad)
+    with pytest.raises(MacoError, match="vector_width"):
+        kernels.compile(spec, dataclasses.replace(good, vector_width=3))
+    conv = kernels.compile(spec, good).bind(torch.randn(spec.weight_shape))
+    with pytest.raises(MacoError, match=r"input has shape \(1, 8, 6, 6\)"):
+        conv(np.zeros((1, 8, 6, 6), np.float32))
+    with pytest.raises(MacoError, match="float32, got float64"):
+        conv(np.zeros(spec.input_shape))
+    with pytest.raises(MacoError, match="weight has shape"):
+        kernels.compile(spec, good).bind(torch.randn(16, 8, 3, 2))
+    with pytest.raises(MacoError, match="bias=False"):
+        kernels.compile(spec, good).bind(torch.randn(spec.weight_shape), torch.randn(16))
+    with pytest.raises(MacoError, match="residual=False"):
+        conv(torch.randn(spec.input_shape), residual=torch.randn(spec.output_shape))
+    with pytest.raises(MacoError, match="out must be contiguous NCHW"):
+        conv(torch.randn(spec.input_shape),
+             out=torch.empty(spec.output_shape).contiguous(memory_format=torch.channels_last))
+    with pytest.raises(MacoError, match="unknown target"):
+        kernels.compile(spec, good, target="tpu")
+
+
+def test_compile_error_is_a_maco_error(tmp_path, monkeypatch):
+    from maco.kernels import cpu_build
+
+    monkeypatch.setenv("MACO_CACHE", str(tmp_path))
+    with pytest.raises(MacoError, match="(?s)gcc failed.*error"):
+        cpu_build.build("int f( { return 0; }", cpu_build.flags_for(HOST))
+    assert not list(tmp_path.glob("*.so"))  # nothing half-built left behind
+
+
+def test_cache_reuses_built_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("MACO_CACHE", str(tmp_path))
+    spec = ConvSpec.parse("n1_c4_h5_w5_k8_r3x3_p1")
+    s = kernels.default_schedule(spec, GENERIC, "NHWC")
+    first = kernels.build_many(spec, [s, s], GENERIC)
+    sos = list(tmp_path.glob("*.so"))
+    assert len(sos) == 1 and first[0].so == first[1].so == sos[0]
+    mtime = sos[0].stat().st_mtime_ns
+    again = kernels.compile(spec, s, target=GENERIC)
+    assert again.so == sos[0] and sos[0].stat().st_mtime_ns == mtime
+    relu = kernels.compile(spec, s, target=GENERIC, relu=True)  # another source, another file
+    assert relu.so != sos[0] and len(list(tmp_path.glob("*.so"))) == 2
+
+
+def test_build_many_reports_invalid_schedules_in_place():
+    spec = ConvSpec.parse("n1_c4_h5_w5_k8_r3x3_p1")
+    good = kernels.default_schedule(spec, HOST, "NCHW")
+    bad = dataclasses.replace(good, unroll=7)
+    out = kernels.build_many(spec, [bad, good], HOST)
+    assert isinstance(out[0], MacoError) and "unroll" in str(out[0])
+    assert not isinstance(out[1], Exception)
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, maco.kernels; assert 'cupy' not in sys.modules; "
+            "assert 'maco.kernels.cpu' not in sys.modules; print('ok')")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
+
+
+def test_measure_peak_is_positive_and_cached():
+    a = kernels.measure_peak(HOST)
+    assert a > 0 and kernels.measure_peak(HOST) == a
+
+
+def test_bench_cli(capsys):
+    from maco.cli import main
+
+    assert main(["bench", "n1_c8_h10_w10_k16_r3x3_p1", "--repeats", "1", "--layout", "NHWC"]) == 0
+    out = capsys.readouterr().out
+    assert "MACO GFLOP/s" in out and "torch NHWC" in out and "n1_c8_h10_w10_k16_r3x3_p1" in out
+    assert main(["bench", "n1_c8_h10_w10_k16_r3x3_p1", "--repeats", "0"]) == 2
