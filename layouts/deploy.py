@@ -484,8 +484,9 @@ def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any,
     `example_input`, interleaved by rounds, with torch.inference_mode."""
     from tqdm import tqdm
 
-    from maco.layouts.latency import pool_timings
+    from maco.layouts.latency import pool_timings, steady_allocator
 
+    steady_allocator()  # the allocator's steady state, as the per-layer latencies were measured
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     cuda = any(t.is_cuda for t in inputs if isinstance(t, torch.Tensor))
     with torch.inference_mode(), _strict_fp32(cuda):

@@ -104,3 +104,28 @@ def test_calibrated_conversion_model_tracks_measurement():
     # a loose band: the machine is shared, but a wrong model is off by orders of magnitude
     assert measured / 4 < model.predict(shape, "NCHW", "NHWC") < measured * 4
     assert predict_conversion(shape, "NCHW", "NHWC", model=model) == model.predict(shape, "NCHW", "NHWC")
+
+
+def test_steady_allocator_keeps_big_tensors_on_the_heap():
+    """After pinning, a 16 MiB tensor comes from the heap (reused across calls), not from a fresh
+    mmap that is page-faulted in every time."""
+    import ctypes
+    import ctypes.util
+
+    from maco.layouts.latency import steady_allocator
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+    assert steady_allocator() is True and steady_allocator() is True  # idempotent
+    before = libc.mallinfo2().hblkhd
+    x = torch.empty(4 << 20)  # 16 MiB of fp32
+    assert libc.mallinfo2().hblkhd - before < 16 << 20  # not an mmap'ed block
+    del x
