@@ -19,7 +19,8 @@ from pathlib import Path
 from maco.errors import MacoError
 from maco.target import Target
 
-BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
+              "-fno-predictive-commoning")  # it reuses broadcasts across steps and spills
 _LIBS: dict[str, ctypes.CDLL] = {}
 
 

@@ -290,8 +290,8 @@ class _Generator:
             if extents[axis] == 1:
                 emit("  " * depth + f"{{ const int {var} = 0;")
             else:
-                if pragmas.get(axis):
-                    emit("  " * depth + f"#pragma GCC unroll {pragmas[axis]}")
+                if pragmas.get(axis) or not unroll:  # unroll 0: none (keeps gcc from merging steps)
+                    emit("  " * depth + f"#pragma GCC unroll {pragmas.get(axis) or 1}")
                 emit("  " * depth + f"for (int {var} = 0; {var} < {extents[axis]}; {var}++) {{")
             depth += 1
         ind = "  " * depth
@@ -399,7 +399,8 @@ class _Generator:
         lines = [
             "static inline __attribute__((always_inline)) void tile(const float *restrict in, "
             "const float *restrict w, const float *bias, const float *res, float *out, "
-            "float *restrict patch, int n0, int g0, int k0, int oh0, int ow0, int c0, int kh0, int kw0) {",
+            "float *restrict patch, int *restrict key, int n0, int g0, int k0, int oh0, int ow0, int c0, "
+            "int kh0, int kw0) {",
             f"  const int first = c0 == 0 && kh0 == 0 && kw0 == 0;",
             f"  const int last = c0 == {f['c'][0] - 1} && kh0 == {f['kh'][0] - 1} && kw0 == {f['kw'][0] - 1};",
             f"  const int cb = c0*{f['c'][1]}, khb = kh0*{f['kh'][1]}, kwb = kw0*{f['kw'][1]};",
@@ -421,25 +422,35 @@ class _Generator:
                   f"(long)ih0*{st['h']} + (long)iw0*{st['w']}, {st['n']}, {st['g']}, {st['c']}, {st['h']}, "
                   f"{st['w']}, wt, bt, rt, ot, first, last);")
         if not p.padded:
-            lines += ["  (void)patch;", "  {", direct, "  }", "}"]
+            lines += ["  (void)patch; (void)key;", "  {", direct, "  }", "}"]
             return "\n".join(lines)
         lines += [
             f"  if (ih0 >= 0 && ih0 + {rows} <= {s.h} && iw0 >= 0 && iw0 + {cols} <= {s.w}) {{",
             direct,
             "  } else {",
         ]
-        nest = [("n", f["n"][3]), ("g", f["g"][3]), ("c", f["c"][1]), ("r", rows), ("q", cols)]
+        # zero the patch, then copy the rows and columns that exist: no test per element
+        nest = [("n", "0", f["n"][3]), ("g", "0", f["g"][3]), ("c", "0", f["c"][1]),
+                ("r", "r_lo", "r_hi"), ("q", "q_lo", "q_hi")]
         if p.nhwc:
             nest = [nest[0], nest[3], nest[4], nest[1], nest[2]]
+        lines += [
+            # consecutive calls on the same input window (other filters) reuse the patch
+            "    if (key[0] != n0 || key[1] != g0 || key[2] != cb || key[3] != ih0 || key[4] != iw0) {",
+            "    key[0] = n0; key[1] = g0; key[2] = cb; key[3] = ih0; key[4] = iw0;",
+            f"    memset(patch, 0, {p.patch_elems}*sizeof(float));",
+            f"    const int r_lo = ih0 < 0 ? -ih0 : 0, r_hi = ih0 + {rows} > {s.h} ? {s.h} - ih0 : {rows};",
+            f"    const int q_lo = iw0 < 0 ? -iw0 : 0, q_hi = iw0 + {cols} > {s.w} ? {s.w} - iw0 : {cols};",
+        ]
         ind = "    "
-        for var, ext in nest:
-            lines.append(ind + f"for (int {var} = 0; {var} < {ext}; {var}++)")
+        for var, lo, hi in nest:
+            lines.append(ind + f"for (int {var} = {lo}; {var} < {hi}; {var}++)")
             ind += "  "
         lines += [
-            ind + "{ const int ih = ih0 + r, iw = iw0 + q;",
-            ind + f"  patch[n*{ps['n']} + g*{ps['g']} + c*{ps['c']} + r*{ps['h']} + q*{ps['w']}] = "
-            f"(ih >= 0 && ih < {s.h} && iw >= 0 && iw < {s.w}) ? in[(long)(n0 + n)*{st['n']} + "
-            f"(long)(g0 + g)*{st['g']} + (long)(cb + c)*{st['c']} + (long)ih*{st['h']} + (long)iw*{st['w']}] : 0.f; }}",
+            ind + f"patch[n*{ps['n']} + g*{ps['g']} + c*{ps['c']} + r*{ps['h']} + q*{ps['w']}] = "
+            f"in[(long)(n0 + n)*{st['n']} + (long)(g0 + g)*{st['g']} + (long)(cb + c)*{st['c']} + "
+            f"(long)(ih0 + r)*{st['h']} + (long)(iw0 + q)*{st['w']}];",
+            "    }",
             f"    micro(patch, {ps['n']}, {ps['g']}, {ps['c']}, {ps['h']}, {ps['w']}, wt, bt, rt, ot, first, last);",
             "  }",
             "}",
@@ -461,6 +472,7 @@ class _Generator:
             out.append(f"  #pragma omp parallel num_threads({p.threads})")
         out.append("  {")
         out.append(f"  float *patch = {patch};")
+        out.append("  int key[5] = {-1, -1, -1, -1 << 30, -1 << 30};")
         ind = "  "
         if par:
             out.append(ind + "#pragma omp for schedule(static)")
@@ -484,7 +496,7 @@ class _Generator:
             depth += 1
         origin = ", ".join(f"{a}_0*{p.tile(a, 1)} + {a}_1*{p.tile(a, 2)} + {a}_2*{p.tile(a, 3)}"
                            for a in SPATIAL_AXES)
-        out.append(ind + f"tile(in, w, bias, res, out, patch, {origin}, c_r, kh_r, kw_r);")
+        out.append(ind + f"tile(in, w, bias, res, out, patch, key, {origin}, c_r, kh_r, kw_r);")
         for _ in range(depth):
             ind = ind[:-2]
             out.append(ind + "}")

@@ -91,19 +91,17 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     else:
         reg, vaxis, width = _scalar_tile(spec, target), "k", 1
     t3 = {"n": 1, "g": 1, **reg}
-    # S2 = L1 tile, S1 = L2 tile (per core), from the bounds' optimal tiles
-    t2, t1 = dict(t3), dict(t3)
-    for level, t in (("L1", t2), ("L2", t1)):
-        try:
-            lvl = target.level(level)
-        except MacoError:
-            continue
-        best = optimal_tile(spec, lvl.elements, lvl.processors)
-        inner = t2 if t is t1 else t3
+    # S1 = the L2 tile (per core) of the bounds: its z filters stay in L2 while the tile's
+    # positions go by; S2 = all k blocks of that tile at one register tile's positions, so the
+    # input window (and a border patch) stays in L1 while the filters go by.
+    t1 = dict(t3)
+    try:
+        best = optimal_tile(spec, target.level("L2").elements, target.level("L2").processors)
         for axis, want in (("ow", best.x), ("oh", best.y), ("k", best.z)):
-            t[axis] = _snap(ext[axis], inner[axis], want)
-    for axis in ("n", "g"):
-        t2[axis] = t1[axis] = 1
+            t1[axis] = _snap(ext[axis], t3[axis], want)
+    except MacoError:
+        pass
+    t2 = dict(t3, k=t1["k"])
     # S0: the rest, split further until the cores share the tiles evenly
     t0 = {a: ext[a] for a in SPATIAL_AXES}
     cores = target.cores
@@ -118,7 +116,7 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
             ds = [d for d in divisors(t1[axis]) if d % t3[axis] == 0 and d < t1[axis]]
             if ds:
                 t1[axis] = max(ds)
-                t2[axis] = _snap(t1[axis], t3[axis], t2[axis])
+                t2[axis] = _snap(t1[axis], t3[axis], min(t2[axis], t1[axis]))
                 break
         else:
             break  # nothing left to split: accept the imbalance

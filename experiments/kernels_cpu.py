@@ -1,0 +1,131 @@
+"""MACO's default CPU kernels against torch conv2d (oneDNN) on every distinct conv layer of
+ResNet-18, AlexNet and VGG-11 at batch 1.
+
+Per layer: the default schedule in NCHW and in NHWC (each checked against torch first), torch
+in NCHW and channels_last, all timed in the same interleaved rounds (maco.commands.bench).
+Writes kernels_cpu.csv (GFLOP/s, fraction of the measured FMA peak, speedup of MACO's better
+layout over torch's faster one), kernels_cpu.png and kernels_cpu.env.json under --out, and
+prints the geometric-mean speedup.
+
+    flock /tmp/maco-bench.lock python experiments/kernels_cpu.py --out results
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from maco import Target, kernels
+from maco.commands.bench import bench_layer
+from maco.layouts.networks import distinct_convs, network_convs
+from maco.timing import environment
+
+QUICK_LAYERS = {"resnet18": 3, "alexnet": 1, "vgg11": 1}  # --quick: the first layers of each
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def layers(networks: list[str], quick: bool) -> list[tuple[str, str, object]]:
+    out, seen = [], set()
+    for net in networks:
+        rows = distinct_convs(network_convs(net, 1))
+        if quick:
+            rows = [r for r in rows if r[0].kh == 3][:QUICK_LAYERS.get(net, 1)]
+        for spec, names in rows:
+            if spec not in seen:
+                seen.add(spec)
+                out.append((net, names[0] + (f" (+{len(names) - 1})" if len(names) > 1 else ""), spec))
+    return out
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = [f"{r['network']}:{r['layer']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 4.5))
+    for i, (col, name) in enumerate((("maco_gflops", "MACO (best layout)"),
+                                     ("torch_nchw_gflops", "torch NCHW"),
+                                     ("torch_nhwc_gflops", "torch channels_last"))):
+        ax.bar(x + (i - 1) * 0.27, [r[col] for r in rows], 0.27, label=name)
+    ax.axhline(rows[0]["peak_gflops"], color="k", ls="--", lw=0.8, label="measured FMA peak")
+    ax.set_xticks(x, labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(f"CPU conv kernels, batch 1, geomean speedup over torch's faster layout "
+                 f"{geomean([r['speedup'] for r in rows]):.2f}x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=130)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--networks", default="resnet18,alexnet,vgg11")
+    ap.add_argument("--quick", action="store_true", help="a few 3x3 layers, fewer rounds")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7, quick 3)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    repeats = args.repeats or (3 if args.quick else 7)
+    target = Target.host()
+    peak = kernels.measure_peak(target)
+    rows = []
+    for net, name, spec in layers(args.networks.split(","), args.quick):
+        schedules = {layout: kernels.default_schedule(spec, target, layout) for layout in ("NCHW", "NHWC")}
+        r = bench_layer(name, spec, schedules, target, repeats=repeats)
+        g = {k: r.gflops(k) for k in r.seconds}
+        best = max(("NCHW", "NHWC"), key=lambda k: g[k])
+        torch_best = max(g["torch NCHW"], g["torch NHWC"])
+        rows.append({"network": net, "layer": name, "spec": str(spec), "kernel": f"{spec.kh}x{spec.kw}",
+                     "maco_layout": best, "maco_gflops": round(g[best], 2),
+                     "maco_nchw_gflops": round(g["NCHW"], 2), "maco_nhwc_gflops": round(g["NHWC"], 2),
+                     "fraction_of_peak": round(g[best] / peak, 4),
+                     "torch_nchw_gflops": round(g["torch NCHW"], 2),
+                     "torch_nhwc_gflops": round(g["torch NHWC"], 2),
+                     "speedup": round(g[best] / torch_best, 4),
+                     "peak_gflops": round(peak, 1), "max_error": f"{r.error:.2e}"})
+        print(f"{net:9s} {name:28s} {spec!s:36s} MACO {g[best]:6.1f} ({best}, {g[best] / peak:4.0%} of peak)  "
+              f"torch {g['torch NCHW']:6.1f} / {g['torch NHWC']:6.1f}  speedup {g[best] / torch_best:5.2f}x",
+              flush=True)
+    stem = "kernels_cpu_quick" if args.quick else "kernels_cpu"
+    write_csv(out / f"{stem}.csv", rows)
+    plot(out / f"{stem}.png", rows)
+    env = dict(environment(), peak_gflops=peak, threads=target.cores, repeats=repeats)
+    tmp = out / f"{stem}.env.json.tmp"
+    tmp.write_text(json.dumps(env, indent=1, default=str))
+    os.replace(tmp, out / f"{stem}.env.json")
+    three = [r for r in rows if r["kernel"] == "3x3"]
+    worst = sorted(rows, key=lambda r: r["speedup"])[:3]
+    print(f"\ngeomean speedup over torch's faster layout: {geomean([r['speedup'] for r in rows]):.2f}x "
+          f"({len(rows)} layers); 3x3 layers: {geomean([r['fraction_of_peak'] for r in three]):.0%} of "
+          f"peak {peak:.0f} GFLOP/s (geomean); slowest vs torch: "
+          + ", ".join(f"{r['network']}:{r['layer']} {r['speedup']:.2f}x" for r in worst))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
