@@ -77,6 +77,14 @@ def _snap(extent: int, inner: int, want: int) -> int:
     return max(ok)
 
 
+def _level_bytes(target: Target, name: str, default: int) -> int:
+    try:
+        lvl = target.level(name)
+        return lvl.capacity // lvl.processors
+    except MacoError:
+        return default
+
+
 def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str = "NCHW") -> Schedule:
     """A fast schedule for `spec` on a CPU target (the host when None) without any search."""
     target = target or Target.host()
@@ -102,6 +110,17 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     except MacoError:
         pass
     t2 = dict(t3, k=t1["k"])
+    c1 = ext["c"]
+    taps = spec.kh * spec.kw
+    l2 = _level_bytes(target, "L2", 1 << 20)
+    split = ("n", "g", "oh", "k", "ow")
+    if spec.k_per_group * ext["c"] * taps * 4 > l2 // 2 and spec.out_h * spec.out_w * ext["c"] * 4 < l2 // 2:
+        # filters outweigh the input (deep layers): walk the filters once, slide over channel
+        # chunks (R0; partial sums stay in the L2-resident outputs) and revisit the small input
+        t1 = dict(t3, k=spec.k_per_group, oh=spec.out_h, ow=spec.out_w)
+        t2 = dict(t3, oh=spec.out_h, ow=spec.out_w)
+        c1 = max(d for d in divisors(ext["c"]) if d == 1 or t3["k"] * d * taps * 4 <= l2 // 8)
+        split = ("n", "g", "k", "oh", "ow")
     # S0: the rest, split further until the cores share the tiles evenly
     t0 = {a: ext[a] for a in SPATIAL_AXES}
     cores = target.cores
@@ -112,7 +131,7 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     for _ in range(64):
         if outer() % cores == 0:
             break
-        for axis in ("n", "g", "oh", "k", "ow"):  # prefer splitting images, groups and rows
+        for axis in split:  # prefer splitting images, groups, then rows (or filters)
             ds = [d for d in divisors(t1[axis]) if d % t3[axis] == 0 and d < t1[axis]]
             if ds:
                 t1[axis] = max(ds)
@@ -123,7 +142,7 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     spatial = tuple((ext[a] // t1[a], t1[a] // t2[a], t2[a] // t3[a], t3[a]) for a in SPATIAL_AXES)
     s0 = [f[0] for f in spatial]
     parallel = max((i + 1 for i, f in enumerate(s0) if f > 1), default=0)
-    reduction = ((1, ext["c"]), (1, ext["kh"]), (1, ext["kw"]))
+    reduction = ((ext["c"] // c1, c1), (1, ext["kh"]), (1, ext["kw"]))
     order = ("c", "kh", "kw") if layout == "NCHW" else ("kh", "kw", "c")
     return Schedule(kind="cpu", spatial=spatial, reduction=reduction, parallel=parallel,
                     vector_axis=vaxis, vector_width=width, unroll=0, inner_order=order,
