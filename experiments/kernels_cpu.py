@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     repeats = args.repeats or (3 if args.quick else 7)
     target = Target.host()
-    peak = kernels.measure_peak(target)
+    peak = kernels.measure_peak(target, fresh=True)
     rows = []
     for net, name, spec in layers(args.networks.split(","), args.quick):
         schedules = {layout: kernels.default_schedule(spec, target, layout) for layout in ("NCHW", "NHWC")}

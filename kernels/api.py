@@ -74,8 +74,9 @@ def default_schedule(spec: ConvSpec, target: Any = None, layout: str = "NCHW") -
     return cpu_default(spec, tgt, layout)
 
 
-def measure_peak(target: Any = None) -> float:
-    """Measured fp32 FMA peak in GFLOP/s of a CPU target on all its cores (cached per host)."""
+def measure_peak(target: Any = None, fresh: bool = False) -> float:
+    """Measured fp32 FMA peak in GFLOP/s of a CPU target on all its cores (cached per host;
+    `fresh` measures again and keeps the best seen)."""
     from maco.kernels.cpu_peak import measure_peak as peak
 
-    return peak(resolve_target(target))
+    return peak(resolve_target(target), fresh)

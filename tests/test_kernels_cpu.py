@@ -296,3 +296,13 @@ def test_bench_cli(capsys):
     out = capsys.readouterr().out
     assert "MACO GFLOP/s" in out and "torch NHWC" in out and "n1_c8_h10_w10_k16_r3x3_p1" in out
     assert main(["bench", "n1_c8_h10_w10_k16_r3x3_p1", "--repeats", "0"]) == 2
+
+
+def test_default_schedule_for_filter_heavy_layers_slides_over_channel_chunks():
+    """With a small L2 the filters outweigh the input: channel chunks (R0 > 1), split by filters."""
+    small = dataclasses.replace(HOST, levels=tuple(
+        dataclasses.replace(lvl, capacity=64 << 10) if lvl.name == "L2" else lvl for lvl in HOST.levels))
+    spec = ConvSpec.parse("n1_c64_h5_w5_k64_r3x3_p1")
+    schedules = [kernels.default_schedule(spec, small, layout) for layout in ("NCHW", "NHWC")]
+    assert all(s.factors("c")[0] > 1 for s in schedules)
+    check_batch(spec, schedules, small, epilogue=True)
