@@ -1,0 +1,485 @@
+"""Issue 4 section 6: MACO next to the tuners a user would pick instead of it, on this CPU.
+
+For each conv layer (NCHW, fp32, batch 1) this tunes and times:
+  torch-nchw / torch-nhwc   torch.nn.functional.conv2d (oneDNN), contiguous and channels_last
+  halide-adams2019          Halide's Adams2019 autoscheduler (cost-model beam search, no
+                            measurements), JIT-compiled for the host; also Li2018 and
+                            Mullapudi2016 (the other CPU autoschedulers shipped in the wheel)
+  tvm-ms                    TVM MetaSchedule (tune_tir on topi.nn.conv2d_nchw, XGBoost cost
+                            model + evolutionary search, `--trials` measured candidates)
+  maco                      MACO's tuner (maco.commands.tune.tune_layers, `--trials` measurements)
+
+Every (layer, tuner) runs in its own worker process (a peer that crashes -- TVM can segfault --
+becomes a row with an empty gflops and the reason in `note`), under `flock <--lock>` so that
+the two shared cores are not measured by two jobs at once. Every kernel is checked against
+torch.nn.functional.conv2d and (except MACO, whose own measurer times its kernels in a worker)
+re-timed with maco.timing.time_callable in the worker, on warm inputs.
+
+tuning_seconds is the wall time from the algorithm description to a callable kernel (schedule
+search + measurements + final compile), not counting the correctness check and the timing.
+
+Peers are optional: `pip install halide==21.0.0 apache-tvm==0.27.0.post1 "apache-tvm-ffi<0.1.15"`
+(apache-tvm 0.27.0.post1 segfaults in save_json with apache-tvm-ffi 0.1.15.post2).
+
+  python experiments/peers_cpu.py --quick                       # one layer, tiny budgets, < 5 min
+  python experiments/peers_cpu.py --trials 64                   # default layers
+  python experiments/peers_cpu.py --layers n1_c256_h14_w14_k256_r3_p1 --tuners tvm-ms,maco
+
+Writes <out>/peers_cpu.csv, <out>/peers_cpu.png and <out>/peers_cpu.env.json.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_LAYERS = [
+    "n1_c64_h56_w56_k64_r3_p1",
+    "n1_c256_h14_w14_k256_r3_p1",
+    "n1_c128_h28_w28_k128_r3_p1",
+    "n1_c192_h13_w13_k384_r3_p1",
+]
+TUNERS = ["torch-nchw", "torch-nhwc", "halide-adams2019", "halide-li2018",
+          "halide-mullapudi2016", "tvm-ms", "maco"]
+COLUMNS = ["layer", "tuner", "trials", "tuning_seconds", "gflops", "speedup_vs_torch_best", "note"]
+LOCK = "/tmp/maco-bench.lock"
+TOL = 2e-3  # max |out - torch| relative to max |torch|
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _missing(pkg: str, pip_name: str, exc: BaseException) -> RuntimeError:
+    return RuntimeError(f"{pkg} not installed ({type(exc).__name__}: {exc}); "
+                        f"pip install {pip_name}  (or pip install -e '.[peers]')")
+
+
+def _inputs(spec, seed: int = 0):
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((spec.n, spec.c, spec.h, spec.w), dtype=np.float32)
+    w = rng.standard_normal((spec.k, spec.c // spec.groups, spec.kh, spec.kw), dtype=np.float32)
+    ref = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w), stride=spec.stride,
+                                     padding=spec.padding, dilation=spec.dilation,
+                                     groups=spec.groups).numpy()
+    return x, w, ref
+
+
+def _check(out, ref) -> float:
+    import numpy as np
+
+    err = float(np.abs(out - ref).max() / max(float(np.abs(ref).max()), 1e-30))
+    if not err < TOL:
+        raise RuntimeError(f"wrong result: max relative error {err:.2e} vs torch")
+    return err
+
+
+def _time(fn, quick: bool) -> float:
+    from maco.timing import time_callable
+
+    t = time_callable(fn, repeats=5 if quick else 15, min_run_time=0.05 if quick else 0.2, warmup=3)
+    return t.median
+
+
+def _version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def _plain_conv(spec, what: str) -> None:
+    if spec.groups != 1 or spec.dilation != (1, 1):
+        raise RuntimeError(f"{what}: only groups=1, dilation=1 convs are written here")
+
+
+# ----------------------------------------------------------------------------- tuners
+# Each returns dict(trials, tuning_seconds, seconds, note) or raises.
+
+def run_torch(spec, layout: str, trials: int, quick: bool, workdir: Path) -> dict:
+    import torch
+
+    x, w, ref = _inputs(spec)
+    xt, wt = torch.from_numpy(x), torch.from_numpy(w)
+    if layout == "NHWC":
+        xt = xt.contiguous(memory_format=torch.channels_last)
+        wt = wt.contiguous(memory_format=torch.channels_last)
+    conv = torch.nn.functional.conv2d
+    args = dict(stride=spec.stride, padding=spec.padding, dilation=spec.dilation, groups=spec.groups)
+    with torch.inference_mode():
+        _check(conv(xt, wt, **args).contiguous().numpy(), ref)
+        secs = _time(lambda: conv(xt, wt, **args), quick)
+    return dict(trials=0, tuning_seconds=0.0, seconds=secs,
+                note=f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+                     f"mkldnn={torch.backends.mkldnn.is_available()}")
+
+
+HALIDE_PARAMS = {
+    # parallelism = cores for all three; the Adams2019 cost-model weights are the ones baked into
+    # the plugin; Mullapudi2016 gets this machine's L2 (its "last level" cache for one core).
+    "Adams2019": lambda t: {"parallelism": str(t.cores)},
+    "Li2018": lambda t: {"parallelism": str(t.cores)},
+    "Mullapudi2016": lambda t: {"parallelism": str(t.cores),
+                                "last_level_cache_size": str(_l2_bytes(t))},
+}
+
+
+def _l2_bytes(target) -> int:
+    for level in target.levels:
+        if level.name == "L2":
+            return int(level.capacity)
+    return 1 << 20
+
+
+def run_halide(spec, algo: str, trials: int, quick: bool, workdir: Path) -> dict:
+    try:
+        import halide as hl
+    except ImportError as exc:
+        raise _missing("halide", "halide==21.0.0", exc) from None
+    import numpy as np
+
+    from maco.target import Target
+
+    _plain_conv(spec, "halide")
+    target = Target.host()
+    lib = Path(hl.__file__).parent / "lib64" / f"libautoschedule_{algo.lower()}.so"
+    if not lib.exists():
+        raise RuntimeError(f"{lib.name} is not in the halide wheel ({lib.parent})")
+    hl.load_plugin(str(lib))
+
+    (sh, sw), (ph, pw) = spec.stride, spec.padding
+    t0 = time.perf_counter()
+    inp = hl.ImageParam(hl.Float(32), 4, "inp")  # (x, y, c, n): NCHW with x innermost
+    wt = hl.ImageParam(hl.Float(32), 4, "wt")    # (rx, ry, c, k): KCRS
+    x, y, k, n = hl.Var("x"), hl.Var("y"), hl.Var("k"), hl.Var("n")
+    r = hl.RDom([(0, spec.c), (0, spec.kw), (0, spec.kh)], "r")
+    padded = hl.BoundaryConditions.constant_exterior(inp, 0.0, [(0, spec.w), (0, spec.h)])
+    conv = hl.Func("conv")
+    conv[x, y, k, n] = hl.f32(0)
+    conv[x, y, k, n] += wt[r.y, r.z, r.x, k] * padded[x * sw + r.y - pw, y * sh + r.z - ph, r.x, n]
+    out = hl.Func("out")
+    out[x, y, k, n] = conv[x, y, k, n]
+    inp.set_estimates([(0, spec.w), (0, spec.h), (0, spec.c), (0, spec.n)])
+    wt.set_estimates([(0, spec.kw), (0, spec.kh), (0, spec.c), (0, spec.k)])
+    out.set_estimates([(0, spec.out_w), (0, spec.out_h), (0, spec.k), (0, spec.n)])
+    pipe = hl.Pipeline(out)
+    hl_target = hl.get_jit_target_from_environment()
+    pipe.apply_autoscheduler(hl_target, hl.AutoschedulerParams(algo, HALIDE_PARAMS[algo](target)))
+    fn = pipe.compile_to_callable([inp, wt], hl_target)
+    tuning = time.perf_counter() - t0
+
+    xs, ws, ref = _inputs(spec)
+    o = np.zeros(ref.shape, np.float32)
+    bi, bw, bo = hl.Buffer(xs), hl.Buffer(ws), hl.Buffer(o)  # numpy axes reversed: dim 0 = W
+    fn(bi, bw, bo)
+    _check(o, ref)
+    secs = _time(lambda: fn(bi, bw, bo), quick)
+    return dict(trials=0, tuning_seconds=tuning, seconds=secs,
+                note=f"halide {_version('halide')} {algo} (model-only search, "
+                     f"no measurements), JIT target {hl_target}, "
+                     f"HL_NUM_THREADS={os.environ.get('HL_NUM_THREADS', 'default')}")
+
+
+def run_tvm(spec, trials: int, quick: bool, workdir: Path) -> dict:
+    try:
+        import tvm
+        from tvm import te, topi
+        from tvm.s_tir import meta_schedule as ms
+    except ImportError as exc:
+        raise _missing("apache-tvm (with tvm.s_tir.meta_schedule)",
+                       "apache-tvm==0.27.0.post1 'apache-tvm-ffi<0.1.15'", exc) from None
+    import numpy as np
+
+    from maco.target import Target
+
+    _plain_conv(spec, "tvm")
+    cores = Target.host().cores
+    mcpu = tvm.get_global_func("target.llvm_get_system_cpu")()
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": cores})
+    t0 = time.perf_counter()
+    a = te.placeholder((spec.n, spec.c, spec.h, spec.w), name="data", dtype="float32")
+    b = te.placeholder((spec.k, spec.c, spec.kh, spec.kw), name="weight", dtype="float32")
+    o = topi.nn.conv2d_nchw(a, b, spec.stride, spec.padding, spec.dilation, out_dtype="float32")
+    func = te.create_prim_func([a, b, o])
+    wd = workdir / "tvm_ms"
+    db = ms.tir_integration.tune_tir(func, target, str(wd), max_trials_global=trials,
+                                     num_trials_per_iter=min(32, trials), num_tuning_cores=cores,
+                                     seed=0,
+                                     # default 30 s build timeout fails every candidate when the
+                                     # shared VM is busy; runner timeout kept generous too
+                                     builder=ms.builder.LocalBuilder(timeout_sec=180),
+                                     runner=ms.runner.LocalRunner(timeout_sec=120))
+    sch = ms.tir_integration.compile_tir(db, func, target)
+    if sch is None:
+        raise RuntimeError(f"MetaSchedule found no valid schedule in {trials} trials")
+    lib = tvm.compile(sch.mod, target=target)
+    tuning = time.perf_counter() - t0
+    measured = sum(1 for _ in db.get_all_tuning_records())
+
+    xs, ws, ref = _inputs(spec)
+    dev = tvm.cpu()
+    xa, wa = tvm.runtime.tensor(xs, dev), tvm.runtime.tensor(ws, dev)
+    oa = tvm.runtime.tensor(np.zeros(ref.shape, np.float32), dev)
+    f = lib["main"]
+    f(xa, wa, oa)
+    _check(oa.numpy(), ref)
+    secs = _time(lambda: f(xa, wa, oa), quick)
+    return dict(trials=measured, tuning_seconds=tuning, seconds=secs,
+                note=f"tvm {tvm.__version__} MetaSchedule tune_tir, target llvm -mcpu={mcpu} "
+                     f"-num-cores {cores}, xgb + evolutionary")
+
+
+def run_maco(spec, trials: int, quick: bool, workdir: Path) -> dict:
+    import maco.kernels as kernels  # noqa: F401  (the CPU backend the tuner needs)
+
+    if not hasattr(kernels, "build_many"):
+        raise RuntimeError("maco.kernels.build_many missing: the CPU kernel backend is not there yet")
+    from maco.commands.tune import tune_layers
+    from maco.target import Target
+
+    t0 = time.perf_counter()
+    res = tune_layers([(str(spec), spec)], Target.host(), trials,
+                      records=workdir / "maco_records.jsonl", baselines=False)[0]
+    tuning = time.perf_counter() - t0
+    if res.best is None or not res.best.ok:
+        raise RuntimeError(f"MACO found no valid kernel in {res.trials} trials")
+    sched = res.best.schedule
+    desc = sched.to_dict() if hasattr(sched, "to_dict") else str(sched)
+    return dict(trials=res.trials, tuning_seconds=tuning, seconds=res.best.seconds,
+                note="maco tune_layers (pruned space, NCHW+NHWC), time from MACO's measurer; "
+                     f"best {json.dumps(desc, separators=(',', ':'))[:160]}")
+
+
+def run_one(tuner: str, spec_text: str, trials: int, quick: bool, workdir: Path) -> dict:
+    from maco.spec import ConvSpec
+
+    spec = ConvSpec.parse(spec_text)
+    if tuner == "torch-nchw":
+        return run_torch(spec, "NCHW", trials, quick, workdir)
+    if tuner == "torch-nhwc":
+        return run_torch(spec, "NHWC", trials, quick, workdir)
+    if tuner.startswith("halide-"):
+        algo = {"adams2019": "Adams2019", "li2018": "Li2018",
+                "mullapudi2016": "Mullapudi2016"}[tuner.split("-", 1)[1]]
+        return run_halide(spec, algo, trials, quick, workdir)
+    if tuner == "tvm-ms":
+        return run_tvm(spec, trials, quick, workdir)
+    if tuner == "maco":
+        return run_maco(spec, trials, quick, workdir)
+    raise ValueError(f"unknown tuner {tuner!r} (known: {', '.join(TUNERS)})")
+
+
+def worker(argv: list[str]) -> int:
+    """`--worker TUNER LAYER TRIALS QUICK WORKDIR RESULT_JSON`: one measurement, JSON out."""
+    tuner, layer, trials, quick, workdir, result = argv
+    try:
+        out = run_one(tuner, layer, int(trials), quick == "1", Path(workdir))
+        out["ok"] = True
+    except Exception as exc:  # noqa: BLE001 -- a failing peer is a row, not a crash
+        msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        out = {"ok": False, "note": msg[:400]}
+    Path(result).write_text(json.dumps(out))
+    return 0
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _run_worker(tuner: str, layer: str, trials: int, quick: bool, lock: str | None,
+                timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="peers_cpu_") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", tuner, layer, str(trials),
+               "1" if quick else "0", tmp, str(result)]
+        if lock and shutil.which("flock"):
+            cmd = ["flock", lock] + cmd
+        env = dict(os.environ)
+        env.setdefault("HL_NUM_THREADS", str(os.cpu_count() or 1))
+        log = Path(tmp) / "log.txt"
+        try:
+            with open(log, "w") as fh:
+                proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                      timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "note": f"timed out after {timeout:.0f} s (lock wait included)"}
+        except OSError as exc:
+            return {"ok": False, "note": f"worker did not start: {exc}"}
+        if result.exists():
+            return json.loads(result.read_text())
+        tail = [ln for ln in log.read_text(errors="replace").splitlines()
+                if ln.strip() and not ln.startswith("  File")][-3:]
+        return {"ok": False, "note": f"worker died (exit {rc}): {' | '.join(tail)}"[:400]}
+
+
+def _gflops(spec, seconds) -> float | None:
+    return spec.flops / seconds / 1e9 if seconds else None
+
+
+def finish_rows(rows: list[dict]) -> None:
+    """Fill speedup_vs_torch_best (vs the faster of torch NCHW / channels_last per layer)."""
+    best: dict[str, float] = {}
+    for r in rows:
+        if r["tuner"].startswith("torch") and r["gflops"] not in ("", None):
+            best[r["layer"]] = max(best.get(r["layer"], 0.0), float(r["gflops"]))
+    for r in rows:
+        g, b = r["gflops"], best.get(r["layer"])
+        r["speedup_vs_torch_best"] = f"{float(g) / b:.2f}" if g not in ("", None) and b else ""
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=COLUMNS)
+        wr.writeheader()
+        for r in rows:
+            wr.writerow({c: r.get(c, "") for c in COLUMNS})
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    tuners = [t for t in TUNERS if any(r["tuner"] == t for r in rows)]
+    width = 0.8 / max(len(tuners), 1)
+    fig, ax = plt.subplots(figsize=(max(7, 2.6 * len(layers)), 4.8))
+    colors = plt.get_cmap("tab10")
+    ymax = max([float(r["gflops"]) for r in rows if r["gflops"] not in ("", None)] or [1.0])
+    for j, t in enumerate(tuners):
+        for i, layer in enumerate(layers):
+            r = next((r for r in rows if r["layer"] == layer and r["tuner"] == t), None)
+            if r is None:
+                continue
+            xpos = i - 0.4 + width * (j + 0.5)
+            ok = r["gflops"] not in ("", None)
+            g = float(r["gflops"]) if ok else 0.0
+            ax.bar(xpos, g, width, color=colors(j), label=t if i == 0 else None)
+            if not ok:
+                label = "failed"
+            elif t.startswith("torch"):
+                label = ""
+            else:
+                label = f"{float(r['tuning_seconds']):.0f}s"
+            ax.text(xpos, g + ymax * 0.01, label, ha="center", va="bottom", fontsize=6.5,
+                    rotation=90)
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels([layer.replace("_", "\n", 2) for layer in layers], fontsize=8)
+    ax.set_ylabel("GFLOP/s (fp32, batch 1)")
+    ax.set_ylim(0, ymax * 1.25)
+    ax.set_title("Conv tuners on this CPU (label: tuning wall time)", fontsize=10)
+    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=140)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict]) -> None:
+    try:
+        from maco.commands.common import print_table as table
+
+        table("peers on this CPU", ["layer", "tuner", "trials", "tuning s", "GFLOP/s",
+                                    "vs torch best", "note"],
+              [[r["layer"], r["tuner"], r["trials"], r["tuning_seconds"], r["gflops"],
+                r["speedup_vs_torch_best"], (r["note"] or "")[:60]] for r in rows])
+    except Exception:  # noqa: BLE001
+        for r in rows:
+            print(",".join(str(r.get(c, "")) for c in COLUMNS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="one layer, tiny budgets (8 trials), short timing: < 5 min")
+    p.add_argument("--trials", type=int, default=None,
+                   help="measured candidates per layer for tvm-ms and maco (default 64; quick 8)")
+    p.add_argument("--layers", default=None,
+                   help=f"comma-separated layer specs (default {','.join(DEFAULT_LAYERS)})")
+    p.add_argument("--tuners", default=",".join(TUNERS), help="comma-separated subset of tuners")
+    p.add_argument("--out", default="results", help="output directory (default results)")
+    p.add_argument("--lock", default=LOCK,
+                   help=f"flock file taken around each (layer, tuner) run (default {LOCK}; "
+                        "'' for none)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds one (layer, tuner) run may take, lock wait included")
+    p.add_argument("--merge", action="store_true",
+                   help="keep rows of other (layer, tuner) pairs already in the output CSV")
+    args = p.parse_args(argv)
+
+    trials = args.trials if args.trials is not None else (8 if args.quick else 64)
+    if trials < 1:
+        p.error("--trials must be >= 1")
+    layers = ([x.strip() for x in args.layers.split(",") if x.strip()] if args.layers
+              else DEFAULT_LAYERS[:1] if args.quick else DEFAULT_LAYERS)
+    tuners = [t.strip() for t in args.tuners.split(",") if t.strip()]
+    bad = [t for t in tuners if t not in TUNERS]
+    if bad:
+        p.error(f"unknown tuners {bad}; known: {', '.join(TUNERS)}")
+    from maco.spec import ConvSpec
+
+    specs = {layer: ConvSpec.parse(layer) for layer in layers}  # fails early on a bad spec
+    out = Path(args.out)
+    csv_path = out / "peers_cpu.csv"
+    rows = read_csv(csv_path) if args.merge else []
+    todo = {(layer, t) for layer in layers for t in tuners}
+    rows = [r for r in rows if (r["layer"], r["tuner"]) not in todo]
+
+    for layer in layers:
+        for tuner in tuners:
+            print(f"[peers_cpu] {layer} {tuner} ...", flush=True)
+            res = _run_worker(tuner, layer, trials, args.quick, args.lock or None, args.timeout)
+            g = _gflops(specs[layer], res.get("seconds")) if res.get("ok") else None
+            row = dict(layer=layer, tuner=tuner,
+                       trials=res.get("trials", "" if res.get("ok") else 0),
+                       tuning_seconds=f"{res['tuning_seconds']:.1f}" if res.get("ok") else "",
+                       gflops=(f"{g:.1f}" if g >= 10 else f"{g:.3g}") if g else "", note=res.get("note", ""))
+            rows.append(row)
+            print(f"[peers_cpu]   -> {row['gflops'] or 'FAILED'} GFLOP/s, tuning "
+                  f"{row['tuning_seconds'] or '-'} s; {row['note'][:120]}", flush=True)
+            finish_rows(rows)
+            write_csv(rows, csv_path)  # after every row: a killed run keeps what it measured
+
+    order = {t: i for i, t in enumerate(TUNERS)}
+    layer_order = list(dict.fromkeys([r["layer"] for r in rows]))
+    rows.sort(key=lambda r: (layer_order.index(r["layer"]), order.get(r["tuner"], 99)))
+    finish_rows(rows)
+    write_csv(rows, csv_path)
+    try:
+        from maco.timing import environment
+
+        (out / "peers_cpu.env.json").write_text(json.dumps(
+            dict(environment(), trials=trials, quick=args.quick), indent=1, default=str))
+    except Exception as exc:  # noqa: BLE001
+        print(f"[peers_cpu] environment not recorded: {exc}", file=sys.stderr)
+    try:
+        plot(rows, out / "peers_cpu.png")
+    except Exception as exc:  # noqa: BLE001
+        print(f"[peers_cpu] plot failed: {exc}", file=sys.stderr)
+    print_table(rows)
+    print(f"[peers_cpu] wrote {csv_path} and {out / 'peers_cpu.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
