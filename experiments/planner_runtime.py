@@ -3,7 +3,7 @@
 VGG-11 and on deep random residual graphs of growing depth, each backtracking run capped by a
 time limit. Where backtracking finishes, every method must reach the same cost.
 
-    python experiments/planner_runtime.py [--out results] [--time-limit 20] [--max-depth 1024]
+    python experiments/planner_runtime.py [--quick] [--out results] [--time-limit 20] [--max-depth 1024]
 
 Conv costs: the measured seconds of results/dataset_cpu.csv (`maco collect`) where it has the
 layer, else a synthetic FLOP-rate model; conversions: bytes / 10 GB/s + 5 us (the run time of a
@@ -208,12 +208,17 @@ def plot(rows: list[dict], path: Path, time_limit: float) -> None:
     write_atomic(path, buf.getvalue())
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results")
-    p.add_argument("--time-limit", type=float, default=20.0, help="cap per planner run (s)")
-    p.add_argument("--max-depth", type=int, default=1024)
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="graphs up to 64 convs, 2 s cap")
+    p.add_argument("--time-limit", type=float, default=None, help="cap per planner run (s; default 20, quick 2)")
+    p.add_argument("--max-depth", type=int, default=None, help="deepest random graph (default 1024, quick 64)")
+    args = p.parse_args(argv)
+    if args.time_limit is None:
+        args.time_limit = 2.0 if args.quick else 20.0
+    if args.max_depth is None:
+        args.max_depth = 64 if args.quick else 1024
     rows = measure(args.time_limit, args.max_depth)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

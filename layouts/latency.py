@@ -76,14 +76,17 @@ _STEADY: bool | None = None
 
 
 def steady_allocator() -> bool:
-    """Pin glibc malloc's mmap and trim thresholds at the values a long-running process drifts to
-    (32 MiB and 64 MiB), once per process; True where that worked (glibc).
+    """Make glibc malloc serve every block from the heap and keep freed memory (no mmap, no
+    trimming), once per process; True where that worked (glibc). Affects the whole process:
+    it is what timing functions call, never plain model code.
 
-    Why: glibc starts at a 128 KiB mmap threshold and raises it as big blocks are freed, so
-    whether a conv's multi-MiB output is reused from the heap or mmap'ed and page-faulted in on
-    every call depends on what the process did before. Measured here: a conv with a 30 MB output
-    took 2.7 ms in one process and 18 ms in a fresh one. Pinned, every measurement (data set,
-    re-measurement, plan, end to end) sees the steady state a deployed model runs in."""
+    Why: by default a block over the mmap threshold (128 KiB rising to at most 32 MiB as big
+    blocks are freed) is mmap'ed on every allocation and page-faulted in as it is written, so a
+    conv's time depends on its output size against a threshold that depends on what the
+    process did before. Measured here: one conv took 2.7 ms in one process and 18 ms in a fresh
+    one; a 38 MB-output conv took 24.6 ms mmap'ed and 6.4 ms from the heap. Served from the
+    heap, every measurement (data set, re-measurement, plan, end to end) sees the steady state
+    of a long-running process that reuses its memory, and repeats."""
     global _STEADY
     if _STEADY is None:
         import ctypes
@@ -91,9 +94,8 @@ def steady_allocator() -> bool:
 
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            m_trim_threshold, m_mmap_threshold = -1, -3
-            _STEADY = bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(
-                libc.mallopt(m_trim_threshold, 64 << 20))
+            m_trim_threshold, m_mmap_max = -1, -4
+            _STEADY = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
         except (OSError, AttributeError):
             _STEADY = False
     return _STEADY
@@ -310,6 +312,9 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write a whole file or nothing: a temp file beside it, fsync, then os.replace."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make results unreadable to others
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -1,0 +1,147 @@
+"""Figure 14: how wrong the latency predictors are on the test convs, and what it costs a planner.
+
+Left: for each error threshold, the fraction of test rows whose |predicted - measured| / measured
+is below it. Right: how often each model picks the slower layout of a test conv, counting only
+convs whose two layouts differ (measured) by more than a gap threshold, and what the wrong
+picks cost (extra seconds over the faster layouts' seconds). A wrong pick between layouts 1%
+apart costs nothing that matters; one across a 2x gap does.
+
+Reads the test predictions fig13 wrote (OUT/fig13_test_predictions.csv; run
+experiments/fig13_predictor_r2.py first), so both figures describe the same models and split.
+Writes fig14_error_threshold.csv / .png.
+
+    python experiments/fig14_error_threshold.py [--out results] [--predictions FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+from pathlib import Path
+
+import numpy as np
+
+THRESHOLDS = [0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]
+GAPS = [0.0, 0.02, 0.05, 0.1, 0.2, 0.5]  # measured slower/faster - 1 of a conv's two layouts
+
+
+def read_predictions(path: Path) -> tuple[list[str], list[str], np.ndarray, dict[str, np.ndarray]]:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    header, body = rows[0], rows[1:]
+    if header[:3] != ["spec", "layout", "measured"] or not body:
+        raise SystemExit(f"{path} is not a fig13 test-prediction file (or it is empty)")
+    measured = np.array([float(r[2]) for r in body])
+    preds = {m: np.array([float(r[3 + j]) for r in body]) for j, m in enumerate(header[3:])}
+    return [r[0] for r in body], [r[1] for r in body], measured, preds
+
+
+def pick_stats(specs: list[str], measured: np.ndarray, predicted: np.ndarray
+               ) -> dict[float, tuple[float, float, int]]:
+    """gap -> (wrong-pick fraction, extra seconds / best seconds, convs) over the convs whose
+    layouts differ by more than the gap."""
+    by_spec: dict[str, list[tuple[float, float]]] = {}
+    for s, m, p in zip(specs, measured, predicted):
+        by_spec.setdefault(s, []).append((m, p))
+    out = {}
+    for gap in GAPS:
+        wrong = n = 0
+        extra = best = 0.0
+        for pairs in by_spec.values():
+            if len(pairs) < 2:
+                continue
+            ms = [m for m, _ in pairs]
+            if max(ms) <= (1 + gap) * min(ms) and gap > 0:
+                continue
+            chosen = min(range(len(pairs)), key=lambda i: pairs[i][1])
+            n += 1
+            best += min(ms)
+            if ms[chosen] > min(ms):
+                wrong += 1
+                extra += ms[chosen] - min(ms)
+        out[gap] = (wrong / n if n else float("nan"), extra / best if best else float("nan"), n)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--predictions", default=None, help="default OUT/fig13_test_predictions.csv")
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--quick", action="store_true", help="accepted for `maco reproduce --quick` (this figure is cheap)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    path = Path(args.predictions) if args.predictions else out / "fig13_test_predictions.csv"
+    if not path.exists():
+        raise SystemExit(f"{path} not found: run experiments/fig13_predictor_r2.py --out {out} first")
+    specs, _, measured, preds = read_predictions(path)
+    errors = {m: np.abs(p - measured) / measured for m, p in preds.items()}
+    picks = {m: pick_stats(specs, measured, p) for m, p in preds.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["model", *[f"within_{t:g}" for t in THRESHOLDS], "median_rel_error", "p90_rel_error",
+                "rows", *[f"wrong_picks_gap_{g:g}" for g in GAPS], *[f"pick_cost_gap_{g:g}" for g in GAPS],
+                *[f"convs_gap_{g:g}" for g in GAPS]])
+    for m, e in errors.items():
+        st = picks[m]
+        w.writerow([m, *[f"{np.mean(e <= t):.4f}" for t in THRESHOLDS], f"{np.median(e):.4g}",
+                    f"{np.quantile(e, 0.9):.4g}", len(e), *[f"{st[g][0]:.4f}" for g in GAPS],
+                    *[f"{st[g][1]:.5f}" for g in GAPS], *[st[g][2] for g in GAPS]])
+    from maco.layouts.latency import write_atomic
+
+    write_atomic(out / "fig14_error_threshold.csv", buf.getvalue().encode())
+    print(f"{'model':12s} " + " ".join(f"<={t:<5g}" for t in THRESHOLDS))
+    for m, e in errors.items():
+        print(f"{m:12s} " + " ".join(f"{np.mean(e <= t):6.3f}" for t in THRESHOLDS))
+    print(f"\nwrong layout picks (cost, % of the best layouts' time) among test convs whose layouts "
+          f"differ by more than:\n{'model':12s} " + " ".join(f"{'>' + format(g * 100, 'g') + '%':>16s}" for g in GAPS))
+    for m, st in picks.items():
+        print(f"{m:12s} " + " ".join(f"{st[g][0] * 100:6.1f}% ({st[g][1] * 100:5.2f}%)" for g in GAPS))
+    print("convs:       " + " ".join(f"{next(iter(picks.values()))[g][2]:>16d}" for g in GAPS))
+    plot(errors, picks, out / "fig14_error_threshold.png")
+    return 0
+
+
+def plot(errors: dict[str, np.ndarray], picks: dict[str, dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from maco.layouts.latency import write_atomic
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    grid = np.logspace(-3, 1, 200)
+    for m, e in errors.items():
+        style = dict(lw=2.5, color="k") if m.startswith("NAS") else dict(lw=1.2)
+        ax.plot(grid * 100, [np.mean(e <= g) for g in grid], label=m.replace("_", " "), **style)
+    for t in (0.05, 0.1, 0.2):
+        ax.axvline(t * 100, color="gray", lw=0.6, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("error threshold: |predicted - measured| / measured, %")
+    ax.set_ylabel("fraction of test rows within")
+    ax.set_title("Prediction error distribution (test convs, both layouts)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    xs = np.arange(len(GAPS))
+    width = 0.8 / max(len(picks), 1)
+    for j, (m, st) in enumerate(picks.items()):
+        style = dict(color="k") if m.startswith("NAS") else {}
+        bx.bar(xs + (j - (len(picks) - 1) / 2) * width, [st[g][0] * 100 for g in GAPS], width,
+               label=m.replace("_", " "), **style)
+    bx.axhline(3, color="r", lw=0.8, ls="--", label="target 3%")
+    first = next(iter(picks.values()))
+    bx.set_xticks(xs, [f">{g * 100:g}%\n({first[g][2]} convs)" if g else f"all\n({first[g][2]} convs)"
+                       for g in GAPS])
+    bx.set_xlabel("test convs whose layouts differ (measured) by more than")
+    bx.set_ylabel("wrong layout picks, %")
+    bx.set_title("How often the slower layout is picked")
+    bx.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

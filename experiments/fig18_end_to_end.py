@@ -1,0 +1,183 @@
+"""Figure 18: end to end at batch 1 on this machine, for ResNet-18, AlexNet and VGG-11: the model
+as torch runs it by default (every layer NCHW), the planned hybrid layout with torch's convs,
+and the planned layout with MACO's tuned kernels where tuning records hold one faster than torch.
+
+The last column needs tuning records (`maco optimize NET --records R`, or `maco tune`): pass
+them with --records R (repeatable). Without records that column is left empty and the CSV's
+note says so. With records, the plan is remade from the per-layer best of torch and MACO in each
+layout (torch measured here, MACO from the records of this machine's target) and the convs
+whose MACO kernel wins are swapped for MacoConv2d modules. Each planned model is timed against
+the default in interleaved rounds and its output checked against the original's.
+Writes fig18_end_to_end.csv / .png.
+
+    python experiments/fig18_end_to_end.py [--quick] [--out results] [--records R.jsonl]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NETWORKS = "resnet18,alexnet,vgg11"
+PAPER = {"resnet18": 1.07, "alexnet": 1.62, "vgg11": 1.34}
+COLUMNS = ["network", "convs", "default_ms", "planned_torch_ms", "speedup_torch", "planned_maco_ms",
+           "speedup_maco", "maco_convs", "max_abs_diff", "outputs_equal", "paper_speedup", "load", "note"]
+
+
+def best_records(paths: list[str]) -> dict[tuple[Any, str], Any]:
+    """The fastest successful record per (spec, layout) measured on this machine's target."""
+    from maco.records import RecordFile
+    from maco.target import Target
+
+    fp = Target.host().fingerprint()
+    best: dict[tuple[Any, str], Any] = {}
+    for path in paths:
+        for r in RecordFile(path).load():
+            key = (r.spec, r.schedule.layout)
+            if r.ok and r.target == fp and (key not in best or r.seconds < best[key].seconds):
+                best[key] = r
+    return best
+
+
+def _equal(model, planned, x) -> bool:
+    with torch.inference_mode():
+        want, got = model(x), planned(x)
+    return bool(torch.allclose(want, got, rtol=1e-4, atol=1e-5 * float(want.abs().max())))
+
+
+_CANARY = None
+
+
+def _quiet() -> float:
+    """Wait (up to 30 s) for the shared cores to be quiet; the canary's load before timing."""
+    global _CANARY
+    from maco.layouts.dataset import Canary
+
+    if _CANARY is None:
+        _CANARY = Canary()
+    return round(_CANARY.wait_quiet(patience=30), 2)
+
+
+def run_network(name: str, rounds: int, records: dict | None) -> dict:
+    from maco.layouts.deploy import compare_end_to_end, plan
+    from maco.layouts.networks import build, example_input
+    from maco.optimize import use_maco_kernels
+    from maco.spec import ConvSpec
+    from maco.target import Target
+
+    model, x = build(name), example_input(1)
+    p = plan(model, x, latency="measure")
+    planned = p.apply(model)
+    load = _quiet()
+    e = compare_end_to_end(model, planned, x, rounds=rounds)
+    row = dict(network=name, convs=len(p.convs), default_ms=e.default.median * 1e3,
+               planned_torch_ms=e.planned.median * 1e3, speedup_torch=e.speedup, planned_maco_ms="",
+               speedup_maco="", maco_convs="", max_abs_diff=e.max_abs_diff,
+               outputs_equal=_equal(model, planned, x), paper_speedup=PAPER.get(name, ""),
+               load=load)
+    if records is None:
+        row["note"] = "MACO column empty: no tuning records given (--records)"
+        return row
+    table: dict[tuple[ConvSpec, str], float] = {}
+    chosen: dict[str, dict[str, Any]] = {}
+    for layer in p.convs:  # layer.costs: torch's seconds per layout, measured by the plan above
+        spec = ConvSpec.parse(layer.spec)
+        for lay, torch_s in layer.costs.items():
+            rec = records.get((spec, lay))
+            table[(spec, lay)] = min(torch_s, rec.seconds if rec else math.inf)
+            if rec and rec.seconds < torch_s:
+                chosen.setdefault(layer.spec, {})[lay] = rec.schedule
+    if not chosen:
+        row["note"] = "MACO column empty: the records hold no kernel faster than torch for this network"
+        return row
+    pm = plan(model, x, latency=table, conversion="measure")
+    gm = pm.apply(model)
+    swapped = use_maco_kernels(gm, pm, chosen, Target.host())
+    load = _quiet()
+    em = compare_end_to_end(model, gm, x, rounds=rounds)
+    row.update(planned_maco_ms=em.planned.median * 1e3, speedup_maco=em.speedup,
+               maco_convs=len(swapped), max_abs_diff=max(e.max_abs_diff, em.max_abs_diff),
+               outputs_equal=row["outputs_equal"] and _equal(model, gm, x),
+               load=max(row["load"], load),
+               note=f"MACO kernels in {len(swapped)} of {len(pm.convs)} convs")
+    return row
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    from maco.layouts.latency import write_atomic
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, COLUMNS, restval="")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{v:.5g}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_atomic(path, buf.getvalue().encode())
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from maco.layouts.latency import write_atomic
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = np.arange(len(rows))
+    bars = [("default (NCHW, torch)", [1.0] * len(rows)),
+            ("planned layouts, torch", [r["speedup_torch"] for r in rows]),
+            ("planned layouts, MACO kernels", [r["speedup_maco"] or 0.0 for r in rows])]
+    for j, (label, vals) in enumerate(bars):
+        bs = ax.bar(x + (j - 1) * 0.27, vals, 0.27, label=label)
+        for b, v, r in zip(bs, vals, rows):
+            text = f"{v:.2f}x" if v else "no\nrecords"
+            ax.annotate(text, (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
+    ax.scatter(x + 0.27, [r["paper_speedup"] or np.nan for r in rows], marker="_", s=300, color="k",
+               zorder=3, label="paper (MACO, their machine)")
+    ax.set_xticks(x, [f"{r['network']}\n{r['default_ms']:.1f} ms default" for r in rows])
+    ax.set_ylabel("speedup over the default model")
+    ax.set_title(f"End to end, batch 1, {torch.get_num_threads()} torch threads")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(0, max([2.0] + [v * 1.15 for _, vals in bars for v in vals if v]))
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--networks", default=NETWORKS)
+    ap.add_argument("--records", action="append", default=[],
+                    help="tuning records (JSON lines) for the MACO column; repeatable")
+    ap.add_argument("--rounds", type=int, default=None, help="end-to-end rounds (default 7, quick 3)")
+    ap.add_argument("--quick", action="store_true", help="fewer end-to-end rounds")
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (3 if args.quick else 7)
+    missing = [p for p in args.records if not Path(p).is_file()]
+    if missing:
+        ap.error(f"records file(s) not found: {', '.join(missing)}")
+    records = best_records(args.records) if args.records else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [run_network(n.strip(), rounds, records) for n in args.networks.split(",") if n.strip()]
+    write_csv(rows, out / "fig18_end_to_end.csv")
+    plot(rows, out / "fig18_end_to_end.png")
+    print(f"wrote {out / 'fig18_end_to_end.csv'} and .png ({rounds} interleaved rounds)")
+    for r in rows:
+        maco = f"{r['speedup_maco']:.2f}x" if r["speedup_maco"] != "" else "-"
+        print(f"  {r['network']:9s} default {r['default_ms']:.2f} ms; planned torch "
+              f"{r['speedup_torch']:.2f}x; planned MACO {maco}; paper {r['paper_speedup']}x; "
+              f"outputs equal {r['outputs_equal']}; {r['note']}")
+    return 0 if all(r["outputs_equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
