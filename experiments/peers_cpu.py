@@ -46,8 +46,8 @@ DEFAULT_LAYERS = [
     "n1_c128_h28_w28_k128_r3_p1",
     "n1_c192_h13_w13_k384_r3_p1",
 ]
-TUNERS = ["torch-nchw", "torch-nhwc", "halide-adams2019", "halide-li2018",
-          "halide-mullapudi2016", "tvm-ms", "maco"]
+TUNERS = ["torch-nchw", "torch-nhwc", "halide-adams2019", "halide-adams2019-nhwc",
+          "halide-li2018", "halide-mullapudi2016", "tvm-ms", "maco"]
 COLUMNS = ["layer", "tuner", "trials", "tuning_seconds", "gflops", "speedup_vs_torch_best", "note"]
 LOCK = "/tmp/maco-bench.lock"
 TOL = 2e-3  # max |out - torch| relative to max |torch|
@@ -141,7 +141,11 @@ def _l2_bytes(target) -> int:
     return 1 << 20
 
 
-def run_halide(spec, algo: str, trials: int, quick: bool, workdir: Path) -> dict:
+def run_halide(spec, algo: str, trials: int, quick: bool, workdir: Path,
+               layout: str = "NCHW") -> dict:
+    """NCHW: the conv as asked (x innermost). NHWC: channels innermost, filter (k, rx, ry, c)
+    with output channels innermost -- the layout of Halide's own apps/conv_layer, which lets the
+    autoscheduler vectorise over channels; input/output are channels_last like torch-nhwc."""
     try:
         import halide as hl
     except ImportError as exc:
@@ -159,34 +163,54 @@ def run_halide(spec, algo: str, trials: int, quick: bool, workdir: Path) -> dict
 
     (sh, sw), (ph, pw) = spec.stride, spec.padding
     t0 = time.perf_counter()
-    inp = hl.ImageParam(hl.Float(32), 4, "inp")  # (x, y, c, n): NCHW with x innermost
-    wt = hl.ImageParam(hl.Float(32), 4, "wt")    # (rx, ry, c, k): KCRS
+    inp = hl.ImageParam(hl.Float(32), 4, "inp")
+    wt = hl.ImageParam(hl.Float(32), 4, "wt")
     x, y, k, n = hl.Var("x"), hl.Var("y"), hl.Var("k"), hl.Var("n")
     r = hl.RDom([(0, spec.c), (0, spec.kw), (0, spec.kh)], "r")
-    padded = hl.BoundaryConditions.constant_exterior(inp, 0.0, [(0, spec.w), (0, spec.h)])
     conv = hl.Func("conv")
-    conv[x, y, k, n] = hl.f32(0)
-    conv[x, y, k, n] += wt[r.y, r.z, r.x, k] * padded[x * sw + r.y - pw, y * sh + r.z - ph, r.x, n]
     out = hl.Func("out")
-    out[x, y, k, n] = conv[x, y, k, n]
-    inp.set_estimates([(0, spec.w), (0, spec.h), (0, spec.c), (0, spec.n)])
-    wt.set_estimates([(0, spec.kw), (0, spec.kh), (0, spec.c), (0, spec.k)])
-    out.set_estimates([(0, spec.out_w), (0, spec.out_h), (0, spec.k), (0, spec.n)])
+    if layout == "NCHW":  # inp (x, y, c, n), wt (rx, ry, c, k): numpy NCHW / KCRS
+        padded = hl.BoundaryConditions.constant_exterior(inp, 0.0, [(0, spec.w), (0, spec.h)])
+        conv[x, y, k, n] = hl.f32(0)
+        conv[x, y, k, n] += (wt[r.y, r.z, r.x, k]
+                             * padded[x * sw + r.y - pw, y * sh + r.z - ph, r.x, n])
+        out[x, y, k, n] = conv[x, y, k, n]
+        inp.set_estimates([(0, spec.w), (0, spec.h), (0, spec.c), (0, spec.n)])
+        wt.set_estimates([(0, spec.kw), (0, spec.kh), (0, spec.c), (0, spec.k)])
+        out.set_estimates([(0, spec.out_w), (0, spec.out_h), (0, spec.k), (0, spec.n)])
+    else:  # inp (c, x, y, n), wt (k, rx, ry, c), out (k, x, y, n): numpy NHWC / CRSK / NHWK
+        padded = hl.BoundaryConditions.constant_exterior(
+            inp, 0.0, [(0, spec.c), (0, spec.w), (0, spec.h), (0, spec.n)])
+        conv[k, x, y, n] = hl.f32(0)
+        conv[k, x, y, n] += (wt[k, r.y, r.z, r.x]
+                             * padded[r.x, x * sw + r.y - pw, y * sh + r.z - ph, n])
+        out[k, x, y, n] = conv[k, x, y, n]
+        inp.set_estimates([(0, spec.c), (0, spec.w), (0, spec.h), (0, spec.n)])
+        wt.set_estimates([(0, spec.k), (0, spec.kw), (0, spec.kh), (0, spec.c)])
+        out.set_estimates([(0, spec.k), (0, spec.out_w), (0, spec.out_h), (0, spec.n)])
     pipe = hl.Pipeline(out)
     hl_target = hl.get_jit_target_from_environment()
-    pipe.apply_autoscheduler(hl_target, hl.AutoschedulerParams(algo, HALIDE_PARAMS[algo](target)))
+    params = HALIDE_PARAMS[algo](target)
+    if quick and algo == "Adams2019":
+        params["beam_size"] = "1"  # greedy: the default beam of 32 takes up to ~200 s here
+    pipe.apply_autoscheduler(hl_target, hl.AutoschedulerParams(algo, params))
     fn = pipe.compile_to_callable([inp, wt], hl_target)
     tuning = time.perf_counter() - t0
 
     xs, ws, ref = _inputs(spec)
-    o = np.zeros(ref.shape, np.float32)
-    bi, bw, bo = hl.Buffer(xs), hl.Buffer(ws), hl.Buffer(o)  # numpy axes reversed: dim 0 = W
+    if layout == "NHWC":
+        xs = np.ascontiguousarray(xs.transpose(0, 2, 3, 1))
+        ws = np.ascontiguousarray(ws.transpose(1, 2, 3, 0))  # (C, KH, KW, K): k innermost
+        o = np.zeros((spec.n, spec.out_h, spec.out_w, spec.k), np.float32)
+    else:
+        o = np.zeros(ref.shape, np.float32)
+    bi, bw, bo = hl.Buffer(xs), hl.Buffer(ws), hl.Buffer(o)  # numpy axes reversed: dim 0 last
     fn(bi, bw, bo)
-    _check(o, ref)
+    _check(o.transpose(0, 3, 1, 2) if layout == "NHWC" else o, ref)
     secs = _time(lambda: fn(bi, bw, bo), quick)
     return dict(trials=0, tuning_seconds=tuning, seconds=secs,
-                note=f"halide {_version('halide')} {algo} (model-only search, "
-                     f"no measurements), JIT target {hl_target}, "
+                note=f"halide {_version('halide')} {algo} {layout} (model-only search, "
+                     f"no measurements; {params}), JIT target {hl_target}, "
                      f"HL_NUM_THREADS={os.environ.get('HL_NUM_THREADS', 'default')}")
 
 
@@ -247,6 +271,8 @@ def run_maco(spec, trials: int, quick: bool, workdir: Path) -> dict:
     from maco.commands.tune import tune_layers
     from maco.target import Target
 
+    # a cold gcc build cache, like TVM's and Halide's compiles: tuning_seconds counts every build
+    os.environ["MACO_CACHE"] = str(workdir / "maco_kernel_cache")
     t0 = time.perf_counter()
     res = tune_layers([(str(spec), spec)], Target.host(), trials,
                       records=workdir / "maco_records.jsonl", baselines=False)[0]
@@ -254,10 +280,24 @@ def run_maco(spec, trials: int, quick: bool, workdir: Path) -> dict:
     if res.best is None or not res.best.ok:
         raise RuntimeError(f"MACO found no valid kernel in {res.trials} trials")
     sched = res.best.schedule
+    # re-time the best kernel here, by the same protocol as the peers (MACO's own measurer time
+    # goes into the note)
+    import torch
+
+    xs, ws, ref = _inputs(spec)
+    conv = kernels.compile(spec, sched, target=Target.host()).bind(ws)
+    fmt = torch.channels_last if sched.layout == "NHWC" else torch.contiguous_format
+    x = torch.from_numpy(xs).contiguous(memory_format=fmt)
+    out = torch.empty(ref.shape, dtype=torch.float32, memory_format=fmt)
+    fn = conv.prepare(x, None, out)
+    fn()
+    _check(out.contiguous().numpy(), ref)
+    secs = _time(fn, quick)
     desc = sched.to_dict() if hasattr(sched, "to_dict") else str(sched)
-    return dict(trials=res.trials, tuning_seconds=tuning, seconds=res.best.seconds,
-                note="maco tune_layers (pruned space, NCHW+NHWC), time from MACO's measurer; "
-                     f"best {json.dumps(desc, separators=(',', ':'))[:160]}")
+    return dict(trials=res.trials, tuning_seconds=tuning, seconds=secs,
+                note=f"maco tune_layers (pruned space, NCHW+NHWC, cold build cache), best {sched.layout}; "
+                     f"MACO's measurer said {spec.flops / res.best.seconds / 1e9:.1f} GFLOP/s; "
+                     f"schedule {json.dumps(desc, separators=(',', ':'))[:120]}")
 
 
 def run_one(tuner: str, spec_text: str, trials: int, quick: bool, workdir: Path) -> dict:
@@ -269,9 +309,10 @@ def run_one(tuner: str, spec_text: str, trials: int, quick: bool, workdir: Path)
     if tuner == "torch-nhwc":
         return run_torch(spec, "NHWC", trials, quick, workdir)
     if tuner.startswith("halide-"):
-        algo = {"adams2019": "Adams2019", "li2018": "Li2018",
-                "mullapudi2016": "Mullapudi2016"}[tuner.split("-", 1)[1]]
-        return run_halide(spec, algo, trials, quick, workdir)
+        name = tuner.split("-")[1]
+        algo = {"adams2019": "Adams2019", "li2018": "Li2018", "mullapudi2016": "Mullapudi2016"}[name]
+        layout = "NHWC" if tuner.endswith("-nhwc") else "NCHW"
+        return run_halide(spec, algo, trials, quick, workdir, layout)
     if tuner == "tvm-ms":
         return run_tvm(spec, trials, quick, workdir)
     if tuner == "maco":
