@@ -128,6 +128,9 @@ def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target) -> 
 
 # -- the worker ------------------------------------------------------------------------------
 def _worker_main(conn: Any, target_dict: dict[str, Any]) -> None:
+    from maco.layouts.latency import steady_allocator
+
+    steady_allocator()  # torch's outputs come from the heap, as in a long-running model (no mmap faults)
     target = Target.from_dict(target_dict)
     data: dict[tuple[ConvSpec, str], Any] = {}
     while True:

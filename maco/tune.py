@@ -94,8 +94,8 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: Measurer,
         all_records = [r for s in states for r in s.records]
         model.fit(all_records)
         new = search_round(state, target, model, measurer, rng, config,
-                           n=min(config.batch, trials - done), records=store,
-                           seeds=tasks[i].seeds)
+                           n=_round_size(i, sched, len(tasks), config.batch, trials - done),
+                           records=store, seeds=tasks[i].seeds)
         if not new:  # the space of this task is exhausted
             sched.record(i, 10**9, state.best_seconds())
             if all(sched.history.get(j, [(0, 0)])[-1][0] >= 10**9 for j in range(len(tasks))):
@@ -106,4 +106,13 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: Measurer,
         if progress:
             progress(done, trials, tasks[i], state)
     return TuneResult(list(tasks), states, done - start)
+
+
+def _round_size(index: int, sched: TaskScheduler, n_tasks: int, batch: int, left: int) -> int:
+    """A full batch, except in a task's first round, which takes only its fair share of what is
+    left, so that a budget smaller than batch * tasks still measures every task."""
+    if index in sched.history:
+        return min(batch, left)
+    unvisited = sum(1 for j in range(n_tasks) if j not in sched.history)
+    return max(1, min(batch, left // max(unvisited, 1)))
 

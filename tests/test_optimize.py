@@ -63,7 +63,7 @@ def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
     for result in e2e.values():
         assert result["max_abs_diff"] < 1e-3 and result["speedup"] > 0
     lines = (out / "records.jsonl").read_text().splitlines()
-    assert len(lines) == 12  # quick: 6 measurements for each of the 2 distinct convs
+    assert len(lines) == 24  # quick: 12 measurements for each of the 2 distinct convs
 
 
 def test_maco_conv_in_a_model_matches_torch(model_file):
@@ -78,3 +78,16 @@ def test_maco_conv_in_a_model_matches_torch(model_file):
         torch.testing.assert_close(mc(x), conv(x), rtol=1e-4, atol=1e-4)
         x2 = torch.randn(2, 16, 15, 15)  # another shape falls back to torch
         torch.testing.assert_close(mc(x2), conv(x2), rtol=1e-4, atol=1e-4)
+
+
+def test_in_process_check_keeps_fast_kernels_and_flags_slow_ones():
+    from maco import ConvSpec, Target, kernels, space
+    from maco.optimize import MIN_GAIN, confirm_in_process
+
+    spec, target = ConvSpec.parse("n1_c32_h28_w28_k32_r3_p1"), Target.host()
+    scalar = next(s for s in space.sample_many(spec, target, 200, 0)
+                  if s.layout == "NCHW" and s.vector_width == 1)  # one float at a time: slow
+    ratios = confirm_in_process({str(spec): {"NCHW": scalar,
+                                             "NHWC": kernels.default_schedule(spec, target, "NHWC")}},
+                                target)[str(spec)]
+    assert 0 < ratios["NCHW"] < MIN_GAIN and ratios["NHWC"] > ratios["NCHW"]

@@ -104,3 +104,12 @@ def test_bad_config_is_named():
         SearchConfig(eps_greedy=2.0)
     with pytest.raises(MacoError, match="trials must be >= 0, got -1"):
         tune([Task("c", SPEC)], AVX2, -1, synthetic())
+
+
+def test_a_budget_smaller_than_a_batch_per_task_still_measures_every_task():
+    specs = [ConvSpec.parse(f"n1_c16_h14_w14_k{k}_r3_p1") for k in (16, 32, 48, 64, 80)]
+    tasks = [Task(f"t{i}", s) for i, s in enumerate(specs)]
+    result = tune(tasks, AVX2, 15, synthetic(), config=SearchConfig(batch=16, population=16,
+                                                                    generations=1), seed=0)
+    counts = [len(s.records) for s in result.states]
+    assert sum(counts) == 15 and counts == [3, 3, 3, 3, 3]
