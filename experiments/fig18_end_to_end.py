@@ -6,7 +6,8 @@ The last column needs tuning records (`maco optimize NET --records R`, or `maco 
 them with --records R (repeatable). Without records that column is left empty and the CSV's
 note says so. With records, the plan is remade from the per-layer best of torch and MACO in each
 layout (torch measured here, MACO from the records of this machine's target) and the convs
-whose MACO kernel wins are swapped for MacoConv2d modules. Each planned model is timed against
+whose MACO kernel wins, in its records and again when re-timed in this process
+(maco.optimize.faster_kernels), are swapped for MacoConv2d modules. Each planned model is timed against
 the default in interleaved rounds and its output checked against the original's.
 Writes fig18_end_to_end.csv / .png.
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import math
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +31,11 @@ COLUMNS = ["network", "convs", "default_ms", "planned_torch_ms", "speedup_torch"
 
 def best_records(paths: list[str]) -> dict[tuple[Any, str], Any]:
     """The fastest successful record per (spec, layout) measured on this machine's target."""
+    from maco.optimize import best_per_layout
     from maco.records import RecordFile
     from maco.target import Target
 
-    fp = Target.host().fingerprint()
-    best: dict[tuple[Any, str], Any] = {}
-    for path in paths:
-        for r in RecordFile(path).load():
-            key = (r.spec, r.schedule.layout)
-            if r.ok and r.target == fp and (key not in best or r.seconds < best[key].seconds):
-                best[key] = r
-    return best
+    return best_per_layout([r for path in paths for r in RecordFile(path).load()], Target.host())
 
 
 def _equal(model, planned, x) -> bool:
@@ -66,7 +60,7 @@ def _quiet() -> float:
 def run_network(name: str, rounds: int, records: dict | None) -> dict:
     from maco.layouts.deploy import compare_end_to_end, plan
     from maco.layouts.networks import build, example_input
-    from maco.optimize import use_maco_kernels
+    from maco.optimize import faster_kernels, use_maco_kernels
     from maco.spec import ConvSpec
     from maco.target import Target
 
@@ -83,15 +77,9 @@ def run_network(name: str, rounds: int, records: dict | None) -> dict:
     if records is None:
         row["note"] = "MACO column empty: no tuning records given (--records)"
         return row
-    table: dict[tuple[ConvSpec, str], float] = {}
-    chosen: dict[str, dict[str, Any]] = {}
-    for layer in p.convs:  # layer.costs: torch's seconds per layout, measured by the plan above
-        spec = ConvSpec.parse(layer.spec)
-        for lay, torch_s in layer.costs.items():
-            rec = records.get((spec, lay))
-            table[(spec, lay)] = min(torch_s, rec.seconds if rec else math.inf)
-            if rec and rec.seconds < torch_s:
-                chosen.setdefault(layer.spec, {})[lay] = rec.schedule
+    torch_seconds = {(ConvSpec.parse(layer.spec), lay): secs  # measured by the plan above
+                     for layer in p.convs for lay, secs in layer.costs.items()}
+    table, chosen, _ = faster_kernels(torch_seconds, records, Target.host())
     if not chosen:
         row["note"] = "MACO column empty: the records hold no kernel faster than torch for this network"
         return row

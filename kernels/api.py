@@ -43,9 +43,11 @@ def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu
     return compile_cpu(spec, schedule, tgt, bias=bias, relu=relu, residual=residual)
 
 
-def build_many(spec: ConvSpec, schedules: list[Schedule], target: Any = None, **epilogue: bool) -> list[Any]:
+def build_many(spec: ConvSpec, schedules: list[Schedule], target: Any = None, *,
+               timeout: float = 300.0, **epilogue: bool) -> list[Any]:
     """Kernels for many schedules of one spec, compiled in parallel through the disk cache; a
-    schedule that is invalid or does not compile gives its MacoError in place of the kernel."""
+    schedule that is invalid or does not compile (within `timeout` seconds on CPU) gives its
+    MacoError in place of the kernel."""
     tgt = resolve_target(target)
     if tgt.kind == "cuda":
         from maco.kernels.cuda import compile_cuda
@@ -59,7 +61,7 @@ def build_many(spec: ConvSpec, schedules: list[Schedule], target: Any = None, **
         return out
     from maco.kernels.cpu import build_many_cpu
 
-    return build_many_cpu(spec, list(schedules), tgt, **epilogue)
+    return build_many_cpu(spec, list(schedules), tgt, timeout=timeout, **epilogue)
 
 
 def default_schedule(spec: ConvSpec, target: Any = None, layout: str = "NCHW") -> Schedule:

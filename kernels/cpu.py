@@ -144,8 +144,10 @@ def compile_cpu(spec: ConvSpec, schedule: Schedule, target: Target, *, bias: boo
 
 
 def build_many_cpu(spec: ConvSpec, schedules: list[Schedule], target: Target, *, bias: bool = False,
-                   relu: bool = False, residual: bool = False) -> list[CpuKernel | MacoError]:
-    """Kernels for many schedules, gcc running in parallel; a failure is its MacoError in place."""
+                   relu: bool = False, residual: bool = False,
+                   timeout: float = 300.0) -> list[CpuKernel | MacoError]:
+    """Kernels for many schedules, gcc running in parallel (each for at most `timeout` seconds);
+    a failure is its MacoError in place."""
     out: list[CpuKernel | MacoError] = []
     for schedule in schedules:
         try:
@@ -153,7 +155,7 @@ def build_many_cpu(spec: ConvSpec, schedules: list[Schedule], target: Target, *,
         except MacoError as exc:
             out.append(exc)
     todo = [k for k in out if isinstance(k, CpuKernel)]
-    built = cpu_build.build_parallel([(k.source, k.flags) for k in todo])
+    built = cpu_build.build_parallel([(k.source, k.flags) for k in todo], timeout=timeout)
     by_id = {id(k): so for k, so in zip(todo, built)}
     result: list[CpuKernel | MacoError] = []
     for k in out:

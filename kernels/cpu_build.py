@@ -10,6 +10,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import signal
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -72,9 +73,10 @@ def key(source: str, flags: list[str]) -> str:
     return h.hexdigest()[:32]
 
 
-def build(source: str, flags: list[str], out_dir: Path | None = None) -> Path:
+def build(source: str, flags: list[str], out_dir: Path | None = None, timeout: float = 300.0) -> Path:
     """The shared object of `source` (built now unless the cache has it); MacoError with gcc's
-    message when it does not compile."""
+    message when it does not compile, or when gcc runs past `timeout` seconds (the tuner gives
+    a short one: a variant that takes minutes to compile is not worth its measurement)."""
     out_dir = out_dir or cache_dir()
     so = out_dir / f"k_{key(source, flags)}.so"
     if so.exists():
@@ -85,12 +87,17 @@ def build(source: str, flags: list[str], out_dir: Path | None = None) -> Path:
         with os.fdopen(fd, "w") as fh:
             fh.write(source)
         cmd = [compiler(), *flags, tmp_c, "-o", tmp_so]
+        # a session of its own, so that a timeout kills cc1 and as too, not only the gcc driver
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise MacoError(f"gcc took longer than 300 s on {so.name}") from None
-        if res.returncode != 0:
-            msg = (res.stderr or res.stdout).strip()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise MacoError(f"gcc took longer than {timeout:g} s on {so.name}") from None
+        if proc.returncode != 0:
+            msg = (stderr or stdout).strip()
             raise MacoError(f"gcc failed ({' '.join(cmd[:-3])}):\n{msg[-4000:]}")
         os.replace(tmp_so, so)
         return so
@@ -102,11 +109,12 @@ def build(source: str, flags: list[str], out_dir: Path | None = None) -> Path:
                 pass
 
 
-def build_parallel(jobs: list[tuple[str, list[str]]], workers: int | None = None) -> list[Path | MacoError]:
+def build_parallel(jobs: list[tuple[str, list[str]]], workers: int | None = None,
+                   timeout: float = 300.0) -> list[Path | MacoError]:
     """Build many sources at once (one gcc per core); per job its .so path or its MacoError."""
     def one(job: tuple[str, list[str]]) -> Path | MacoError:
         try:
-            return build(*job)
+            return build(*job, timeout=timeout)
         except MacoError as exc:
             return exc
 

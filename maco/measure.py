@@ -29,6 +29,7 @@ class MeasureConfig:
     min_run_time: float = 2e-3  # seconds per repeat (CPU); the GPU timer grows runs itself
     warmup: int = 2
     timeout: float = 120.0  # seconds one job may take in the worker (data set-up included)
+    build_timeout: float = 30.0  # seconds gcc may take on one variant (typical: 0.15-1 s)
     check: bool = True  # compare every kernel's output with torch before timing it
 
 
@@ -94,7 +95,7 @@ class Measurer:
         target = target or self.target
         if target.fingerprint() != self.target.fingerprint():
             raise MacoError(f"this measurer times on {self.target.name!r}, not {target.name!r}")
-        built = _prebuild(spec, schedules, target)
+        built = _prebuild(spec, schedules, target, self.config.build_timeout)
         out: list[tuple[Timing | None, str | None]] = []
         for schedule, build_error in zip(schedules, built):
             if build_error:
@@ -116,14 +117,15 @@ class Measurer:
         return dict(repeats=c.repeats, min_run_time=c.min_run_time, warmup=c.warmup, check=c.check)
 
 
-def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target) -> list[str | None]:
+def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target,
+              timeout: float) -> list[str | None]:
     """Compile a batch in parallel into the kernel cache; per schedule, its build error or None."""
     from maco import kernels
 
     if target.kind != "cpu":
         return [None] * len(schedules)  # CUDA kernels are compiled by the worker (NVRTC, cached)
     return [str(k) if isinstance(k, Exception) else None
-            for k in kernels.build_many(spec, list(schedules), target)]
+            for k in kernels.build_many(spec, list(schedules), target, timeout=timeout)]
 
 
 # -- the worker ------------------------------------------------------------------------------

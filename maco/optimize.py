@@ -163,31 +163,16 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         f"measurements ({budget} budget), records in {records}")
     tuned = tune_layers(layers, tgt, trials, records=records, seed=seed,
                         weights=[len(names) for _, names in groups])
-    rows: list[LayerRow] = []
-    chosen: dict[str, dict[str, Any]] = {}  # str(spec) -> layout -> schedule (MACO beats torch)
-    table: dict[tuple[ConvSpec, str], float] = {}
-    by_spec = _best_per_layout(RecordFile(records).load(), tgt)
-    for r in tuned:
-        row = LayerRow(r.name, r.spec, r.weight, r.trials,
-                       torch={k: v for k, v in (("NCHW", r.torch_nchw), ("NHWC", r.torch_nhwc)) if v})
-        for layout in ("NCHW", "NHWC"):
-            best = by_spec.get((r.spec, layout))
-            if best is not None:
-                row.maco[layout] = best.seconds
-            options = [v for v in (row.maco.get(layout), row.torch.get(layout)) if v]
-            if options:
-                table[(r.spec, layout)] = min(options)
-            if best is not None and (layout not in row.torch or best.seconds < row.torch[layout]):
-                chosen.setdefault(str(r.spec), {})[layout] = best.schedule
-        rows.append(row)
-    log(f"      checking {sum(map(len, chosen.values()))} faster-than-torch kernels in this process")
-    confirmed = confirm_in_process(chosen, tgt) if tgt.kind == "cpu" else {}
+    best = best_per_layout(RecordFile(records).load(), tgt)
+    rows = [LayerRow(r.name, r.spec, r.weight, r.trials,
+                     maco={lay: best[(r.spec, lay)].seconds for lay in ("NCHW", "NHWC") if (r.spec, lay) in best},
+                     torch={k: v for k, v in (("NCHW", r.torch_nchw), ("NHWC", r.torch_nhwc)) if v})
+            for r in tuned]
+    torch_seconds = {(row.spec, lay): s for row in rows for lay, s in row.torch.items()}
+    log("      re-timing the kernels that beat torch in this process")
+    table, chosen, ratios = faster_kernels(torch_seconds, best, tgt)
     for row in rows:
-        row.in_process = confirmed.get(str(row.spec), {})
-        for layout, ratio in row.in_process.items():
-            if ratio < MIN_GAIN:  # not faster where it will run: keep torch's conv there
-                chosen[str(row.spec)].pop(layout)
-                table[(row.spec, layout)] = row.torch.get(layout, table[(row.spec, layout)])
+        row.in_process = ratios.get(str(row.spec), {})
     log("[2/4] planning layouts with the tuned latencies (conversions measured)")
     plan = plan_layouts(model, x, latency=table, device=device)
     plan.save(out / "plan.json")
@@ -211,6 +196,29 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     result = OptimizeResult(name, out, rows, plan, e2e, time.perf_counter() - start)
     write_outputs(result, tgt, records, swapped)
     return result
+
+
+def faster_kernels(torch_seconds: dict[tuple[ConvSpec, str], float], best: dict[tuple[ConvSpec, str], Any],
+                   target: Target) -> tuple[dict, dict, dict]:
+    """Per (spec, layout) of torch_seconds: the latency table for the planner (the faster of
+    torch and MACO's best record), the MACO schedules to run (str(spec) -> layout -> schedule)
+    and their in-process ratios. A kernel is chosen only when its record beats torch and the
+    in-process check confirms it by MIN_GAIN (on a GPU the records are trusted as they are)."""
+    table = dict(torch_seconds)
+    candidates: dict[str, dict[str, Any]] = {}
+    for (spec, layout), torch_s in torch_seconds.items():
+        rec = best.get((spec, layout))
+        if rec is not None and rec.seconds < torch_s:
+            candidates.setdefault(str(spec), {})[layout] = rec.schedule
+    ratios = confirm_in_process(candidates, target) if target.kind == "cpu" else {}
+    chosen: dict[str, dict[str, Any]] = {}
+    for text, by_layout in candidates.items():
+        spec = ConvSpec.parse(text)
+        for layout, schedule in by_layout.items():
+            if ratios.get(text, {}).get(layout, math.inf) >= MIN_GAIN:
+                chosen.setdefault(text, {})[layout] = schedule
+                table[(spec, layout)] = best[(spec, layout)].seconds
+    return table, chosen, ratios
 
 
 def confirm_in_process(chosen: dict[str, dict[str, Any]], target: Target,
@@ -250,7 +258,8 @@ def confirm_in_process(chosen: dict[str, dict[str, Any]], target: Target,
     return ratios
 
 
-def _best_per_layout(records: list, target: Target) -> dict[tuple[ConvSpec, str], Any]:
+def best_per_layout(records: list, target: Target) -> dict[tuple[ConvSpec, str], Any]:
+    """The fastest successful record per (spec, layout) measured on `target`."""
     fp = target.fingerprint()
     best: dict[tuple[ConvSpec, str], Any] = {}
     for r in records:

@@ -252,6 +252,20 @@ def test_compile_error_is_a_maco_error(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.so"))  # nothing half-built left behind
 
 
+def test_a_build_past_its_timeout_is_killed_with_its_compiler(tmp_path, monkeypatch):
+    import subprocess
+
+    from maco.kernels import cpu_build
+
+    monkeypatch.setenv("MACO_CACHE", str(tmp_path))
+    source = "\n".join(f"float f{i}(float x) {{ return x * {i}.5f + {i}; }}" for i in range(20000))
+    with pytest.raises(MacoError, match="gcc took longer than 0.05 s"):
+        cpu_build.build(source, cpu_build.flags_for(HOST), timeout=0.05)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+    assert not left.strip()  # cc1 went with the gcc driver
+    assert not list(tmp_path.iterdir())  # no source or half-built object left behind
+
+
 def test_cache_reuses_built_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("MACO_CACHE", str(tmp_path))
     spec = ConvSpec.parse("n1_c4_h5_w5_k8_r3x3_p1")
