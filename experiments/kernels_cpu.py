@@ -1,13 +1,14 @@
-"""MACO's default CPU kernels against torch conv2d (oneDNN) on every distinct conv layer of
-ResNet-18, AlexNet and VGG-11 at batch 1.
+"""MACO's CPU kernels against torch conv2d (oneDNN) on every distinct conv layer of ResNet-18,
+AlexNet and VGG-11 at batch 1: the bound-derived default schedules, or with --records the best
+tuned schedule of each layout (the default where the records have none).
 
-Per layer: the default schedule in NCHW and in NHWC (each checked against torch first), torch
-in NCHW and channels_last, all timed in the same interleaved rounds (maco.commands.bench).
-Writes kernels_cpu.csv (GFLOP/s, fraction of the measured FMA peak, speedup of MACO's better
-layout over torch's faster one), kernels_cpu.png and kernels_cpu.env.json under --out, and
-prints the geometric-mean speedup.
+Per layer: MACO's NCHW and NHWC kernels (each checked against torch first), torch in NCHW and
+channels_last, all timed in the same interleaved rounds (maco.commands.bench). Writes
+kernels_cpu[_tuned].csv (GFLOP/s; fraction of the measured FMA peak and of the register-tile
+ceiling, the same loads and FMAs with every operand in L1; speedup of MACO's better layout over
+torch's faster one), a .png and an .env.json under --out, and prints the geometric means.
 
-    flock /tmp/maco-bench.lock python experiments/kernels_cpu.py --out results
+    python experiments/kernels_cpu.py --out results [--records results/records_cpu.jsonl]
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def plot(path: Path, rows: list[dict]) -> None:
                                      ("torch_nhwc_gflops", "torch channels_last"))):
         ax.bar(x + (i - 1) * 0.27, [r[col] for r in rows], 0.27, label=name)
     ax.axhline(rows[0]["peak_gflops"], color="k", ls="--", lw=0.8, label="measured FMA peak")
+    ax.axhline(rows[0]["ceiling_gflops"], color="grey", ls=":", lw=0.8,
+               label="register-tile ceiling (loads + FMAs in L1)")
     ax.set_xticks(x, labels, rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("GFLOP/s")
     ax.set_title(f"CPU conv kernels, batch 1, geomean speedup over torch's faster layout "
@@ -87,15 +90,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--networks", default="resnet18,alexnet,vgg11")
     ap.add_argument("--quick", action="store_true", help="a few 3x3 layers, fewer rounds")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7, quick 3)")
+    ap.add_argument("--records", action="append", default=[],
+                    help="tuning records (repeatable): each layout's best tuned schedule replaces the "
+                    "default where the records have one; writes kernels_cpu_tuned.*")
     args = ap.parse_args(argv)
+    missing = [p for p in args.records if not Path(p).is_file()]
+    if missing:
+        ap.error(f"records file(s) not found: {', '.join(missing)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repeats = args.repeats or (3 if args.quick else 7)
     target = Target.host()
     peak = kernels.measure_peak(target, fresh=True)
+    ceiling = kernels.measure_peak(target, fresh=True, kind="microkernel") if target.isa in ("avx512", "avx2") \
+        else float("nan")
+    tuned = {}
+    if args.records:
+        from maco.optimize import best_per_layout
+        from maco.records import RecordFile
+
+        tuned = best_per_layout([r for p in args.records for r in RecordFile(p).load()], target)
     rows = []
     for net, name, spec in layers(args.networks.split(","), args.quick):
-        schedules = {layout: kernels.default_schedule(spec, target, layout) for layout in ("NCHW", "NHWC")}
+        schedules = {layout: tuned[(spec, layout)].schedule if (spec, layout) in tuned
+                     else kernels.default_schedule(spec, target, layout) for layout in ("NCHW", "NHWC")}
         r = bench_layer(name, spec, schedules, target, repeats=repeats)
         g = {k: r.gflops(k) for k in r.seconds}
         best = max(("NCHW", "NHWC"), key=lambda k: g[k])
@@ -103,18 +121,22 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"network": net, "layer": name, "spec": str(spec), "kernel": f"{spec.kh}x{spec.kw}",
                      "maco_layout": best, "maco_gflops": round(g[best], 2),
                      "maco_nchw_gflops": round(g["NCHW"], 2), "maco_nhwc_gflops": round(g["NHWC"], 2),
+                     "schedule": "tuned" if (spec, best) in tuned else "default",
                      "fraction_of_peak": round(g[best] / peak, 4),
+                     "fraction_of_ceiling": round(g[best] / ceiling, 4),
                      "torch_nchw_gflops": round(g["torch NCHW"], 2),
                      "torch_nhwc_gflops": round(g["torch NHWC"], 2),
                      "speedup": round(g[best] / torch_best, 4),
-                     "peak_gflops": round(peak, 1), "max_error": f"{r.error:.2e}"})
+                     "peak_gflops": round(peak, 1), "ceiling_gflops": round(ceiling, 1),
+                     "max_error": f"{r.error:.2e}"})
         print(f"{net:9s} {name:28s} {spec!s:36s} MACO {g[best]:6.1f} ({best}, {g[best] / peak:4.0%} of peak)  "
               f"torch {g['torch NCHW']:6.1f} / {g['torch NHWC']:6.1f}  speedup {g[best] / torch_best:5.2f}x",
               flush=True)
-    stem = "kernels_cpu_quick" if args.quick else "kernels_cpu"
+    stem = "kernels_cpu" + ("_tuned" if tuned else "") + ("_quick" if args.quick else "")
     write_csv(out / f"{stem}.csv", rows)
     plot(out / f"{stem}.png", rows)
-    env = dict(environment(), peak_gflops=peak, threads=target.cores, repeats=repeats)
+    env = dict(environment(), peak_gflops=peak, microkernel_ceiling_gflops=ceiling, threads=target.cores,
+               repeats=repeats, records=args.records)
     tmp = out / f"{stem}.env.json.tmp"
     tmp.write_text(json.dumps(env, indent=1, default=str))
     os.replace(tmp, out / f"{stem}.env.json")
@@ -122,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     worst = sorted(rows, key=lambda r: r["speedup"])[:3]
     print(f"\ngeomean speedup over torch's faster layout: {geomean([r['speedup'] for r in rows]):.2f}x "
           f"({len(rows)} layers); 3x3 layers: {geomean([r['fraction_of_peak'] for r in three]):.0%} of "
-          f"peak {peak:.0f} GFLOP/s (geomean); slowest vs torch: "
+          f"peak {peak:.0f} GFLOP/s, {geomean([r['fraction_of_ceiling'] for r in three]):.0%} of the "
+          f"microkernel ceiling {ceiling:.0f} (geomeans); slowest vs torch: "
           + ", ".join(f"{r['network']}:{r['layer']} {r['speedup']:.2f}x" for r in worst))
     return 0
 

@@ -76,9 +76,10 @@ def default_schedule(spec: ConvSpec, target: Any = None, layout: str = "NCHW") -
     return cpu_default(spec, tgt, layout)
 
 
-def measure_peak(target: Any = None, fresh: bool = False) -> float:
-    """Measured fp32 FMA peak in GFLOP/s of a CPU target on all its cores (cached per host;
-    `fresh` measures again and keeps the best seen)."""
+def measure_peak(target: Any = None, fresh: bool = False, kind: str = "fma") -> float:
+    """Measured fp32 ceiling in GFLOP/s of a CPU target on all its cores: "fma" (the FMA peak) or
+    "microkernel" (a conv register tile's loads and FMAs in L1); cached per host, `fresh`
+    measures again and keeps the best seen."""
     from maco.kernels.cpu_peak import measure_peak as peak
 
-    return peak(resolve_target(target), fresh)
+    return peak(resolve_target(target), fresh, kind)

@@ -1,5 +1,11 @@
-"""The measured fp32 FMA peak of a CPU: a generated loop of independent vector FMAs on every
-core, timed in C. Nominal peaks use the base clock; this is what the cores really sustain."""
+"""Measured fp32 ceilings of a CPU, timed in C on every core. Nominal peaks use the base clock;
+these are what the cores really sustain:
+
+* "fma": independent vector FMAs and nothing else, the machine's peak;
+* "microkernel": the instruction mix of a direct-conv register tile with its operands in L1
+  (per input channel: 2 weight-vector loads and 14 input broadcasts feeding 28 FMAs into 28
+  accumulators). No conv kernel of this shape can beat it, so it tells how much of the gap to
+  the FMA peak is the loads' share of the core rather than the kernel's memory traffic."""
 from __future__ import annotations
 
 import ctypes
@@ -7,6 +13,7 @@ import json
 import os
 from functools import lru_cache
 
+from maco.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.cpu_codegen import ISA
 from maco.target import Target
@@ -57,17 +64,69 @@ double maco_peak(long iters, int threads, float *sink) {{
 """
 
 
+MICRO = (2, 14)  # weight vectors x input points of the register tile: 28 accumulators
+
+
+def microkernel_source(target: Target) -> str:
+    """The register-tile mix over a 64-channel, L1-resident input block (one broadcast per
+    point and channel, as the generated NHWC kernels do)."""
+    vt, lanes, zero, loadu, set1, fma, storeu, _, add = ISA[target.isa]
+    kv, points = MICRO
+    accs = kv * points
+    init = " ".join(f"{vt} a{j} = {zero};" for j in range(accs))
+    loads = " ".join(f"const {vt} b{v} = {loadu}(wq + {v * lanes});" for v in range(kv))
+    fmas = " ".join(f"{{ const {vt} x = {set1}(ip[{p * 64}]); " +
+                    " ".join(f"a{v * points + p} = {fma}(x, b{v}, a{v * points + p});" for v in range(kv)) + " }"
+                    for p in range(points))
+    total = " ".join(f"s = {add}(s, a{j});" for j in range(accs))
+    return f"""#include <immintrin.h>
+#include <omp.h>
+double maco_peak(long iters, int threads, float *sink) {{
+  double best = 0;
+  for (int rep = 0; rep < 5; rep++) {{
+    double t0 = omp_get_wtime();
+    #pragma omp parallel num_threads(threads)
+    {{
+      float in[{points} * 64] __attribute__((aligned(64))), w[64 * {kv * lanes}] __attribute__((aligned(64)));
+      for (int i = 0; i < {points} * 64; i++) in[i] = 1e-3f * (i % 7);
+      for (int i = 0; i < 64 * {kv * lanes}; i++) w[i] = 1e-3f * (i % 5);
+      {init}
+      for (long i = 0; i < iters; i += 64) {{
+        const float *ip = in, *wq = w;
+        #pragma GCC unroll 1
+        for (int c = 0; c < 64; c++, ip++, wq += {kv * lanes}) {{
+          {loads}
+          {fmas}
+        }}
+      }}
+      float t[{lanes}]; {vt} s = {zero}; {total} {storeu}(t, s); sink[omp_get_thread_num()] = t[0];
+    }}
+    double t = omp_get_wtime() - t0;
+    double gf = (double)iters * threads * {accs} * {lanes} * 2 / t / 1e9;
+    if (gf > best) best = gf;
+  }}
+  return best;
+}}
+"""
+
+
 def _cache_file(target: Target) -> str:
     return str(cpu_build.cache_dir() / "peak.json")
 
 
 @lru_cache(maxsize=8)
-def measure_peak(target: Target, fresh: bool = False) -> float:
-    """GFLOP/s of back-to-back FMAs on target.cores threads (best of 5 runs of ~0.1 s), cached
-    on disk per CPU model, ISA and thread count. `fresh` measures again and keeps the best seen
+def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> float:
+    """GFLOP/s of back-to-back FMAs ("fma") or of the register-tile mix ("microkernel", ISAs
+    with intrinsics only) on target.cores threads (best of 5 runs of ~0.1 s), cached on disk
+    per CPU model, ISA, thread count and kind. `fresh` measures again and keeps the best seen
     (a busy machine measures low, never high)."""
+    if kind not in ("fma", "microkernel"):
+        raise MacoError(f"unknown peak kind {kind!r}; choose fma or microkernel")
+    if kind == "microkernel" and target.isa not in ISA:
+        raise MacoError(f"the microkernel ceiling needs an ISA with intrinsics ({', '.join(ISA)}), "
+                        f"not {target.isa!r}")
     host = Target.host()
-    key = f"{host.model}|{target.isa}|{target.cores}"
+    key = f"{host.model}|{target.isa}|{target.cores}" + ("" if kind == "fma" else f"|{kind}")
     path = _cache_file(target)
     try:
         with open(path) as fh:
@@ -76,7 +135,8 @@ def measure_peak(target: Target, fresh: bool = False) -> float:
         known = {}
     if key in known and not fresh:
         return float(known[key])
-    so = cpu_build.build(source(target), cpu_build.flags_for(target))
+    text = source(target) if kind == "fma" else microkernel_source(target)
+    so = cpu_build.build(text, cpu_build.flags_for(target))
     lib = ctypes.CDLL(str(so))
     lib.maco_peak.restype = ctypes.c_double
     lib.maco_peak.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]

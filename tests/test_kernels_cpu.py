@@ -303,6 +303,15 @@ def test_measure_peak_is_positive_and_cached():
     assert a > 0 and kernels.measure_peak(HOST) == a
 
 
+def test_microkernel_ceiling_lies_below_the_fma_peak():
+    if HOST.isa not in ("avx512", "avx2"):
+        pytest.skip(f"the microkernel ceiling needs AVX2 or AVX-512 intrinsics; this host is {HOST.isa}")
+    fma, micro = kernels.measure_peak(HOST), kernels.measure_peak(HOST, kind="microkernel")
+    assert 0 < micro <= 1.05 * fma  # loads share the core with the FMAs: never above the peak
+    with pytest.raises(MacoError, match="unknown peak kind 'gpu'"):
+        kernels.measure_peak(HOST, kind="gpu")
+
+
 def test_bench_cli(capsys):
     from maco.cli import main
 
