@@ -52,6 +52,13 @@ def gpu_available() -> bool:
         return False
 
 
+def require_gpu(what: str = "--target cuda") -> None:
+    """MacoError unless an NVIDIA GPU is usable through CuPy: fail before any work is queued."""
+    if not gpu_available():
+        raise MacoError(f"{what} needs an NVIDIA GPU with CuPy; none is usable here (install "
+                        "maco[cuda] on a GPU machine, or use --target cpu)")
+
+
 def device_arch() -> str:
     """sm_XY of the current device."""
     return "sm_" + str(cupy_module().cuda.Device().compute_capability)

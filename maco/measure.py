@@ -38,6 +38,10 @@ class Measurer:
     Use as a context manager (or call close()) to stop the worker."""
 
     def __init__(self, target: Target, config: MeasureConfig | None = None):
+        if target.kind == "cuda":
+            from maco.kernels.cuda import require_gpu
+
+            require_gpu(f"measuring on {target.name!r}")
         self.target = target
         self.config = config or MeasureConfig()
         self._ctx = mp.get_context("spawn")  # no fork: torch and OpenMP threads do not survive it

@@ -137,11 +137,9 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         raise MacoError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
     tgt = Target.named(target)
     if tgt.kind == "cuda":
-        from maco.kernels.cuda import gpu_available
+        from maco.kernels.cuda import require_gpu
 
-        if not gpu_available():
-            raise MacoError("--target cuda needs an NVIDIA GPU with CuPy; none is usable here "
-                            "(install maco[cuda] on a GPU machine, or use --target cpu)")
+        require_gpu()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     records = Path(records) if records else out / "records.jsonl"

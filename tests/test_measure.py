@@ -2,7 +2,7 @@
 the tuner, and a short real tuning run end to end."""
 import pytest
 
-from maco import ConvSpec, Target
+from maco import ConvSpec, MacoError, Target
 from maco.measure import MeasureConfig, Measurer
 
 TINY = ConvSpec.parse("n1_c8_h10_w10_k16_r3_p1")
@@ -46,3 +46,12 @@ def test_measurer_refuses_another_target(measurer):
 
     with pytest.raises(MacoError, match="h100"):
         measurer(TINY, [], Target.h100())
+
+
+def test_measuring_on_a_gpu_target_without_a_gpu_fails_at_once():
+    from maco.kernels.cuda import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is usable here: nothing to refuse")
+    with pytest.raises(MacoError, match="needs an NVIDIA GPU with CuPy"):
+        Measurer(Target.h100())
