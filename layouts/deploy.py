@@ -48,7 +48,8 @@ from maco.layouts.problem import LayoutProblem
 FLEXIBLE_KINDS = frozenset({"conv", "bn", "relu", "act", "pool", "add", "mul", "cat", "dropout", "identity"})
 META_KINDS = frozenset({"meta", "getattr"})
 FORMAT_VERSION = 1
-DEFAULT_PREDICTOR = "results/predictor_cpu"
+# the predictor trained on this repository's data set: found from any working directory
+DEFAULT_PREDICTOR = str(Path(__file__).resolve().parents[1] / "results" / "predictor_cpu")
 # How "measure" times each distinct conv: interleaved rounds of both layouts, each by the protocol.
 MEASURE = {"rounds": 3, "repeats": 3, "min_run_time": 2e-3}
 BASE = "NCHW"
@@ -123,7 +124,7 @@ def _table_convs(lookup: Callable[[str, ConvSpec, str], float | None], what: str
 
 def load_predictor(predictor: Any = None) -> Any:
     """A LatencyPredictor: the one given, one loaded from a path, or the default
-    ($MACO_PREDICTOR or results/predictor_cpu)."""
+    ($MACO_PREDICTOR or the checkout's results/predictor_cpu)."""
     from maco.layouts.predictor import LatencyPredictor
 
     if isinstance(predictor, LatencyPredictor):

@@ -36,10 +36,17 @@ from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, write_a
 
 FEATURES = ["layout", "n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h",
             "pad_w", "dil_h", "dil_w", "groups", "flops", "input_bytes", "weight_bytes",
-            "output_bytes", "c_per_group", "k_per_group", "out_h", "out_w", "depthwise"]
+            "output_bytes", "c_per_group", "k_per_group", "out_h", "out_w", "depthwise",
+            "c_pad8", "c_pad16", "k_pad8", "k_pad16", "padded_flops", "out_pixels"]
 # Sizes that span orders of magnitude enter the MLP as logs; small integers stay as they are.
 _LOGGED = {"n", "c", "h", "w", "k", "groups", "flops", "input_bytes", "weight_bytes",
-           "output_bytes", "c_per_group", "k_per_group", "out_h", "out_w"}
+           "output_bytes", "c_per_group", "k_per_group", "out_h", "out_w", "padded_flops", "out_pixels"}
+
+
+def _pad(v: int, block: int) -> float:
+    """How much a channel count grows when padded to `block`: vendor libraries (oneDNN's nChw16c,
+    cuDNN's vector loads) work in channel blocks, and a ragged count pays for the full block."""
+    return math.ceil(v / block) * block / v
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh, "elu": nn.ELU}
 FORMAT_VERSION = 1
@@ -66,7 +73,10 @@ def features(specs: Sequence[ConvSpec], layouts: Sequence[str], log: bool = True
                 "input_bytes": s.input_bytes, "weight_bytes": s.weight_bytes,
                 "output_bytes": s.output_bytes, "c_per_group": s.c_per_group,
                 "k_per_group": s.k_per_group, "out_h": s.out_h, "out_w": s.out_w,
-                "depthwise": int(s.is_depthwise)}
+                "depthwise": int(s.is_depthwise), "c_pad8": _pad(s.c_per_group, 8),
+                "c_pad16": _pad(s.c_per_group, 16), "k_pad8": _pad(s.k_per_group, 8),
+                "k_pad16": _pad(s.k_per_group, 16), "out_pixels": s.n * s.out_h * s.out_w,
+                "padded_flops": s.flops * _pad(s.c_per_group, 16) * _pad(s.k_per_group, 16)}
         out[i] = [math.log(vals[f]) if log and f in _LOGGED else float(vals[f]) for f in FEATURES]
     return out
 
