@@ -86,6 +86,10 @@ def run_network(name: str, rounds: int, records: dict | None) -> dict:
     pm = plan(model, x, latency=table, conversion="measure")
     gm = pm.apply(model)
     swapped = use_maco_kernels(gm, pm, chosen, Target.host())
+    if not swapped:
+        row["note"] = ("MACO column empty: the plan puts no conv in a layout where a MACO kernel "
+                       "beat torch")
+        return row
     load = _quiet()
     em = compare_end_to_end(model, gm, x, rounds=rounds)
     row.update(planned_maco_ms=em.planned.median * 1e3, speedup_maco=em.speedup,

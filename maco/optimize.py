@@ -249,7 +249,8 @@ def confirm_in_process(chosen: dict[str, dict[str, Any]], target: Target,
                 for fn in runs:
                     fn()
                 for _ in range(rounds):
-                    t_torch, t_maco = (time_callable(fn, repeats=3, min_run_time=5e-3).median
+                    # the fastest repeat of each: the least disturbed by anything else running
+                    t_torch, t_maco = (time_callable(fn, repeats=3, min_run_time=5e-3).min
                                        for fn in runs)
                     per_round.append(t_torch / t_maco)
             ratios.setdefault(text, {})[layout] = statistics.median(per_round)

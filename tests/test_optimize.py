@@ -91,3 +91,20 @@ def test_in_process_check_keeps_fast_kernels_and_flags_slow_ones():
                                              "NHWC": kernels.default_schedule(spec, target, "NHWC")}},
                                 target)[str(spec)]
     assert 0 < ratios["NCHW"] < MIN_GAIN and ratios["NHWC"] > ratios["NCHW"]
+
+
+def test_a_recorded_gain_that_does_not_hold_in_process_is_not_used():
+    from maco import ConvSpec, Target, space
+    from maco.optimize import faster_kernels
+    from maco.records import make_record
+    from maco.timing import Timing
+
+    spec, target = ConvSpec.parse("n1_c32_h28_w28_k32_r3_p1"), Target.host()
+    scalar = next(s for s in space.sample_many(spec, target, 200, 0)
+                  if s.layout == "NCHW" and s.vector_width == 1)
+    claim = Timing.from_samples([1e-7], 1)  # far faster than any real conv of this size
+    best = {(spec, "NCHW"): make_record(spec, target, scalar, claim)}
+    torch_seconds = {(spec, "NCHW"): 1e-4, (spec, "NHWC"): 1e-4}
+    table, chosen, ratios = faster_kernels(torch_seconds, best, target)
+    assert chosen == {} and ratios[str(spec)]["NCHW"] < 1  # re-timed here, the claim fell
+    assert table == torch_seconds  # the planner sees torch's times, not the record's

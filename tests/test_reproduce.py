@@ -48,7 +48,7 @@ def test_report_summarises_every_figure_from_its_csv(tmp_path):
         "train_rows,fit_seconds\nNAS-MLP,log,0.9377,0.9888,0.1,0.118,0.07,0.01,1007,2014,8056,600\n"
         "re-measure,-,0.931,0.99,0.16,0.016,0.016,0.01,60,120,8056,5\n")
     text = write_report(tmp_path, {"fig18": "ok"}).read_text()
-    assert "resnet18: planned torch 1.21x, with MACO kernels 1.35x (8 convs)" in text
+    assert "resnet18: planned torch 1.21x, with MACO kernels in 8 conv(s) 1.35x" in text
     assert "pruned reaches 95% of its best in 17 trials, full never within the budget" in text
     assert "NAS-MLP R2 0.938 (log 0.989)" in text and "re-timing 60 test convs: R2 0.931" in text
     assert "| fig18 |" in text and "| ok |" in text
