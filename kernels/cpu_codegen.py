@@ -36,6 +36,9 @@ from maco.spec import ConvSpec
 from maco.target import Target
 
 FUNCTION = "maco_conv"
+# Unrolled statements the portable micro-kernel may hold: past a few hundred, gcc's alias
+# analysis over the accumulator arrays goes superlinear (a 7x7 stem tile took 30-100 s to build).
+PORTABLE_UNROLLED_BODY = 256
 
 # isa -> (vector type, lanes, setzero, loadu, broadcast(ptr), fma(a, b, acc), storeu, max, add)
 ISA = {
@@ -54,6 +57,19 @@ def _expr(terms: list[tuple[int, str]]) -> str:
             continue
         parts.append(name if coef == 1 else f"{coef}*{name}" if name else str(coef))
     return " + ".join(parts) if parts else "0"
+
+
+def intrinsics_isa(spec: ConvSpec, schedule: Schedule, target: Target) -> str | None:
+    """The ISA whose intrinsics the micro-kernel uses, or None for portable C: full-width
+    vectors along k over blocked weights, or along ow of an NCHW input read at stride 1."""
+    isa = target.isa
+    if isa not in ISA or schedule.vector_width != ISA[isa][1]:
+        return None
+    if schedule.vector_axis == "k" and schedule.weight_packing == "blocked":
+        return isa
+    if schedule.vector_axis == "ow" and schedule.layout == "NCHW" and spec.stride[1] == 1:
+        return isa
+    return None
 
 
 @dataclass(frozen=True)
@@ -176,14 +192,7 @@ class CpuPlan:
     @property
     def intrinsics(self) -> str | None:
         """'avx512' / 'avx2' when the fast path applies, else None (portable C)."""
-        isa, sp = self.target.isa, self.spec
-        if isa not in ISA or self.lanes != ISA[isa][1]:
-            return None
-        if self.vaxis == "k" and self.schedule.weight_packing == "blocked":
-            return isa
-        if self.vaxis == "ow" and not self.nhwc and sp.stride[1] == 1:
-            return isa
-        return None
+        return intrinsics_isa(self.spec, self.schedule, self.target)
 
     @property
     def threads(self) -> int:
@@ -276,6 +285,8 @@ class _Generator:
         order = self.sch.inner_order
         extents = {a: p.f[a][1] for a in REDUCTION_AXES}
         unroll = self.sch.unroll
+        if not isa and unroll:
+            unroll = max(1, min(unroll, PORTABLE_UNROLLED_BODY // len(accs)))
         inner_prod = 1
         pragmas = {}
         for axis in reversed(order):

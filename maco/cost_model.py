@@ -86,32 +86,48 @@ def features(spec: ConvSpec, target: Target, schedule: Schedule) -> list[float]:
     cores = max(target.cores, 1)
     f += [lg(par), par / cores, par / (math.ceil(par / cores) * cores), float(schedule.parallel)]
     f += [float(UNROLL_STEPS.index(schedule.unroll)) if schedule.unroll in UNROLL_STEPS else 0.0,
-          float(LAYOUTS.index(schedule.layout)), float(schedule.weight_packing == "blocked")]
+          float(LAYOUTS.index(schedule.layout)), float(schedule.weight_packing == "blocked"),
+          float(_fast_micro_kernel(spec, target, schedule))]
     f += [float(REDUCTION_AXES.index(a)) for a in schedule.inner_order]
     return f
 
 
+def _fast_micro_kernel(spec: ConvSpec, target: Target, schedule: Schedule) -> bool:
+    """Whether the generated micro-kernel is vector intrinsics (CPU) rather than portable C,
+    which measures 10-40x slower on the same tiles."""
+    if schedule.kind != "cpu":
+        return True
+    from maco.kernels.cpu_codegen import intrinsics_isa
+
+    return intrinsics_isa(spec, schedule, target) is not None
+
+
 def analytic_seconds(spec: ConvSpec, target: Target, schedule: Schedule) -> float:
-    """A roofline guess: the slower of compute at peak (scaled by vector and core use) and the
-    dataflow I/O of the L1/L2-level tiles at rough per-level bandwidths."""
+    """A roofline guess: the slower of compute at peak (scaled by vector and core use; a
+    portable micro-kernel counts as scalar) and the dataflow I/O of the L1/L2-level tiles at
+    rough per-level bandwidths."""
     peak = (target.peak_gflops or 100.0) * 1e9
-    vec = schedule.vector_width / target.simd_width
+    vec = (schedule.vector_width if _fast_micro_kernel(spec, target, schedule) else 1) / target.simd_width
     tiles = level_tiles(schedule, spec)
     par = math.prod(f0[0] for f0 in schedule.spatial[:max(schedule.parallel, 1)])
     core_use = min(par, target.cores) / target.cores
     latency_hiding = min(1.0, schedule.accumulators / (2 * target.fma_units * 2))  # FMA latency ~4
-    compute = spec.flops / (peak * max(vec, 0.125) * max(core_use, 1 / target.cores) * latency_hiding)
+    compute = spec.flops / (peak * vec * max(core_use, 1 / target.cores) * latency_hiding)
     io = sum(_dataflow_io(spec, x, y, z) for x, y, z, _ in tiles[1:3]) * 4
     return max(compute, io / (100e9 * target.cores))
 
 
 class CostModel:
     """XGBoost regression on features -> throughput normalised per task, weighted towards fast
-    programs (Ansor). One model per target; `predict` returns higher-is-better scores."""
+    programs (Ansor). One model per target; `predict` returns higher-is-better scores.
+    A conv with fewer than MIN_TRAINING_RECORDS measurements of its own is ranked by the
+    analytic estimate: a model trained on other layers only ranked ResNet-18's layer1 conv
+    with portable kernels 40x slower than its default."""
 
     def __init__(self, target: Target, seed: int = 0, rounds: int = 200):
         self.target, self.seed, self.rounds = target, seed, rounds
         self.booster = None
+        self.trained_on: set[ConvSpec] = set()  # convs with enough own records in the fit
 
     def fit(self, records: Sequence[Record]) -> "CostModel":
         import xgboost as xgb
@@ -129,7 +145,8 @@ class CostModel:
             for r in recs:
                 rows.append(features(spec, self.target, r.schedule))
                 ys.append(r.gflops / best)  # errors count as throughput 0
-        if len(rows) < MIN_TRAINING_RECORDS:
+        self.trained_on = {spec for spec, recs in groups.items() if len(recs) >= MIN_TRAINING_RECORDS}
+        if len(rows) < MIN_TRAINING_RECORDS or not self.trained_on:
             self.booster = None
             return self
         y = np.asarray(ys)
@@ -142,7 +159,7 @@ class CostModel:
     def predict(self, spec: ConvSpec, schedules: Sequence[Schedule]) -> np.ndarray:
         if not schedules:
             return np.zeros(0)
-        if self.booster is None:
+        if self.booster is None or spec not in self.trained_on:
             return np.asarray([1.0 / analytic_seconds(spec, self.target, s) for s in schedules])
         import xgboost as xgb
 

@@ -22,7 +22,7 @@ from maco.spec import ConvSpec
 from maco.target import Target
 
 # Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
-BUDGETS = {"quick": 12, "normal": 32, "thorough": 128}
+BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
 

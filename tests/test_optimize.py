@@ -7,7 +7,7 @@ import torch
 
 from maco import MacoError
 from maco.cli import main
-from maco.optimize import load_model
+from maco.optimize import BUDGETS, load_model
 
 MODEL = '''
 import torch
@@ -63,7 +63,7 @@ def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
     for result in e2e.values():
         assert result["max_abs_diff"] < 1e-3 and result["speedup"] > 0
     lines = (out / "records.jsonl").read_text().splitlines()
-    assert len(lines) == 24  # quick: 12 measurements for each of the 2 distinct convs
+    assert len(lines) == 2 * BUDGETS["quick"]  # the quick budget for each of the 2 distinct convs
 
 
 def test_maco_conv_in_a_model_matches_torch(model_file):

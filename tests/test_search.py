@@ -70,6 +70,30 @@ def test_cost_model_learns_the_ranking():
     assert len(features(SPEC, AVX2, test[0])) == model.booster.num_features()
 
 
+def test_cost_model_ranks_an_unseen_conv_by_the_analytic_estimate():
+    """Trained on one conv only, the model must not rank another conv it has no data for."""
+    other = ConvSpec.parse("n1_c3_h56_w56_k16_r7_s2_p3")
+    train = space.sample_many(other, AVX2, 60, 1)
+    recs = [make_record(other, AVX2, s, t, e) for s, (t, e) in zip(train, synthetic()(other, train, AVX2))]
+    model = CostModel(AVX2).fit(recs)
+    assert model.booster is not None and model.trained_on == {other}
+    test = space.sample_many(SPEC, AVX2, 30, 2)
+    assert list(model.predict(SPEC, test)) == [1 / analytic_seconds(SPEC, AVX2, s) for s in test]
+    assert list(model.predict(other, test[:1])) != [1 / analytic_seconds(other, AVX2, test[0])]
+
+
+def test_analytic_estimate_counts_a_portable_micro_kernel_as_scalar():
+    from dataclasses import replace
+
+    from maco.kernels.cpu_codegen import intrinsics_isa
+
+    fast = next(s for s in space.sample_many(SPEC, AVX2, 200, 4)
+                if s.vector_axis == "k" and intrinsics_isa(SPEC, s, AVX2))
+    portable = replace(fast, weight_packing="none")
+    assert intrinsics_isa(SPEC, portable, AVX2) is None
+    assert analytic_seconds(SPEC, AVX2, portable) > analytic_seconds(SPEC, AVX2, fast)
+
+
 def test_tuning_improves_records_failures_and_resumes(tmp_path):
     path = tmp_path / "records.jsonl"
     seed_schedule = space.sample(SPEC, AVX2, 7)
