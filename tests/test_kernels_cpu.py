@@ -330,6 +330,21 @@ def test_bench_cli(capsys):
     assert main(["bench", "n1_c8_h10_w10_k16_r3x3_p1", "--repeats", "0"]) == 2
 
 
+def test_bench_times_torch_with_the_steady_allocator():
+    """torch allocates its output on every call; timed with mmap'ed outputs it measured up to
+    20% slow, which flattered MACO. bench_layer must put glibc in the tuner's steady state."""
+    import subprocess
+    import sys
+
+    code = ("from maco import ConvSpec, Target, kernels; from maco.commands.bench import bench_layer; "
+            "import maco.layouts.latency as L; s = ConvSpec.parse('n1_c8_h10_w10_k16_r3x3_p1'); "
+            "bench_layer('x', s, {'NCHW': kernels.default_schedule(s, Target.host())}, Target.host(), "
+            "repeats=1); print(L._STEADY)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_default_schedule_for_filter_heavy_layers_slides_over_channel_chunks():
     """With a small L2 the filters outweigh the input: channel chunks (R0 > 1), split by filters."""
     small = dataclasses.replace(HOST, levels=tuple(

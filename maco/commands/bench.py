@@ -66,9 +66,11 @@ def bench_layer(name: str, spec: ConvSpec, schedules: dict[str, Schedule], targe
     import torch
 
     from maco import kernels
+    from maco.layouts.latency import steady_allocator
     from maco.timing import time_callable
 
     torch.set_num_threads(target.cores)
+    steady_allocator()  # torch allocates its output per call: from the heap, as the tuner's worker
     g = torch.Generator().manual_seed(0)
     x = torch.randn(spec.input_shape, generator=g)
     w = torch.randn(spec.weight_shape, generator=g)
