@@ -22,6 +22,7 @@ from pathlib import Path
 
 from maco import Target, kernels
 from maco.commands.bench import bench_layer
+from maco.kernels.cpu_codegen import ISA
 from maco.layouts.networks import distinct_convs, network_convs
 from maco.timing import environment
 
@@ -102,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 7)
     target = Target.host()
     peak = kernels.measure_peak(target, fresh=True)
-    ceiling = kernels.measure_peak(target, fresh=True, kind="microkernel") if target.isa in ("avx512", "avx2") \
-        else float("nan")
+    ceiling = kernels.measure_peak(target, fresh=True, kind="microkernel") if target.isa in ISA else float("nan")
     tuned = {}
     if args.records:
         from maco.optimize import best_per_layout

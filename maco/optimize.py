@@ -227,6 +227,7 @@ def confirm_in_process(chosen: dict[str, dict[str, Any]], target: Target,
     check that the gain survives where the kernel will actually run."""
     import statistics
 
+    from maco.commands.bench import torch_conv
     from maco.layouts.latency import steady_allocator
     from maco.timing import time_callable
 
@@ -240,10 +241,8 @@ def confirm_in_process(chosen: dict[str, dict[str, Any]], target: Target,
         for layout, schedule in by_layout.items():
             fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
             x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=fmt)
-            w = conv.weight.detach().contiguous(memory_format=fmt)
             maco = MacoConv2d(conv, spec, schedule, target)
-            args = (None, spec.stride, spec.padding, spec.dilation, spec.groups)
-            runs = (lambda: torch.nn.functional.conv2d(x, w, *args), lambda: maco(x))
+            runs = (torch_conv(spec, x, conv.weight.detach(), layout), lambda: maco(x))
             per_round = []
             with torch.inference_mode():
                 for fn in runs:
