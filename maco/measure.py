@@ -190,17 +190,16 @@ def _run_job(job: dict[str, Any], target: Target, cache: dict) -> dict[str, Any]
         torch.set_num_threads(target.cores)
     x, w, ref = _conv_data(spec, "cuda" if cuda else "cpu", cache)
     if job["op"] == "torch":
-        fmt = torch.channels_last if job["layout"] == "NHWC" else torch.contiguous_format
-        xl, wl = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
         if cuda:
             from maco.gpu_measure import CudnnConv
 
+            fmt = torch.channels_last if job["layout"] == "NHWC" else torch.contiguous_format
+            xl, wl = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
             fn = CudnnConv(spec, job["layout"], benchmark=True).prepare(xl, wl)
         else:
-            def fn() -> Any:
-                with torch.no_grad():
-                    return torch.nn.functional.conv2d(xl, wl, None, spec.stride, spec.padding,
-                                                      spec.dilation, spec.groups)
+            from maco.commands.bench import torch_conv
+
+            fn = torch_conv(spec, x, w, job["layout"])
     else:
         from maco import kernels
 
