@@ -7,7 +7,10 @@
     snapped to divisors of the extents and to multiples of the tile inside them.
   * S0: what is left, with factors moved out of S1/S2 until every core gets the same number of
     tiles; `parallel` fuses the leading S0 loops that carry them.
-  * R0 = 1: each register tile reduces over all channels and taps in registers.
+  * R0 = 1: each register tile reduces over all channels and taps in registers, unless the
+    filters outgrow half of L2: then channel chunks slide by (R0 > 1) while the outputs wait in
+    L2, the bounds' dataflow one level up (inside the filter blocks when the input is small,
+    outside them, the core's outputs as the L2 tile, when neither fits; NHWC only).
 """
 from __future__ import annotations
 
@@ -131,8 +134,22 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     c1 = ext["c"]
     taps = spec.kh * spec.kw
     l2 = _level_bytes(target, "L2", 1 << 20)
+    l1 = _level_bytes(target, "L1", 32 << 10)
     split = ("n", "g", "oh", "k", "ow")
-    if spec.k_per_group * ext["c"] * taps * 4 > l2 // 2 and spec.out_h * spec.out_w * ext["c"] * 4 < l2 // 2:
+    weight_bytes = spec.k_per_group * ext["c"] * taps * 4
+    input_bytes = spec.out_h * spec.out_w * ext["c"] * 4
+    sliding = layout == "NHWC" and weight_bytes > l2 // 2 and input_bytes >= l2 // 2
+    if sliding:
+        # neither filters nor input fit L2: the bounds' L2 dataflow. Each core's outputs stay
+        # in L2 (S1 = 1, S2 = the core's share) while channel chunks slide by (R0 outermost),
+        # each chunk's filters read once; one register tile's filters of a chunk fill half of
+        # L1 and serve every position (S2: filter blocks outside positions). Measured on VGG-11's
+        # 56x56 and 28x28 layers: 1.04-1.12x over R0 = 1 in NHWC; in NCHW a chunk's input spans
+        # as many channel planes and it lost (0.73-0.79x), so NCHW keeps R0 = 1.
+        t1 = dict(t3, k=spec.k_per_group, oh=spec.out_h, ow=spec.out_w)
+        t2 = dict(t1)
+        c1 = max(d for d in divisors(ext["c"]) if d == 1 or t3["k"] * d * taps * 4 <= l1 // 2)
+    elif weight_bytes > l2 // 2 and input_bytes < l2 // 2:
         # filters outweigh the input (deep layers): walk the filters once, slide over channel
         # chunks (R0; partial sums stay in the L2-resident outputs) and revisit the small input
         t1 = dict(t3, k=spec.k_per_group, oh=spec.out_h, ow=spec.out_w)
@@ -157,6 +174,13 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
                 break
         else:
             break  # nothing left to split: accept the imbalance
+    if sliding:  # S1 = 1: the core's share is its L2 tile, unless it outgrows half of L2
+        for axis in ("oh", "ow"):
+            while prod(t2.values()) * 4 > l2 // 2:
+                ds = [d for d in divisors(t2[axis]) if d % t3[axis] == 0 and d < t2[axis]]
+                if not ds:
+                    break
+                t2[axis] = max(ds)
     spatial = tuple((ext[a] // t1[a], t1[a] // t2[a], t2[a] // t3[a], t3[a]) for a in SPATIAL_AXES)
     s0 = [f[0] for f in spatial]
     parallel = max((i + 1 for i, f in enumerate(s0) if f > 1), default=0)

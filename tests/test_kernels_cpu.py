@@ -353,3 +353,22 @@ def test_default_schedule_for_filter_heavy_layers_slides_over_channel_chunks():
     schedules = [kernels.default_schedule(spec, small, layout) for layout in ("NCHW", "NHWC")]
     assert all(s.factors("c")[0] > 1 for s in schedules)
     check_batch(spec, schedules, small, epilogue=True)
+
+
+def test_default_schedule_keeps_outputs_in_l2_while_channel_chunks_slide_by():
+    """Filters and input both outgrow half of L2: in NHWC the core's outputs are its L2 tile
+    (S1 = 1) and channel chunks slide by outside the filter blocks (R0 > 1), one register tile's
+    chunk of filters in half of L1; NCHW keeps R0 = 1. Both match torch."""
+    small = dataclasses.replace(HOST, levels=tuple(
+        dataclasses.replace(lvl, capacity=64 << 10) if lvl.name == "L2" else lvl for lvl in HOST.levels))
+    spec = ConvSpec.parse("n1_c32_h16_w16_k64_r3x3_p1")
+    nhwc, nchw = (kernels.default_schedule(spec, small, layout) for layout in ("NHWC", "NCHW"))
+    c0, c1 = nhwc.factors("c")
+    assert c0 > 1 and nchw.factors("c")[0] == 1
+    assert all(nhwc.factors(a)[1] == 1 for a in ("n", "g", "k"))
+    tile = nhwc.register_tile()
+    l1 = small.level("L1").capacity
+    assert tile["k"] * c1 * 9 * 4 <= l1 // 2
+    l2_tile = np.prod([np.prod(nhwc.factors(a)[2:]) for a in ("n", "g", "k", "oh", "ow")])
+    assert l2_tile * 4 <= (64 << 10) // 2
+    check_batch(spec, [nhwc, nchw], small, epilogue=True)
