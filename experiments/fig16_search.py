@@ -67,17 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, Measurer(target, MeasureConfig(repeats=3)) as measurer:
         for name in names:
             spec = ConvSpec.parse(LAYERS[name])
-            curves = {}
-            for pruned in (True, False):
-                runs = []
-                for seed in range(args.seeds):
+            runs: dict[bool, list[list[float]]] = {True: [], False: []}
+            for seed in range(args.seeds):
+                for pruned in (True, False):  # interleaved, so the machine's drift hits both spaces alike
                     rec = Path(tmp) / f"{name}_{pruned}_{seed}.jsonl"
                     curve = run_one(spec, target, pruned, seed, trials, measurer, rec)
                     curve += [curve[-1]] * (trials - len(curve)) if curve else [0.0] * trials
-                    runs.append(curve[:trials])
+                    runs[pruned].append(curve[:trials])
                     print(f"{name} {'pruned' if pruned else 'full'} seed {seed}: best {curve[-1]:.1f} GFLOP/s",
                           flush=True)
-                curves[pruned] = np.array(runs)
+            curves = {pruned: np.array(r) for pruned, r in runs.items()}
+            for pruned in (True, False):
                 for t in range(trials):
                     col = curves[pruned][:, t]
                     rows.append([name, "pruned" if pruned else "full", t + 1, f"{col.mean():.3f}",
@@ -122,7 +122,7 @@ def _plot(path: Path, name: str, curves: dict, trials: int) -> None:
         ax.fill_between(x, c.min(0), c.max(0), color=color, alpha=0.2)
     ax.set_xlabel("trials")
     ax.set_ylabel("best GFLOP/s so far")
-    ax.set_title(f"{name}: pruned vs full search ({curves[True].shape[0]} seeds, min-max band)")
+    ax.set_title(f"{name}: pruned vs full search\n({curves[True].shape[0]} seeds, mean and min-max band)")
     ax.legend()
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
