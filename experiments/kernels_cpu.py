@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                       for layout in ("NCHW", "NHWC")}
         label = max(per_layout.values(), key=lambda k: g[k])
         best = label.split()[0]
-        torch_best = max(g["torch NCHW"], g["torch NHWC"])
+        speedup = r.speedup(label)
         rows.append({"network": net, "layer": name, "spec": str(spec), "kernel": f"{spec.kh}x{spec.kw}",
                      "maco_layout": best, "maco_gflops": round(g[label], 2),
                      "maco_nchw_gflops": round(g[per_layout["NCHW"]], 2),
@@ -134,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
                      "fraction_of_ceiling": round(g[label] / ceiling, 4),
                      "torch_nchw_gflops": round(g["torch NCHW"], 2),
                      "torch_nhwc_gflops": round(g["torch NHWC"], 2),
-                     "speedup": round(g[label] / torch_best, 4),
+                     "speedup": round(speedup, 4),
                      "peak_gflops": round(peak, 1), "ceiling_gflops": round(ceiling, 1),
                      "max_error": f"{r.error:.2e}"})
         print(f"{net:9s} {name:28s} {spec!s:36s} MACO {g[label]:6.1f} ({label}, {g[label] / peak:4.0%} of peak)  "
-              f"torch {g['torch NCHW']:6.1f} / {g['torch NHWC']:6.1f}  speedup {g[label] / torch_best:5.2f}x",
+              f"torch {g['torch NCHW']:6.1f} / {g['torch NHWC']:6.1f}  speedup {speedup:5.2f}x",
               flush=True)
     stem = "kernels_cpu" + ("_tuned" if tuned else "") + ("_quick" if args.quick else "")
     write_csv(out / f"{stem}.csv", rows)

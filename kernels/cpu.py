@@ -15,7 +15,7 @@ import numpy as np
 
 from maco.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.cpu_codegen import FUNCTION, CpuPlan
+from maco.kernels.cpu_codegen import FUNCTION, CpuPlan, aligned_empty
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -120,7 +120,7 @@ class CpuConv:
                                   memory_format=torch.channels_last if nhwc else torch.contiguous_format)
             else:
                 n, kk, oh, ow = spec.output_shape
-                out = np.empty((n, oh, ow, kk) if nhwc else (n, kk, oh, ow), dtype=np.float32)
+                out = aligned_empty((n, oh, ow, kk) if nhwc else (n, kk, oh, ow))
         ys = _activation(out, spec.output_shape, nhwc, "out", convert=False)
         keep = (xs, rs, ys, self.weight, self.bias)  # the closure owns its buffers
         fn = k.function()

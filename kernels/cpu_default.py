@@ -155,7 +155,11 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
         t1 = dict(t3, k=spec.k_per_group, oh=spec.out_h, ow=spec.out_w)
         t2 = dict(t3, oh=spec.out_h, ow=spec.out_w)
         c1 = max(d for d in divisors(ext["c"]) if d == 1 or t3["k"] * d * taps * 4 <= l2 // 8)
-        split = ("n", "g", "k", "oh", "ow")
+        # cores split by rows where they share out evenly (NHWC; each core then keeps half the
+        # input in its L2: 1.07-1.08x on VGG-11's features.11), else by filters (NCHW measured
+        # 0.91-1.00x by rows)
+        if layout == "NCHW" or (spec.out_h // t3["oh"]) % target.cores:
+            split = ("n", "g", "k", "oh", "ow")
     # S0: the rest, split further until the cores share the tiles evenly
     t0 = {a: ext[a] for a in SPATIAL_AXES}
     cores = target.cores

@@ -330,6 +330,21 @@ def test_bench_cli(capsys):
     assert main(["bench", "n1_c8_h10_w10_k16_r3x3_p1", "--repeats", "0"]) == 2
 
 
+def test_bench_speedup_compares_within_rounds():
+    """The machine's fast and slow spells hit neighbours in a round alike: a kernel 1.2x faster
+    than torch's faster layout in every round is 1.2x, whichever spell each round fell in."""
+    from maco.commands.bench import BenchRow
+
+    spell = [1.0, 1.0, 1.3, 1.3, 1.3]
+    row = BenchRow("x", ConvSpec.parse("n1_c8_h10_w10_k16_r3x3_p1"),
+                   {"maco": [s / 1.2 for s in spell],
+                    "torch NCHW": [s if i % 2 else 1.5 * s for i, s in enumerate(spell)],
+                    "torch NHWC": [1.5 * s if i % 2 else s for i, s in enumerate(spell)]}, 0.0)
+    assert row.speedup("maco") == pytest.approx(1.2)
+    assert row.seconds["maco"] == pytest.approx(1.3 / 1.2)
+    assert row.speedup("torch NHWC", ("torch NCHW",)) == pytest.approx(1.5)  # 3 rounds of 5
+
+
 def test_bench_times_torch_with_the_steady_allocator():
     """torch allocates its output on every call; timed with mmap'ed outputs it measured up to
     20% slow, which flattered MACO. bench_layer must put glibc in the tuner's steady state."""
@@ -353,6 +368,38 @@ def test_default_schedule_for_filter_heavy_layers_slides_over_channel_chunks():
     schedules = [kernels.default_schedule(spec, small, layout) for layout in ("NCHW", "NHWC")]
     assert all(s.factors("c")[0] > 1 for s in schedules)
     check_batch(spec, schedules, small, epilogue=True)
+
+
+def test_filter_heavy_default_splits_cores_by_rows_in_nhwc_where_rows_share_out_evenly():
+    """NHWC by rows (each core keeps half the input in L2), NCHW by filters; an odd number of
+    rows stays split by filters in both."""
+    small = dataclasses.replace(HOST, cores=2, levels=tuple(
+        dataclasses.replace(lvl, capacity=64 << 10) if lvl.name == "L2" else lvl for lvl in HOST.levels))
+    spec = ConvSpec.parse("n1_c64_h8_w8_k64_r3x3_p1")
+    nhwc, nchw = (kernels.default_schedule(spec, small, layout) for layout in ("NHWC", "NCHW"))
+    assert nhwc.factors("c")[0] > 1 and nchw.factors("c")[0] > 1  # the filter-heavy branch
+    assert (nhwc.factors("oh")[0], nhwc.factors("k")[0]) == (2, 1)
+    assert (nchw.factors("oh")[0], nchw.factors("k")[0]) == (1, 2)
+    odd = ConvSpec.parse("n1_c64_h7_w7_k128_r3x3_p1")
+    assert kernels.default_schedule(odd, small, "NHWC").factors("k")[0] == 2
+    check_batch(spec, [nhwc, nchw], small, epilogue=True)
+
+
+def test_packed_weights_and_outputs_start_on_a_cache_line():
+    """numpy promises 16 bytes; misaligned weight vectors straddle two cache lines and made the
+    same kernel up to 9% slower in one process than in another."""
+    from maco.layouts.latency import steady_allocator
+
+    steady_allocator()  # the timers' allocator state, where numpy's arrays land 16 bytes apart
+    spec = ConvSpec.parse("n1_c8_h6_w7_k32_r3x3_p1")
+    x, w, _, _, _, _ = reference(spec)
+    for layout in ("NCHW", "NHWC"):
+        kernel = kernels.compile(spec, kernels.default_schedule(spec, None, layout))
+        for _ in range(8):
+            conv = kernel.bind(w.numpy())
+            assert conv.weight.ctypes.data % 64 == 0
+            xn = x.numpy() if layout == "NCHW" else np.ascontiguousarray(x.numpy().transpose(0, 2, 3, 1))
+            assert conv(xn).ctypes.data % 64 == 0
 
 
 def test_default_schedule_keeps_outputs_in_l2_while_channel_chunks_slide_by():
