@@ -404,8 +404,9 @@ def test_packed_weights_and_outputs_start_on_a_cache_line():
 
 def test_default_schedule_keeps_outputs_in_l2_while_channel_chunks_slide_by():
     """Filters and input both outgrow half of L2: in NHWC the core's outputs are its L2 tile
-    (S1 = 1) and channel chunks slide by outside the filter blocks (R0 > 1), one register tile's
-    chunk of filters in half of L1; NCHW keeps R0 = 1. Both match torch."""
+    (S1 = 1) and channel chunks slide by outside the filter blocks (R0 > 1), the largest chunk
+    whose input patch and one filter block fit beside the outputs in 3/4 of L2; NCHW keeps
+    R0 = 1. Both match torch."""
     small = dataclasses.replace(HOST, levels=tuple(
         dataclasses.replace(lvl, capacity=64 << 10) if lvl.name == "L2" else lvl for lvl in HOST.levels))
     spec = ConvSpec.parse("n1_c32_h16_w16_k64_r3x3_p1")
@@ -413,9 +414,12 @@ def test_default_schedule_keeps_outputs_in_l2_while_channel_chunks_slide_by():
     c0, c1 = nhwc.factors("c")
     assert c0 > 1 and nchw.factors("c")[0] == 1
     assert all(nhwc.factors(a)[1] == 1 for a in ("n", "g", "k"))
-    tile = nhwc.register_tile()
-    l1 = small.level("L1").capacity
-    assert tile["k"] * c1 * 9 * 4 <= l1 // 2
-    l2_tile = np.prod([np.prod(nhwc.factors(a)[2:]) for a in ("n", "g", "k", "oh", "ow")])
-    assert l2_tile * 4 <= (64 << 10) // 2
+    l2_tile = {a: int(np.prod(nhwc.factors(a)[2:])) for a in ("n", "g", "k", "oh", "ow")}
+    outputs = int(np.prod(list(l2_tile.values())))
+    assert outputs * 4 <= (64 << 10) // 2
+
+    def fits(chunk: int) -> bool:
+        patch = (l2_tile["oh"] + 2) * (l2_tile["ow"] + 2)
+        return 4 * (outputs + chunk * (patch + nhwc.register_tile()["k"] * 9)) <= (64 << 10) * 3 // 4
+    assert fits(c1) and not fits(2 * c1)
     check_batch(spec, [nhwc, nchw], small, epilogue=True)
