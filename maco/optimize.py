@@ -78,7 +78,7 @@ class MacoConv2d(nn.Module):
         if tuple(x.shape) != (s.n, s.c, s.h, s.w) or x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.conv2d(x, self.weight, self.bias, s.stride, s.padding,
                                               s.dilation, s.groups)
-        return self._conv(x.contiguous(memory_format=self._format))
+        return self._conv.run_tensor(x.contiguous(memory_format=self._format))
 
     def extra_repr(self) -> str:
         return f"{self.spec}, layout={self.layout}"
@@ -200,22 +200,28 @@ def faster_kernels(torch_seconds: dict[tuple[ConvSpec, str], float], best: dict[
                    target: Target) -> tuple[dict, dict, dict]:
     """Per (spec, layout) of torch_seconds: the latency table for the planner (the faster of
     torch and MACO's best record), the MACO schedules to run (str(spec) -> layout -> schedule)
-    and their in-process ratios. A kernel is chosen only when its record beats torch and the
-    in-process check confirms it by MIN_GAIN (on a GPU the records are trusted as they are)."""
+    and their in-process ratios. On a CPU every best record is re-timed beside torch in this
+    process and chosen when it wins by MIN_GAIN; its table entry is torch's time over that ratio,
+    so both entries share this process's clock (records taken in a slower or faster spell of
+    the machine would otherwise be compared with torch timed now). On a GPU the records are
+    trusted as they are."""
     table = dict(torch_seconds)
+    cpu = target.kind == "cpu"
     candidates: dict[str, dict[str, Any]] = {}
     for (spec, layout), torch_s in torch_seconds.items():
         rec = best.get((spec, layout))
-        if rec is not None and rec.seconds < torch_s:
+        if rec is not None and (cpu or rec.seconds < torch_s):
             candidates.setdefault(str(spec), {})[layout] = rec.schedule
-    ratios = confirm_in_process(candidates, target) if target.kind == "cpu" else {}
+    ratios = confirm_in_process(candidates, target) if cpu else {}
     chosen: dict[str, dict[str, Any]] = {}
     for text, by_layout in candidates.items():
         spec = ConvSpec.parse(text)
         for layout, schedule in by_layout.items():
-            if ratios.get(text, {}).get(layout, math.inf) >= MIN_GAIN:
+            ratio = ratios.get(text, {}).get(layout, math.inf)
+            if ratio >= MIN_GAIN:
                 chosen.setdefault(text, {})[layout] = schedule
-                table[(spec, layout)] = best[(spec, layout)].seconds
+                table[(spec, layout)] = (torch_seconds[(spec, layout)] / ratio if cpu
+                                         else best[(spec, layout)].seconds)
     return table, chosen, ratios
 
 

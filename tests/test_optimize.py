@@ -108,3 +108,25 @@ def test_a_recorded_gain_that_does_not_hold_in_process_is_not_used():
     table, chosen, ratios = faster_kernels(torch_seconds, best, target)
     assert chosen == {} and ratios[str(spec)]["NCHW"] < 1  # re-timed here, the claim fell
     assert table == torch_seconds  # the planner sees torch's times, not the record's
+
+
+def test_a_kernel_recorded_in_a_slow_spell_is_still_tried_and_timed_on_this_clock():
+    from maco import ConvSpec, Target, kernels
+    from maco.optimize import MIN_GAIN, faster_kernels
+    from maco.records import make_record
+    from maco.timing import Timing
+
+    spec, target = ConvSpec.parse("n1_c32_h28_w28_k32_r3_p1"), Target.host()
+    fast = kernels.default_schedule(spec, target, "NHWC")
+    slow_claim = Timing.from_samples([1.0], 1)  # recorded far slower than torch
+    best = {(spec, "NHWC"): make_record(spec, target, fast, slow_claim)}
+    torch_seconds = {(spec, "NHWC"): 1e-4}
+    table, chosen, ratios = faster_kernels(torch_seconds, best, target)
+    ratio = ratios[str(spec)]["NHWC"]
+    assert ratio > 0
+    if ratio >= MIN_GAIN:
+        assert chosen == {str(spec): {"NHWC": fast}}
+        assert table[(spec, "NHWC")] == pytest.approx(1e-4 / ratio)
+    else:
+        assert chosen == {} and table == torch_seconds
+
