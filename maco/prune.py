@@ -8,7 +8,9 @@ level:
 
 Which tile sits in which memory level (CPU nest S0 S1 R0 S2 R1 S3):
   registers  <- S3, the register tile: its accumulators must fit the free vector registers
-                (a hard limit of the space) and fill at least `register_fill` of them.
+                (a hard limit of the space) and its outputs fill at least `register_fill` of
+                their lanes (the level holds registers x lanes elements: a scalar tile of 28
+                outputs fills 28 of 448 on AVX-512, and runs 10-40x slower than a vector one).
   L1         <- the tile of one S1 iteration (S2*S3 factors): the block whose outputs stay in
                 L1 while the R0 loop streams channel chunks through it.
   L2         <- the tile of one S0 iteration (S1*S2*S3): one parallel work item of a core.
@@ -150,8 +152,9 @@ class RegisterRule:
     warp: int = 0  # threads per block must be a multiple of this (0: no rule)
     relaxed: int = 0
 
-    def ok(self, acc: Any, threads: Any = None) -> Any:
-        good = (acc >= self.acc_min) & (acc <= self.acc_max)
+    def ok(self, acc: Any, threads: Any = None, filled: Any = None) -> Any:
+        """`filled`: the tile's outputs in units of one register's lanes (CPU; default `acc`)."""
+        good = ((acc if filled is None else filled) >= self.acc_min) & (acc <= self.acc_max)
         if self.warp and threads is not None:
             good = good & (threads % self.warp == 0)
         return good
@@ -272,13 +275,15 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target,
         tiles = {"S2": {a: schedule.tile(a, 2) for a in ("n", "g", "k", "oh", "ow")},
                  "S1": {a: schedule.tile(a, 1) for a in ("n", "g", "k", "oh", "ow")}}
         acc, threads = schedule.accumulators, None
+        filled = np.prod(list(schedule.register_tile().values())) / target.simd_width
     else:
         tiles = {"block": schedule.gpu_block_tile()}
         acc = int(np.prod(list(schedule.gpu_thread_tile().values())))
-        threads = schedule.gpu_threads
+        threads, filled = schedule.gpu_threads, None
     if p.registers is not None:
-        if not p.registers.ok(acc):
-            out.append(f"registers: {acc} accumulators, outside {p.registers.acc_min}..{p.registers.acc_max}")
+        if not p.registers.ok(acc, filled=filled):
+            fill = "" if filled is None or filled == acc else f" filling {filled:g} registers' lanes"
+            out.append(f"registers: {acc} accumulators{fill}, outside {p.registers.acc_min}..{p.registers.acc_max}")
         if p.registers.warp and threads % p.registers.warp:
             out.append(f"registers: {threads} threads per block are not whole warps of {p.registers.warp}")
     for rule in p.caches:

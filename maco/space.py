@@ -181,7 +181,7 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
         acc = -(-outputs // _vector_width(target, g[SPATIAL_AXES.index(axis)]))
         ok = acc <= free
         if rules is not None and rules.registers is not None:
-            ok = ok & rules.registers.ok(acc)
+            ok = ok & rules.registers.ok(acc, filled=outputs / target.simd_width)
         vec.append(ok)
     vec = np.stack(vec).astype(np.int64)
     n3 = vec.sum(axis=0)
