@@ -5,9 +5,9 @@ and the planned layout with MACO's tuned kernels where tuning records hold one f
 The last column needs tuning records (`maco optimize NET --records R`, or `maco tune`): pass
 them with --records R (repeatable). Without records that column is left empty and the CSV's
 note says so. With records, the plan is remade from the per-layer best of torch and MACO in each
-layout (torch measured here, MACO from the records of this machine's target) and the convs
-whose MACO kernel wins, in its records and again when re-timed in this process
-(maco.optimize.faster_kernels), are swapped for MacoConv2d modules. Each planned model is timed against
+layout (torch measured here, each layout's best MACO record re-timed beside it in this process,
+maco.optimize.faster_kernels) and the convs whose MACO kernel wins are swapped for MacoConv2d
+modules. Each planned model is timed against
 the default in interleaved rounds and its output checked against the original's.
 Writes fig18_end_to_end.csv / .png.
 
@@ -81,7 +81,7 @@ def run_network(name: str, rounds: int, records: dict | None) -> dict:
                      for layer in p.convs for lay, secs in layer.costs.items()}
     table, chosen, _ = faster_kernels(torch_seconds, records, Target.host())
     if not chosen:
-        row["note"] = "MACO column empty: the records hold no kernel faster than torch for this network"
+        row["note"] = "MACO column empty: no recorded kernel beat torch when re-timed beside it here"
         return row
     pm = plan(model, x, latency=table, conversion="measure")
     gm = pm.apply(model)
