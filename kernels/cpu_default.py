@@ -134,7 +134,6 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     c1 = ext["c"]
     taps = spec.kh * spec.kw
     l2 = _level_bytes(target, "L2", 1 << 20)
-    l1 = _level_bytes(target, "L1", 32 << 10)
     split = ("n", "g", "oh", "k", "ow")
     weight_bytes = spec.k_per_group * ext["c"] * taps * 4
     input_bytes = spec.out_h * spec.out_w * ext["c"] * 4

@@ -47,7 +47,7 @@ class BenchRow:
         return {k: statistics.median(v) for k, v in self.rounds.items()}
 
     def gflops(self, which: str) -> float:
-        return self.spec.flops / self.seconds[which] / 1e9
+        return self.spec.flops / statistics.median(self.rounds[which]) / 1e9
 
     def speedup(self, which: str, over: tuple[str, ...] = ("torch NCHW", "torch NHWC")) -> float:
         """Median over rounds of (fastest of `over` in that round) / `which` in that round. The VM
