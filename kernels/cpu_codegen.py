@@ -138,33 +138,56 @@ class CpuPlan:
             return {"n": s.out_h * s.out_w * s.k, "k": 1, "h": s.out_w * s.k, "w": s.k}
         return {"n": s.k * s.out_h * s.out_w, "k": s.out_h * s.out_w, "h": s.out_w, "w": 1}
 
-    @cached_property
-    def patch_dims(self) -> tuple[int, int]:
-        """Rows and columns of the input patch one micro-kernel call reads."""
+    def window_dims(self, level: int) -> tuple[int, int]:
+        """Rows and columns of the input that one tile of `level` reads in one R0 step."""
         s = self.spec
-        rows = (self.f["oh"][3] - 1) * s.stride[0] + (self.f["kh"][1] - 1) * s.dilation[0] + 1
-        cols = (self.f["ow"][3] - 1) * s.stride[1] + (self.f["kw"][1] - 1) * s.dilation[1] + 1
+        rows = (self.tile("oh", level) - 1) * s.stride[0] + (self.f["kh"][1] - 1) * s.dilation[0] + 1
+        cols = (self.tile("ow", level) - 1) * s.stride[1] + (self.f["kw"][1] - 1) * s.dilation[1] + 1
         return rows, cols
+
+    @property
+    def r0_steps(self) -> int:
+        return self.f["c"][0] * self.f["kh"][0] * self.f["kw"][0]
+
+    @cached_property
+    def patch_level(self) -> int:
+        """Tile level whose input window a border patch holds. The S2 tile's, one patch per R0
+        step, so each is built once however many filter blocks go by (rebuilt per filter block,
+        the register tile's patches cost VGG-11's features.13 3-4%); the register tile's window,
+        one patch, where those would outgrow half of L2."""
+        rows, cols = self.window_dims(2)
+        elems = self.tile("n", 2) * self.tile("g", 2) * self.f["c"][1] * rows * cols
+        return 2 if 4 * elems * self.r0_steps <= self.target.level_bytes("L2", 1 << 20) // 2 else 3
+
+    @property
+    def patch_slots(self) -> int:
+        """Patches each thread keeps: one per R0 step for S2 windows, else one."""
+        return self.r0_steps if self.patch_level == 2 else 1
 
     @cached_property
     def patch_strides(self) -> dict[str, int]:
-        """Strides of the zero-filled border patch: the input's layout, cut to the tile."""
-        rows, cols = self.patch_dims
-        c1, g3 = self.f["c"][1], self.f["g"][3]
+        """Strides of the zero-filled border patch: the input's layout, cut to the window."""
+        rows, cols = self.window_dims(self.patch_level)
+        c1, g = self.f["c"][1], self.tile("g", self.patch_level)
         if self.nhwc:
-            st = {"c": 1, "g": c1, "w": g3 * c1}
+            st = {"c": 1, "g": c1, "w": g * c1}
             st["h"] = cols * st["w"]
             st["n"] = rows * st["h"]
         else:
             st = {"w": 1, "h": cols, "c": rows * cols}
             st["g"] = c1 * st["c"]
-            st["n"] = g3 * st["g"]
+            st["n"] = g * st["g"]
         return st
 
     @property
     def patch_elems(self) -> int:
-        rows, cols = self.patch_dims
-        return self.f["n"][3] * self.f["g"][3] * self.f["c"][1] * rows * cols
+        rows, cols = self.window_dims(self.patch_level)
+        return self.tile("n", self.patch_level) * self.tile("g", self.patch_level) * self.f["c"][1] * rows * cols
+
+    @property
+    def patch_slot_elems(self) -> int:
+        """Floats between patch slots: each starts on a cache line."""
+        return -(-self.patch_elems // 16) * 16
 
     @property
     def padded(self) -> bool:
@@ -415,7 +438,9 @@ class _Generator:
         p, s = self.p, self.s
         st, ps, os_ = p.in_strides, p.patch_strides, p.out_strides
         f = p.f
-        rows, cols = p.patch_dims
+        rows, cols = p.window_dims(3)
+        level = p.patch_level
+        prows, pcols = p.window_dims(level)
         kpg, cpg = s.k_per_group, s.c_per_group
         taps = s.kh * s.kw
         k3 = f["k"][3]
@@ -453,29 +478,38 @@ class _Generator:
             direct,
             "  } else {",
         ]
+        # the patch holds the window of the enclosing tile of `level` (whose origin is this tile's,
+        # rounded down), zeroed where it leaves the image
+        lines += [
+            f"    const int np0 = n0 - n0 % {p.tile('n', level)}, gp0 = g0 - g0 % {p.tile('g', level)};",
+            f"    const int ihp = (oh0 - oh0 % {p.tile('oh', level)})*{s.stride[0]} - {s.padding[0]} + khb*{s.dilation[0]};",
+            f"    const int iwp = (ow0 - ow0 % {p.tile('ow', level)})*{s.stride[1]} - {s.padding[1]} + kwb*{s.dilation[1]};",
+            # border tiles in the same window (other filters, other positions) reuse its patch
+            f"    const int slot = {'(c0*%d + kh0)*%d + kw0' % (f['kh'][0], f['kw'][0]) if p.patch_slots > 1 else '0'};",
+            f"    patch += (long)slot*{p.patch_slot_elems}; key += slot*5;",
+            "    if (key[0] != np0 || key[1] != gp0 || key[2] != cb || key[3] != ihp || key[4] != iwp) {",
+            "    key[0] = np0; key[1] = gp0; key[2] = cb; key[3] = ihp; key[4] = iwp;",
+            f"    memset(patch, 0, {p.patch_elems}*sizeof(float));",
+            f"    const int r_lo = ihp < 0 ? -ihp : 0, r_hi = ihp + {prows} > {s.h} ? {s.h} - ihp : {prows};",
+            f"    const int q_lo = iwp < 0 ? -iwp : 0, q_hi = iwp + {pcols} > {s.w} ? {s.w} - iwp : {pcols};",
+        ]
         # zero the patch, then copy the rows and columns that exist: no test per element
-        nest = [("n", "0", f["n"][3]), ("g", "0", f["g"][3]), ("c", "0", f["c"][1]),
+        nest = [("n", "0", p.tile("n", level)), ("g", "0", p.tile("g", level)), ("c", "0", f["c"][1]),
                 ("r", "r_lo", "r_hi"), ("q", "q_lo", "q_hi")]
         if p.nhwc:
             nest = [nest[0], nest[3], nest[4], nest[1], nest[2]]
-        lines += [
-            # consecutive calls on the same input window (other filters) reuse the patch
-            "    if (key[0] != n0 || key[1] != g0 || key[2] != cb || key[3] != ih0 || key[4] != iw0) {",
-            "    key[0] = n0; key[1] = g0; key[2] = cb; key[3] = ih0; key[4] = iw0;",
-            f"    memset(patch, 0, {p.patch_elems}*sizeof(float));",
-            f"    const int r_lo = ih0 < 0 ? -ih0 : 0, r_hi = ih0 + {rows} > {s.h} ? {s.h} - ih0 : {rows};",
-            f"    const int q_lo = iw0 < 0 ? -iw0 : 0, q_hi = iw0 + {cols} > {s.w} ? {s.w} - iw0 : {cols};",
-        ]
         ind = "    "
         for var, lo, hi in nest:
             lines.append(ind + f"for (int {var} = {lo}; {var} < {hi}; {var}++)")
             ind += "  "
         lines += [
             ind + f"patch[n*{ps['n']} + g*{ps['g']} + c*{ps['c']} + r*{ps['h']} + q*{ps['w']}] = "
-            f"in[(long)(n0 + n)*{st['n']} + (long)(g0 + g)*{st['g']} + (long)(cb + c)*{st['c']} + "
-            f"(long)(ih0 + r)*{st['h']} + (long)(iw0 + q)*{st['w']}];",
+            f"in[(long)(np0 + n)*{st['n']} + (long)(gp0 + g)*{st['g']} + (long)(cb + c)*{st['c']} + "
+            f"(long)(ihp + r)*{st['h']} + (long)(iwp + q)*{st['w']}];",
             "    }",
-            f"    micro(patch, {ps['n']}, {ps['g']}, {ps['c']}, {ps['h']}, {ps['w']}, wt, bt, rt, ot, first, last);",
+            f"    micro(patch + (long)(n0 - np0)*{ps['n']} + (long)(g0 - gp0)*{ps['g']} + (long)(ih0 - ihp)*{ps['h']}"
+            f" + (long)(iw0 - iwp)*{ps['w']}, {ps['n']}, {ps['g']}, {ps['c']}, {ps['h']}, {ps['w']}, "
+            "wt, bt, rt, ot, first, last);",
             "  }",
             "}",
         ]
@@ -490,13 +524,14 @@ class _Generator:
         fused = prod(f[a][0] for a in par_axes)
         out = [f"void {FUNCTION}(const float *restrict in, const float *restrict w, const float *bias, "
                "const float *res, float *out) {"]
-        patch = (f"(float *)aligned_alloc(64, {(-(-p.patch_elems * 4 // 64)) * 64})"
+        patch = (f"(float *)aligned_alloc(64, {p.patch_slot_elems * p.patch_slots * 4})"
                  if p.padded else "0")
         if par:
             out.append(f"  #pragma omp parallel num_threads({p.threads})")
         out.append("  {")
         out.append(f"  float *patch = {patch};")
-        out.append("  int key[5] = {-1, -1, -1, -1 << 30, -1 << 30};")
+        out.append(f"  int key[{5 * p.patch_slots}];")
+        out.append(f"  for (int i = 0; i < {5 * p.patch_slots}; i++) key[i] = -1 << 30;")
         ind = "  "
         if par:
             out.append(ind + "#pragma omp for schedule(static)")

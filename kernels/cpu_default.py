@@ -98,14 +98,6 @@ def _snap(extent: int, inner: int, want: int) -> int:
     return max(ok)
 
 
-def _level_bytes(target: Target, name: str, default: int) -> int:
-    try:
-        lvl = target.level(name)
-        return lvl.capacity // lvl.processors
-    except MacoError:
-        return default
-
-
 def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str = "NCHW") -> Schedule:
     """A fast schedule for `spec` on a CPU target (the host when None) without any search."""
     target = target or Target.host()
@@ -133,7 +125,7 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     t2 = dict(t3, k=t1["k"])
     c1 = ext["c"]
     taps = spec.kh * spec.kw
-    l2 = _level_bytes(target, "L2", 1 << 20)
+    l2 = target.level_bytes("L2", 1 << 20)
     split = ("n", "g", "oh", "k", "ow")
     weight_bytes = spec.k_per_group * ext["c"] * taps * 4
     input_bytes = spec.out_h * spec.out_w * ext["c"] * 4

@@ -71,6 +71,14 @@ class Target:
         raise MacoError(f"target {self.name!r} has no memory level {name!r}; "
                         f"it has {[lvl.name for lvl in self.levels]}")
 
+    def level_bytes(self, name: str, default: int) -> int:
+        """Bytes of level `name` that one processor has to itself (`default` where there is none)."""
+        try:
+            lvl = self.level(name)
+        except MacoError:
+            return default
+        return lvl.capacity // lvl.processors
+
     @property
     def peak_gflops(self) -> float:
         """Nominal fp32 FMA peak: cores * pipes * lanes * 2 flops * GHz (0 when the clock is unknown)."""

@@ -204,6 +204,26 @@ def test_partial_sums_across_r0_steps():
     check_batch(spec, [s, dataclasses.replace(s, layout="NCHW")], HOST, epilogue=True)
 
 
+@needs_avx2
+@pytest.mark.parametrize("l2", [2 << 20, 8 << 10])
+def test_border_register_tiles_share_a_patch_of_their_s2_window(l2):
+    """Filter blocks outside the positions (S2 = k blocks x rows x columns, R0 = c, kh and kw
+    chunks): each R0 step's window patch is built once and serves every border register tile in
+    it; with a small L2 each register tile gets its own patch. Batch and groups inside S2; both
+    layouts match torch."""
+    target = dataclasses.replace(HOST, levels=tuple(
+        dataclasses.replace(lvl, capacity=l2) if lvl.name == "L2" else lvl for lvl in HOST.levels))
+    spec = ConvSpec.parse("n2_c16_h9_w10_k64_r3x3_p2_d2_g2")
+    width = HOST.simd_width
+    s = Schedule("cpu", ((1, 1, 2, 1), (1, 1, 2, 1), (1, 1, 32 // width, width), (3, 1, 3, 1), (1, 1, 2, 5)),
+                 ((2, 4), (3, 1), (1, 3)), parallel=4, vector_axis="k", vector_width=width, layout="NHWC")
+    assert s.problems(spec, target) == [], s.problems(spec, target)
+    from maco.kernels.cpu_codegen import CpuPlan
+    plan = CpuPlan(spec, s, target)
+    assert (plan.patch_level, plan.patch_slots) == ((2, 6) if l2 > 1 << 20 else (3, 1))
+    check_batch(spec, [s, dataclasses.replace(s, layout="NCHW")], target, epilogue=True)
+
+
 # -- plumbing and errors ------------------------------------------------------------------------------
 def test_numpy_in_numpy_out_torch_in_torch_out():
     spec = ConvSpec.parse("n1_c8_h6_w7_k16_r3x3_p1")
