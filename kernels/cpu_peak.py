@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import time
+from collections.abc import Callable
 from functools import lru_cache
 
 from maco.errors import MacoError
@@ -42,24 +44,16 @@ def source(target: Target) -> str:
         head = ""
     return f"""{head}#include <omp.h>
 /* flops per thread per iteration: {CHAINS} * {lanes} * 2 */
-double maco_peak(long iters, int threads, float *sink) {{
-  double best = 0;
-  for (int rep = 0; rep < 5; rep++) {{
-    double t0 = omp_get_wtime();
-    #pragma omp parallel num_threads(threads)
-    {{
-      {decl}
-      {init}
-      for (long i = 0; i < iters; i++) {{
-        {step}
-      }}
-      {sink}
+void maco_run(long iters, int threads, float *sink) {{
+  #pragma omp parallel num_threads(threads)
+  {{
+    {decl}
+    {init}
+    for (long i = 0; i < iters; i++) {{
+      {step}
     }}
-    double t = omp_get_wtime() - t0;
-    double gf = (double)iters * threads * {CHAINS} * {lanes} * 2 / t / 1e9;
-    if (gf > best) best = gf;
+    {sink}
   }}
-  return best;
 }}
 """
 
@@ -81,31 +75,24 @@ def microkernel_source(target: Target) -> str:
     total = " ".join(f"s = {add}(s, a{j});" for j in range(accs))
     return f"""#include <immintrin.h>
 #include <omp.h>
-double maco_peak(long iters, int threads, float *sink) {{
-  double best = 0;
-  for (int rep = 0; rep < 5; rep++) {{
-    double t0 = omp_get_wtime();
-    #pragma omp parallel num_threads(threads)
-    {{
-      float in[{points} * 64] __attribute__((aligned(64))), w[64 * {kv * lanes}] __attribute__((aligned(64)));
-      for (int i = 0; i < {points} * 64; i++) in[i] = 1e-3f * (i % 7);
-      for (int i = 0; i < 64 * {kv * lanes}; i++) w[i] = 1e-3f * (i % 5);
-      {init}
-      for (long i = 0; i < iters; i += 64) {{
-        const float *ip = in, *wq = w;
-        #pragma GCC unroll 1
-        for (int c = 0; c < 64; c++, ip++, wq += {kv * lanes}) {{
-          {loads}
-          {fmas}
-        }}
+/* flops per thread per iteration: {accs} * {lanes} * 2 (iters a multiple of 64) */
+void maco_run(long iters, int threads, float *sink) {{
+  #pragma omp parallel num_threads(threads)
+  {{
+    float in[{points} * 64] __attribute__((aligned(64))), w[64 * {kv * lanes}] __attribute__((aligned(64)));
+    for (int i = 0; i < {points} * 64; i++) in[i] = 1e-3f * (i % 7);
+    for (int i = 0; i < 64 * {kv * lanes}; i++) w[i] = 1e-3f * (i % 5);
+    {init}
+    for (long i = 0; i < iters; i += 64) {{
+      const float *ip = in, *wq = w;
+      #pragma GCC unroll 1
+      for (int c = 0; c < 64; c++, ip++, wq += {kv * lanes}) {{
+        {loads}
+        {fmas}
       }}
-      float t[{lanes}]; {vt} s = {zero}; {total} {storeu}(t, s); sink[omp_get_thread_num()] = t[0];
     }}
-    double t = omp_get_wtime() - t0;
-    double gf = (double)iters * threads * {accs} * {lanes} * 2 / t / 1e9;
-    if (gf > best) best = gf;
+    float t[{lanes}]; {vt} s = {zero}; {total} {storeu}(t, s); sink[omp_get_thread_num()] = t[0];
   }}
-  return best;
 }}
 """
 
@@ -114,17 +101,39 @@ def _cache_file(target: Target) -> str:
     return str(cpu_build.cache_dir() / "peak.json")
 
 
+def _check_kind(target: Target, kind: str) -> None:
+    if kind not in ("fma", "microkernel"):
+        raise MacoError(f"unknown peak kind {kind!r}; choose fma or microkernel")
+    if kind == "microkernel" and target.isa not in ISA:
+        raise MacoError(f"the microkernel ceiling needs an ISA with intrinsics ({', '.join(ISA)}), "
+                        f"not {target.isa!r}")
+
+
+def flops_runner(target: Target, kind: str = "fma") -> Callable[[float], None]:
+    """run(flops): that many flops of the "fma" or "microkernel" loop on target.cores threads.
+    Timed beside a kernel doing the same flops, it gives the kernel's fraction of the ceiling in
+    the same spell of the machine (rounded up to whole loop iterations)."""
+    _check_kind(target, kind)
+    text = source(target) if kind == "fma" else microkernel_source(target)
+    lib = ctypes.CDLL(str(cpu_build.build(text, cpu_build.flags_for(target))))
+    lib.maco_run.restype = None
+    lib.maco_run.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    sink = (ctypes.c_float * 256)()
+    lanes = ISA[target.isa][1] if target.isa in ISA else target.simd_width
+    per_iter = target.cores * (CHAINS if kind == "fma" else MICRO[0] * MICRO[1]) * lanes * 2
+
+    def run(flops: float) -> None:
+        lib.maco_run(-(-int(flops) // (per_iter * 64)) * 64, target.cores, ctypes.addressof(sink))
+    return run
+
+
 @lru_cache(maxsize=8)
 def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> float:
     """GFLOP/s of back-to-back FMAs ("fma") or of the register-tile mix ("microkernel", ISAs
     with intrinsics only) on target.cores threads (best of 5 runs of ~0.1 s), cached on disk
     per CPU model, ISA, thread count and kind. `fresh` measures again and keeps the best seen
     (a busy machine measures low, never high)."""
-    if kind not in ("fma", "microkernel"):
-        raise MacoError(f"unknown peak kind {kind!r}; choose fma or microkernel")
-    if kind == "microkernel" and target.isa not in ISA:
-        raise MacoError(f"the microkernel ceiling needs an ISA with intrinsics ({', '.join(ISA)}), "
-                        f"not {target.isa!r}")
+    _check_kind(target, kind)
     host = Target.host()
     key = f"{host.model}|{target.isa}|{target.cores}" + ("" if kind == "fma" else f"|{kind}")
     path = _cache_file(target)
@@ -135,17 +144,14 @@ def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> floa
         known = {}
     if key in known and not fresh:
         return float(known[key])
-    text = source(target) if kind == "fma" else microkernel_source(target)
-    so = cpu_build.build(text, cpu_build.flags_for(target))
-    lib = ctypes.CDLL(str(so))
-    lib.maco_peak.restype = ctypes.c_double
-    lib.maco_peak.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-    sink = (ctypes.c_float * 256)()
-    lanes = ISA[target.isa][1] if target.isa in ISA else target.simd_width
-    iters = int(2e8 / (CHAINS * lanes))  # ~2e8 flops... scaled to ~0.1-0.3 s per run
-    iters = max(iters, 10_000) * 64
-    gf = float(lib.maco_peak(iters, target.cores, ctypes.addressof(sink)))
-    gf = max(gf, float(known.get(key, 0.0)))
+    run = flops_runner(target, kind)
+    flops = 2.5e10 * target.cores  # ~0.1 s per run
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        run(flops)
+        best = max(best, flops / (time.perf_counter() - t0) / 1e9)
+    gf = max(best, float(known.get(key, 0.0)))
     known[key] = gf
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as fh:

@@ -341,6 +341,20 @@ def test_microkernel_ceiling_lies_below_the_fma_peak():
         kernels.measure_peak(HOST, kind="gpu")
 
 
+def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
+    """The VM runs in faster and slower spells: the fraction of peak compares the kernel with the
+    FMA loop doing the same flops in the same rounds, not with the best peak ever seen."""
+    from maco.commands.bench import bench_layer
+
+    spec = ConvSpec.parse("n1_c32_h14_w14_k64_r3x3_p1")
+    r = bench_layer("x", spec, {"maco": kernels.default_schedule(spec, HOST, "NHWC")}, HOST, repeats=2,
+                    min_run_time=0.005, ceilings=True)
+    assert len(r.rounds["FMA peak"]) == 2
+    assert ("microkernel ceiling" in r.rounds) == (HOST.isa in ("avx512", "avx2"))
+    assert 0.2 * kernels.measure_peak(HOST) < r.gflops("FMA peak") < 1.5 * kernels.measure_peak(HOST)
+    assert 0 < r.speedup("maco", over=("FMA peak",)) < 1.1
+
+
 def test_bench_cli(capsys):
     from maco.cli import main
 
