@@ -144,7 +144,9 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
         # chunks (R0; partial sums stay in the L2-resident outputs) and revisit the small input
         t1 = dict(t3, k=spec.k_per_group, oh=spec.out_h, ow=spec.out_w)
         t2 = dict(t3, oh=spec.out_h, ow=spec.out_w)
-        c1 = max(d for d in divisors(ext["c"]) if d == 1 or t3["k"] * d * taps * 4 <= l2 // 8)
+        # the largest chunk whose block of one register tile's filters fills at most a quarter of
+        # L2 (the rest holds the input and the outputs); an eighth cost AlexNet's 5x5 layer 3%
+        c1 = max(d for d in divisors(ext["c"]) if d == 1 or t3["k"] * d * taps * 4 <= l2 // 4)
         # cores split by rows where they share out evenly (NHWC; each core then keeps half the
         # input in its L2: 1.07-1.08x on VGG-11's features.11), else by filters (NCHW measured
         # 0.91-1.00x by rows)

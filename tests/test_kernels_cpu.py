@@ -401,6 +401,9 @@ def test_default_schedule_for_filter_heavy_layers_slides_over_channel_chunks():
     spec = ConvSpec.parse("n1_c64_h5_w5_k64_r3x3_p1")
     schedules = [kernels.default_schedule(spec, small, layout) for layout in ("NCHW", "NHWC")]
     assert all(s.factors("c")[0] > 1 for s in schedules)
+    for s in schedules:  # the largest chunk whose filter block (one register tile's k) fits L2 / 4
+        block = s.register_tile()["k"] * 9 * 4
+        assert block * s.factors("c")[1] <= (64 << 10) // 4 < block * 2 * s.factors("c")[1]
     check_batch(spec, schedules, small, epilogue=True)
 
 
