@@ -83,6 +83,20 @@ def _is_allowed(schedule: Schedule, spec: ConvSpec, target: Target, config: Sear
     return True
 
 
+def with_layout(s: Schedule, layout: str) -> Schedule:
+    """`s` in another layout; an inner order that slides over channels as alpha = 1 asks in the old
+    layout is moved to do so in the new one (c first in NCHW, last in CPU NHWC), so the pruned
+    space keeps it."""
+    from maco.prune import alpha_order_ok
+
+    out = replace(s, layout=layout)
+    if alpha_order_ok(s.inner_order, s.kind, s.layout) and not alpha_order_ok(out.inner_order, s.kind, layout):
+        rest = tuple(a for a in s.inner_order if a != "c")
+        out = replace(out, inner_order=("c",) + rest if alpha_order_ok(("c",) + rest, s.kind, layout)
+                      else rest + ("c",))
+    return out
+
+
 def _sample(spec: ConvSpec, target: Target, rng: random.Random, n: int,
             config: SearchConfig) -> list[Schedule]:
     out: list[Schedule] = []
@@ -91,7 +105,7 @@ def _sample(spec: ConvSpec, target: Target, rng: random.Random, n: int,
         tries += 1
         s = _space().sample(spec, target, rng, pruned=config.pruned)
         if s.layout not in config.allowed_layouts:
-            s = replace(s, layout=rng.choice(config.allowed_layouts))
+            s = with_layout(s, rng.choice(config.allowed_layouts))
             if not _is_allowed(s, spec, target, config):
                 continue
         out.append(s)
@@ -159,7 +173,7 @@ def mutate_annotation(s: Schedule, rng: random.Random, target: Target,
         width = target.simd_width if inner % target.simd_width == 0 else 1
         return replace(s, vector_axis=axis, vector_width=width)
     if choice == "layout" and len(config.allowed_layouts) > 1:
-        return replace(s, layout=rng.choice([l for l in config.allowed_layouts if l != s.layout]))
+        return with_layout(s, rng.choice([l for l in config.allowed_layouts if l != s.layout]))
     return s
 
 

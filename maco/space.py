@@ -37,6 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from maco.errors import MacoError
+from maco.prune import alpha_order_ok
 from maco.schedule import (GPU_BUFFERS, GPU_MAX_THREADS, LAYOUTS, REDUCTION_AXES, REGISTER_RESERVE,
                            SPATIAL_AXES, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule, axis_extents,
                            gpu_max_accumulators, gpu_max_shared_bytes, gpu_shared_bytes)
@@ -117,8 +118,9 @@ def _plan(spec: ConvSpec, target: Target, pruned: bool, config):
     return plan(spec, target, config)
 
 
-def _orders(rules) -> tuple[tuple[str, ...], ...]:
-    return tuple(o for o in INNER_ORDERS if rules is None or not rules.alpha_one or o[0] == "c")
+def _orders(rules, kind: str, layout: str) -> tuple[tuple[str, ...], ...]:
+    return tuple(o for o in INNER_ORDERS
+                 if rules is None or not rules.alpha_one or alpha_order_ok(o, kind, layout))
 
 
 def _window(extent: int, rules) -> tuple[int, ...]:
@@ -153,7 +155,7 @@ class _Cpu:
     c1: tuple[int, ...]
     kh1: tuple[int, ...]
     kw1: tuple[int, ...]
-    orders: tuple[tuple[str, ...], ...]
+    layout_orders: tuple[tuple[str, tuple[str, ...]], ...]  # (layout, inner order) pairs
     size: int
 
 
@@ -189,10 +191,10 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
     n1 = _up(n2, div_of) * _cache_mask(rules, "S1", spec, g)
     c1 = divisors(ext["c"])
     kh1, kw1 = _window(spec.kh, rules), _window(spec.kw, rules)
-    orders = _orders(rules)
-    annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * len(orders) * len(LAYOUTS) * len(WEIGHT_PACKINGS)
+    layout_orders = tuple((lay, o) for lay in LAYOUTS for o in _orders(rules, "cpu", lay))
+    annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * len(layout_orders) * len(WEIGHT_PACKINGS)
     size = int(n1.sum()) * len(c1) * len(kh1) * len(kw1) * annotations
-    return _Cpu(divs, div_of, vec, n3, n2, n1, c1, kh1, kw1, orders, size)
+    return _Cpu(divs, div_of, vec, n3, n2, n1, c1, kh1, kw1, layout_orders, size)
 
 
 def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> Schedule:
@@ -217,10 +219,12 @@ def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> 
     c1, kh1, kw1 = (rng.choice(x) for x in (t.c1, t.kh1, t.kw1))
     reduction = ((ext["c"] // c1, c1), (spec.kh // kh1, kh1), (spec.kw // kw1, kw1))
     width = target.simd_width if spatial[SPATIAL_AXES.index(vaxis)][3] % target.simd_width == 0 else 1
+    parallel, unroll = rng.choice(CPU_PARALLEL), rng.choice(UNROLL_STEPS)
+    layout, order = rng.choice(t.layout_orders)
     return Schedule(kind="cpu", spatial=tuple(spatial), reduction=reduction,
-                    parallel=rng.choice(CPU_PARALLEL), vector_axis=vaxis, vector_width=width,
-                    unroll=rng.choice(UNROLL_STEPS), inner_order=rng.choice(t.orders),
-                    layout=rng.choice(LAYOUTS), weight_packing=rng.choice(WEIGHT_PACKINGS))
+                    parallel=parallel, vector_axis=vaxis, vector_width=width,
+                    unroll=unroll, inner_order=order,
+                    layout=layout, weight_packing=rng.choice(WEIGHT_PACKINGS))
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -299,7 +303,7 @@ def _gpu(spec: ConvSpec, target: Target, rules) -> _Gpu:
                                 if w:
                                     combos.append((cc, split, khc, kwc, layout, buffers, stage_out, m))
                                     combo_w.append(w * m)
-    orders = _orders(rules)
+    orders = _orders(rules, "cuda", "NCHW")  # the GPU rule does not depend on the layout
     size = sum(combo_w) * len(UNROLL_STEPS) * len(orders) * len(WEIGHT_PACKINGS)
     joint = dict(zip(SPATIAL_AXES, mesh))
     return _Gpu(pairs, joint, starts, weight, threads.astype(np.int32), acc.astype(np.int32), bd, combos,

@@ -56,6 +56,22 @@ def test_evolution_stays_inside_the_pruned_space():
     assert all(prune.keeps(s, SPEC, AVX2) and not s.problems(SPEC, AVX2) for s in out)
 
 
+def test_a_layout_change_keeps_a_pruned_schedule_in_the_pruned_space():
+    """alpha = 1 wants c first in NCHW and last in NHWC: switching layout moves c with it, and
+    leaves an order that never met the rule (unpruned search) as it was."""
+    from dataclasses import replace
+
+    from maco import prune
+    from maco.search import with_layout
+
+    for s in space.sample_many(SPEC, AVX2, 20, 3, pruned=True):
+        other = with_layout(s, "NHWC" if s.layout == "NCHW" else "NCHW")
+        assert other.layout != s.layout and prune.keeps(other, SPEC, AVX2), other
+        assert [a for a in other.inner_order if a != "c"] == [a for a in s.inner_order if a != "c"]
+    odd = replace(space.sample_many(SPEC, AVX2, 1, 4, pruned=True)[0], layout="NCHW", inner_order=("kh", "c", "kw"))
+    assert with_layout(odd, "NHWC").inner_order == ("kh", "c", "kw")
+
+
 def test_cost_model_learns_the_ranking():
     train = space.sample_many(SPEC, AVX2, 200, 1)
     test = space.sample_many(SPEC, AVX2, 100, 2)

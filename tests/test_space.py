@@ -49,9 +49,9 @@ def _brute_cpu(spec, target, pruned):
 
 @lru_cache(maxsize=None)
 def _valid_cpu(spec, target):
-    """Every CPU schedule with parallel/unroll/layout/packing fixed, kept if valid (and kept by the
-    pruning predicate). Those four annotations never interact with validity or pruning, so the
-    space is this count times 6*4*2*2; inner orders are enumerated."""
+    """Every CPU schedule with parallel/unroll/packing fixed, kept if valid (and kept by the pruning
+    predicate). Those three annotations never interact with validity or pruning, so the space is
+    this count times 6*4*2; inner orders and layouts (alpha = 1 pairs them) are enumerated."""
     ext = axis_extents(spec)
     tiles = [_all_factors(ext[a], 4) for a in SPATIAL_AXES]
     reds = [_all_factors(ext[a], 2) for a in REDUCTION_AXES]
@@ -65,15 +65,15 @@ def _valid_cpu(spec, target):
             if base.problems(spec, target):  # validity does not depend on the reduction split
                 continue
             for red in product(*reds):
-                for order in permutations(REDUCTION_AXES):
+                for order, layout in product(permutations(REDUCTION_AXES), LAYOUTS):
                     s = Schedule("cpu", tuple(sp), tuple(red), parallel=1, vector_axis=vaxis,
-                                 vector_width=width, inner_order=order)
+                                 vector_width=width, inner_order=order, layout=layout)
                     assert not s.problems(spec, target)
                     kept.append(s)
     return kept
 
 
-CPU_ANNOTATIONS = 6 * len(UNROLL_STEPS) * len(LAYOUTS) * len(WEIGHT_PACKINGS)
+CPU_ANNOTATIONS = 6 * len(UNROLL_STEPS) * len(WEIGHT_PACKINGS)
 
 
 @pytest.mark.parametrize("spec,target", [
@@ -88,14 +88,15 @@ def test_cpu_count_matches_brute_force(spec, target, pruned):
     assert space.space_size(spec, target, pruned=pruned) == len(kept) * CPU_ANNOTATIONS
     assert kept, "the pruned space must never be empty"
     if pruned:
-        assert all(s.inner_order[0] == "c" and s.factors("kh")[0] == 1 for s in kept)
+        assert all(s.inner_order.index("c") == (2 if s.layout == "NHWC" else 0) and s.factors("kh")[0] == 1
+                   for s in kept)
 
 
 def test_register_limit_bites_on_the_tiny_target():
     spec = ConvSpec.parse("n1_c2_h4_w4_k4_r3")
     ext = axis_extents(spec)
     tilings = _prod(len(_all_factors(ext[a], 4)) for a in SPATIAL_AXES) * 2
-    tilings *= _prod(len(_all_factors(ext[a], 2)) for a in REDUCTION_AXES) * 6 * CPU_ANNOTATIONS
+    tilings *= _prod(len(_all_factors(ext[a], 2)) for a in REDUCTION_AXES) * 6 * len(LAYOUTS) * CPU_ANNOTATIONS
     assert space.space_size(spec, TINY_CPU) < space.space_size(spec, HOST) < tilings
 
 
@@ -172,10 +173,10 @@ def test_cpu_sampling_is_uniform(target, pruned):
     draws = space.sample_many(spec, target, 4000, random.Random(7), pruned=pruned)
     assert all(space.contains(s, spec, target, pruned=pruned) for s in draws[:300])
     assert _chi2(draws, points, _tiles) > 1e-3
-    assert _chi2(draws, points, lambda s: (s.vector_axis, s.inner_order, s.factors("k")[3])) > 1e-3
+    assert _chi2(draws, points, lambda s: (s.vector_axis, s.inner_order, s.layout, s.factors("k")[3])) > 1e-3
     # the annotations that the enumeration fixed are uniform and independent of the rest
     fixed = [s for s in draws if s.vector_axis == "k"]
-    for name, choices in (("parallel", space.CPU_PARALLEL), ("unroll", UNROLL_STEPS), ("layout", LAYOUTS),
+    for name, choices in (("parallel", space.CPU_PARALLEL), ("unroll", UNROLL_STEPS),
                           ("weight_packing", WEIGHT_PACKINGS)):
         observed = Counter(getattr(s, name) for s in fixed)
         assert chisquare([observed[c] for c in choices]).pvalue > 1e-3, name
