@@ -19,7 +19,6 @@ import argparse
 import csv
 import io
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -27,15 +26,6 @@ NETWORKS = "resnet18,alexnet,vgg11"
 PAPER = {"resnet18": 1.07, "alexnet": 1.62, "vgg11": 1.34}
 COLUMNS = ["network", "convs", "default_ms", "planned_torch_ms", "speedup_torch", "planned_maco_ms",
            "speedup_maco", "maco_convs", "max_abs_diff", "outputs_equal", "paper_speedup", "load", "note"]
-
-
-def best_records(paths: list[str]) -> dict[tuple[Any, str], Any]:
-    """The fastest successful record per (spec, layout) measured on this machine's target."""
-    from maco.optimize import best_per_layout
-    from maco.records import RecordFile
-    from maco.target import Target
-
-    return best_per_layout([r for path in paths for r in RecordFile(path).load()], Target.host())
 
 
 def _equal(model, planned, x) -> bool:
@@ -156,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = [p for p in args.records if not Path(p).is_file()]
     if missing:
         ap.error(f"records file(s) not found: {', '.join(missing)}")
-    records = best_records(args.records) if args.records else None
+    records = None
+    if args.records:
+        from maco.optimize import best_in_files
+        from maco.target import Target
+
+        records = best_in_files(args.records, Target.host())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [run_network(n.strip(), rounds, records) for n in args.networks.split(",") if n.strip()]

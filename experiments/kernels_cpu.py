@@ -107,10 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     best_peak = kernels.measure_peak(target, fresh=True)
     tuned = {}
     if args.records:
-        from maco.optimize import best_per_layout
-        from maco.records import RecordFile
+        from maco.optimize import best_in_files
 
-        tuned = best_per_layout([r for p in args.records for r in RecordFile(p).load()], target)
+        tuned = best_in_files(args.records, target)
     rows = []
     for net, name, spec in layers(args.networks.split(","), args.quick):
         # the default always runs; a tuned schedule beside it, and the faster one counts (records

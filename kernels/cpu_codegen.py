@@ -39,6 +39,7 @@ FUNCTION = "maco_conv"
 # Unrolled statements the portable micro-kernel may hold: past a few hundred, gcc's alias
 # analysis over the accumulator arrays goes superlinear (a 7x7 stem tile took 30-100 s to build).
 PORTABLE_UNROLLED_BODY = 256
+MAX_PATCH_SLOTS = 16  # R0 steps up to which border patches may hold S2 windows (CpuPlan.patch_level)
 
 # isa -> (vector type, lanes, setzero, loadu, broadcast(ptr), fma(a, b, acc), storeu, max, add)
 ISA = {
@@ -145,19 +146,41 @@ class CpuPlan:
         cols = (self.tile("ow", level) - 1) * s.stride[1] + (self.f["kw"][1] - 1) * s.dilation[1] + 1
         return rows, cols
 
+    def window_elems(self, level: int) -> int:
+        """Input elements of that window: its images, groups and one R0 step's channels."""
+        rows, cols = self.window_dims(level)
+        return self.tile("n", level) * self.tile("g", level) * self.f["c"][1] * rows * cols
+
     @property
     def r0_steps(self) -> int:
         return self.f["c"][0] * self.f["kh"][0] * self.f["kw"][0]
 
     @cached_property
     def patch_level(self) -> int:
-        """Tile level whose input window a border patch holds. The S2 tile's, one patch per R0
-        step, so each is built once however many filter blocks go by (rebuilt per filter block,
-        the register tile's patches cost VGG-11's features.13 3-4%); the register tile's window,
-        one patch, where those would outgrow half of L2."""
-        rows, cols = self.window_dims(2)
-        elems = self.tile("n", 2) * self.tile("g", 2) * self.f["c"][1] * rows * cols
-        return 2 if 4 * elems * self.r0_steps <= self.target.level_bytes("L2", 1 << 20) // 2 else 3
+        """Tile level whose input window a border patch holds: the S2 tile's (one patch per R0
+        step, built once however many filter blocks or overlapping register tiles use it) where
+        that copies fewer elements than the register tiles' own patches, which filter loops
+        outside the S2 positions rebuild block after block (VGG-11's features.13 ran 3-4% faster
+        on S2 patches; ResNet-18 layer1 schedules that copied whole S2 windows for a few border
+        tiles ran 5-20% slower). S2 patches need at most MAX_PATCH_SLOTS R0 steps (thin chunks'
+        short micro-kernel calls ran 14-16% slower on them) and half of L2 for all of them."""
+        s, f = self.spec, self.f
+        rows, cols = self.window_dims(3)
+
+        def inside(oh: int, ow: int) -> bool:
+            ih, iw = oh * s.stride[0] - s.padding[0], ow * s.stride[1] - s.padding[1]
+            return 0 <= ih and ih + rows <= s.h and 0 <= iw and iw + cols <= s.w
+
+        # the S2 tile at the image's top-left corner has the most border register tiles
+        border = f["n"][2] * f["g"][2] * sum(not inside(i * f["oh"][3], j * f["ow"][3])
+                                             for i in range(f["oh"][2]) for j in range(f["ow"][2]))
+        positions = f["n"][2] * f["g"][2] * f["oh"][2] * f["ow"][2]
+        reuse = f["k"][2] if positions > 1 else 1  # filter blocks around the positions rebuild
+        if all(f[a][1] == 1 for a in ("n", "g", "oh", "ow")):
+            reuse *= f["k"][1]  # S1 filter blocks find the same S2 window again (one per R0 step)
+        fits = 4 * self.window_elems(2) * self.r0_steps <= self.target.level_bytes("L2", 1 << 20) // 2
+        cheaper = self.window_elems(2) < border * reuse * self.window_elems(3)
+        return 2 if cheaper and fits and self.r0_steps <= MAX_PATCH_SLOTS else 3
 
     @property
     def patch_slots(self) -> int:
@@ -181,8 +204,7 @@ class CpuPlan:
 
     @property
     def patch_elems(self) -> int:
-        rows, cols = self.window_dims(self.patch_level)
-        return self.tile("n", self.patch_level) * self.tile("g", self.patch_level) * self.f["c"][1] * rows * cols
+        return self.window_elems(self.patch_level)
 
     @property
     def patch_slot_elems(self) -> int:
@@ -480,13 +502,19 @@ class _Generator:
         ]
         # the patch holds the window of the enclosing tile of `level` (whose origin is this tile's,
         # rounded down), zeroed where it leaves the image
+        if level == 3:
+            lines.append("    const int np0 = n0, gp0 = g0, ihp = ih0, iwp = iw0;")
+        else:
+            lines += [
+                f"    const int np0 = n0 - n0 % {p.tile('n', level)}, gp0 = g0 - g0 % {p.tile('g', level)};",
+                f"    const int ihp = (oh0 - oh0 % {p.tile('oh', level)})*{s.stride[0]} - {s.padding[0]} + khb*{s.dilation[0]};",
+                f"    const int iwp = (ow0 - ow0 % {p.tile('ow', level)})*{s.stride[1]} - {s.padding[1]} + kwb*{s.dilation[1]};",
+            ]
+        if p.patch_slots > 1:
+            lines.append(f"    const int slot = (c0*{f['kh'][0]} + kh0)*{f['kw'][0]} + kw0;")
+            lines.append(f"    patch += (long)slot*{p.patch_slot_elems}; key += slot*5;")
         lines += [
-            f"    const int np0 = n0 - n0 % {p.tile('n', level)}, gp0 = g0 - g0 % {p.tile('g', level)};",
-            f"    const int ihp = (oh0 - oh0 % {p.tile('oh', level)})*{s.stride[0]} - {s.padding[0]} + khb*{s.dilation[0]};",
-            f"    const int iwp = (ow0 - ow0 % {p.tile('ow', level)})*{s.stride[1]} - {s.padding[1]} + kwb*{s.dilation[1]};",
             # border tiles in the same window (other filters, other positions) reuse its patch
-            f"    const int slot = {'(c0*%d + kh0)*%d + kw0' % (f['kh'][0], f['kw'][0]) if p.patch_slots > 1 else '0'};",
-            f"    patch += (long)slot*{p.patch_slot_elems}; key += slot*5;",
             "    if (key[0] != np0 || key[1] != gp0 || key[2] != cb || key[3] != ihp || key[4] != iwp) {",
             "    key[0] = np0; key[1] = gp0; key[2] = cb; key[3] = ihp; key[4] = iwp;",
             f"    memset(patch, 0, {p.patch_elems}*sizeof(float));",

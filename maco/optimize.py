@@ -8,7 +8,6 @@ import importlib.util
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +160,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         f"measurements ({budget} budget), records in {records}")
     tuned = tune_layers(layers, tgt, trials, records=records, seed=seed,
                         weights=[len(names) for _, names in groups])
-    best = best_per_layout(RecordFile(records).load(), tgt)
+    best = best_in_files([records], tgt)
     rows = [LayerRow(r.name, r.spec, r.weight, r.trials,
                      maco={lay: best[(r.spec, lay)].seconds for lay in ("NCHW", "NHWC") if (r.spec, lay) in best},
                      torch={k: v for k, v in (("NCHW", r.torch_nchw), ("NHWC", r.torch_nhwc)) if v})
@@ -272,6 +271,13 @@ def best_per_layout(records: list, target: Target) -> dict[tuple[ConvSpec, str],
             if key not in best or r.seconds < best[key].seconds:
                 best[key] = r
     return best
+
+
+def best_in_files(paths: list[str | Path], target: Target) -> dict[tuple[ConvSpec, str], Any]:
+    """best_per_layout over the records of every file in `paths`."""
+    from maco.records import RecordFile
+
+    return best_per_layout([r for path in paths for r in RecordFile(path).load()], target)
 
 
 # -- outputs ---------------------------------------------------------------------------------

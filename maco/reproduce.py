@@ -49,10 +49,11 @@ FIGURES = [
            "on GPU) with its annotations, not TVM's, so absolute sizes differ; the reduction is "
            "what to compare", quick=False),
     Figure("kernels_cpu", "kernels_cpu.py", "(CPU) MACO kernels vs oneDNN; the paper reports GPU "
-           "kernels only", "a 2-core CPU VM: the register tile alone in L1 reaches 84-97% of the FMA "
-           "peak depending on the hour (the ceiling column); speedups are medians of per-round "
-           "ratios, since the VM runs in faster and slower spells of seconds; the 1x1 stride-2 "
-           "layers, where oneDNN is slow at batch 1, lift the mean", records=True),
+           "kernels only", "a 2-core CPU VM that runs in faster and slower spells of seconds: the FMA "
+           "peak and the register-tile ceiling are timed on each layer's flops in the same rounds as "
+           "the kernels, and fractions and speedups are medians of per-round ratios (the best peak "
+           "ever seen here is kept beside them); the 1x1 stride-2 layers, where oneDNN is slow at "
+           "batch 1, lift the mean", records=True),
     Figure("fig12", "fig12_layout_plan.py", "planned hybrid layouts 1.28x / 1.32x / 1.29x over the "
            "default (ResNet-18 / AlexNet / VGG-11)", "oneDNN's NHWC convs win almost every layer "
            "here, so the plan is nearly all-NHWC with conversions at the ends; the paper's GPU "

@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 
 from maco.errors import MacoError
 from maco.records import Record, RecordFile, make_record
-from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, UNROLL_STEPS, Schedule
+from maco.schedule import SPATIAL_AXES, UNROLL_STEPS, Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
 from maco.timing import Timing
