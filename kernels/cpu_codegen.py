@@ -39,6 +39,9 @@ FUNCTION = "maco_conv"
 # Unrolled statements the portable micro-kernel may hold: past a few hundred, gcc's alias
 # analysis over the accumulator arrays goes superlinear (a 7x7 stem tile took 30-100 s to build).
 PORTABLE_UNROLLED_BODY = 256
+# and the intrinsics one: a fully unrolled 144-step reduction of 28 accumulators (4032 FMAs, unroll
+# 512) took gcc 12-160 s, past the tuner's 30 s build limit; 1792 FMAs (unroll 64) take 3 s
+INTRINSICS_UNROLLED_BODY = 2048
 MAX_PATCH_SLOTS = 16  # R0 steps up to which border patches may hold S2 windows (CpuPlan.patch_level)
 
 # isa -> (vector type, lanes, setzero, loadu, broadcast(ptr), fma(a, b, acc), storeu, max, add)
@@ -343,8 +346,9 @@ class _Generator:
         order = self.sch.inner_order
         extents = {a: p.f[a][1] for a in REDUCTION_AXES}
         unroll = self.sch.unroll
-        if not isa and unroll:
-            unroll = max(1, min(unroll, PORTABLE_UNROLLED_BODY // len(accs)))
+        if unroll:
+            cap = INTRINSICS_UNROLLED_BODY if isa else PORTABLE_UNROLLED_BODY
+            unroll = max(1, min(unroll, cap // len(accs)))
         inner_prod = 1
         pragmas = {}
         for axis in reversed(order):

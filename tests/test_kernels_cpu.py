@@ -224,6 +224,22 @@ def test_border_register_tiles_share_a_patch_of_their_s2_window(l2):
     check_batch(spec, [s, dataclasses.replace(s, layout="NCHW")], target, epilogue=True)
 
 
+def test_unrolled_intrinsics_bodies_stay_small_enough_to_build():
+    """unroll 512 fully unrolled a 144-step reduction of 28 accumulators (4032 FMAs): gcc took
+    12-160 s, past the tuner's 30 s build limit. The unrolled body is capped."""
+    import re
+
+    from maco.kernels.cpu_codegen import CpuPlan
+
+    spec = ConvSpec.parse("n1_c64_h56_w56_k64_r3x3_p1")
+    s = Schedule("cpu", ((1, 1, 1, 1), (1, 1, 1, 1), (1, 4, 1, 16), (2, 2, 7, 2), (1, 4, 1, 14)),
+                 ((4, 16), (1, 3), (1, 3)), parallel=5, vector_axis="k", vector_width=16, unroll=512)
+    plan = CpuPlan(spec, s, AVX512)
+    assert plan.intrinsics == "avx512" and s.accumulators == 28
+    unrolled = np.prod([int(n) for n in re.findall(r"#pragma GCC unroll (\d+)", plan.source)])
+    assert 1 < unrolled * 28 <= 2048  # 1792 FMAs (unroll 64) build in 3 s
+
+
 # -- plumbing and errors ------------------------------------------------------------------------------
 def test_numpy_in_numpy_out_torch_in_torch_out():
     spec = ConvSpec.parse("n1_c8_h6_w7_k16_r3x3_p1")
