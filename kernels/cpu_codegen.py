@@ -39,9 +39,10 @@ FUNCTION = "maco_conv"
 # Unrolled statements the portable micro-kernel may hold: past a few hundred, gcc's alias
 # analysis over the accumulator arrays goes superlinear (a 7x7 stem tile took 30-100 s to build).
 PORTABLE_UNROLLED_BODY = 256
-# and the intrinsics one: a fully unrolled 144-step reduction of 28 accumulators (4032 FMAs, unroll
-# 512) took gcc 12-160 s, past the tuner's 30 s build limit; 1792 FMAs (unroll 64) take 3 s
-INTRINSICS_UNROLLED_BODY = 2048
+# and the intrinsics one: fully unrolled 144-step reductions (unroll 512) of 28 or 14 accumulators
+# (4032 / 2016 FMAs) took gcc 45-160 s where an S2 border patch feeds the micro-kernel, past the
+# tuner's 30 s build limit; bodies of up to 1024 FMAs build in 1-3 s
+INTRINSICS_UNROLLED_BODY = 1024
 MAX_PATCH_SLOTS = 16  # R0 steps up to which border patches may hold S2 windows (CpuPlan.patch_level)
 
 # isa -> (vector type, lanes, setzero, loadu, broadcast(ptr), fma(a, b, acc), storeu, max, add)

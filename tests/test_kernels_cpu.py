@@ -226,7 +226,7 @@ def test_border_register_tiles_share_a_patch_of_their_s2_window(l2):
 
 def test_unrolled_intrinsics_bodies_stay_small_enough_to_build():
     """unroll 512 fully unrolled a 144-step reduction of 28 accumulators (4032 FMAs): gcc took
-    12-160 s, past the tuner's 30 s build limit. The unrolled body is capped."""
+    up to 160 s, past the tuner's 30 s build limit. The unrolled body is capped."""
     import re
 
     from maco.kernels.cpu_codegen import CpuPlan
@@ -237,7 +237,7 @@ def test_unrolled_intrinsics_bodies_stay_small_enough_to_build():
     plan = CpuPlan(spec, s, AVX512)
     assert plan.intrinsics == "avx512" and s.accumulators == 28
     unrolled = np.prod([int(n) for n in re.findall(r"#pragma GCC unroll (\d+)", plan.source)])
-    assert 1 < unrolled * 28 <= 2048  # 1792 FMAs (unroll 64) build in 3 s
+    assert 1 < unrolled * 28 <= 1024  # such bodies build in 1-3 s
 
 
 # -- plumbing and errors ------------------------------------------------------------------------------
