@@ -129,7 +129,6 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     from maco.commands.tune import tune_layers
     from maco.layouts.deploy import compare_end_to_end, plan as plan_layouts
     from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input
-    from maco.records import RecordFile
 
     start = time.perf_counter()
     if budget not in BUDGETS:

@@ -200,8 +200,10 @@ def _kernels_cpu(rows: list[dict[str, str]]) -> str:
     three = [r for r in rows if r["kernel"] == "3x3"]
     if three:
         text += (f"; 3x3 layers at {100 * _geo([_f(r, 'fraction_of_peak') for r in three]):.0f}% of the FMA "
-                 f"peak timed in the same rounds, {100 * _geo([_f(r, 'fraction_of_ceiling') for r in three]):.0f}% "
-                 "of the register-tile ceiling")
+                 "peak timed in the same rounds")
+        ceiling = _geo([_f(r, "fraction_of_ceiling") for r in three])
+        if math.isfinite(ceiling):  # no register-tile ceiling on hosts without intrinsics
+            text += f", {100 * ceiling:.0f}% of the register-tile ceiling"
         if "fraction_of_best_peak" in three[0]:
             text += (f", {100 * _geo([_f(r, 'fraction_of_best_peak') for r in three]):.0f}% of the best peak "
                      f"measured here ({_f(three[0], 'best_peak_gflops'):.0f} GFLOP/s) (geomeans)")

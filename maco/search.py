@@ -87,13 +87,12 @@ def with_layout(s: Schedule, layout: str) -> Schedule:
     """`s` in another layout; an inner order that slides over channels as alpha = 1 asks in the old
     layout is moved to do so in the new one (c first in NCHW, last in CPU NHWC), so the pruned
     space keeps it."""
-    from maco.prune import alpha_order_ok
+    from maco.prune import alpha_c_index, alpha_order_ok
 
     out = replace(s, layout=layout)
-    if alpha_order_ok(s.inner_order, s.kind, s.layout) and not alpha_order_ok(out.inner_order, s.kind, layout):
+    if alpha_order_ok(s.inner_order, s.kind, s.layout):
         rest = tuple(a for a in s.inner_order if a != "c")
-        out = replace(out, inner_order=("c",) + rest if alpha_order_ok(("c",) + rest, s.kind, layout)
-                      else rest + ("c",))
+        out = replace(out, inner_order=rest + ("c",) if alpha_c_index(s.kind, layout) else ("c",) + rest)
     return out
 
 
