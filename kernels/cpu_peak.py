@@ -61,11 +61,11 @@ void maco_run(long iters, int threads, float *sink) {{
 MICRO = (2, 14)  # weight vectors x input points of the register tile: 28 accumulators
 
 
-def microkernel_source(target: Target) -> str:
-    """The register-tile mix over a 64-channel, L1-resident input block (one broadcast per
-    point and channel, as the generated NHWC kernels do)."""
+def microkernel_source(target: Target, shape: tuple[int, int] = MICRO) -> str:
+    """The register-tile mix of `shape` (weight vectors, input points) over a 64-channel,
+    L1-resident input block (one broadcast per point and channel, as the generated NHWC kernels do)."""
     vt, lanes, zero, loadu, set1, fma, storeu, _, add = ISA[target.isa]
-    kv, points = MICRO
+    kv, points = shape
     accs = kv * points
     init = " ".join(f"{vt} a{j} = {zero};" for j in range(accs))
     loads = " ".join(f"const {vt} b{v} = {loadu}(wq + {v * lanes});" for v in range(kv))
@@ -109,18 +109,21 @@ def _check_kind(target: Target, kind: str) -> None:
                         f"not {target.isa!r}")
 
 
-def flops_runner(target: Target, kind: str = "fma") -> Callable[[float], None]:
-    """run(flops): that many flops of the "fma" or "microkernel" loop on target.cores threads.
-    Timed beside a kernel doing the same flops, it gives the kernel's fraction of the ceiling in
-    the same spell of the machine (rounded up to whole loop iterations)."""
+def flops_runner(target: Target, kind: str = "fma",
+                 shape: tuple[int, int] = MICRO) -> Callable[[float], None]:
+    """run(flops): that many flops of the "fma" or "microkernel" loop (register tile `shape`) on
+    target.cores threads. Timed beside a kernel doing the same flops, it gives the kernel's
+    fraction of the ceiling in the same spell of the machine (rounded up to whole loop iterations)."""
     _check_kind(target, kind)
-    text = source(target) if kind == "fma" else microkernel_source(target)
+    if min(shape) < 1:
+        raise MacoError(f"register tile shape must be positive (weight vectors, points), got {shape}")
+    text = source(target) if kind == "fma" else microkernel_source(target, shape)
     lib = ctypes.CDLL(str(cpu_build.build(text, cpu_build.flags_for(target))))
     lib.maco_run.restype = None
     lib.maco_run.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     sink = (ctypes.c_float * 256)()
     lanes = ISA[target.isa][1] if target.isa in ISA else target.simd_width
-    per_iter = target.cores * (CHAINS if kind == "fma" else MICRO[0] * MICRO[1]) * lanes * 2
+    per_iter = target.cores * (CHAINS if kind == "fma" else shape[0] * shape[1]) * lanes * 2
 
     def run(flops: float) -> None:
         lib.maco_run(-(-int(flops) // (per_iter * 64)) * 64, target.cores, ctypes.addressof(sink))

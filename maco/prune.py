@@ -186,7 +186,7 @@ class PrunePlan:
             parts.append(f"{c.level}: {c.tile} tile, x*y/(R*z) in [1/{c.tolerance:g}, {c.tolerance:g}], "
                          f"footprint {c.floor:.0f}..{c.capacity:.0f}")
         if self.alpha_one:
-            parts.append("alpha = 1 (kh0 = kw0 = 1, c outermost)")
+            parts.append("alpha = 1 (kh0 = kw0 = 1, c in the layout's unit: outermost NCHW, innermost CPU NHWC)")
         return "; ".join(parts + list(self.notes))
 
 

@@ -54,6 +54,10 @@ FIGURES = [
            "the kernels, and fractions and speedups are medians of per-round ratios (the best peak "
            "ever seen here is kept beside them); the 1x1 stride-2 layers, where oneDNN is slow at "
            "batch 1, lift the mean", records=True),
+    Figure("ceiling", "register_ceiling.py", "(not in the paper) how close a direct-conv register "
+           "tile's loads and FMAs get to the FMA peak on this CPU, the ceiling of every fraction-of-peak "
+           "number", "each weight-vector load and input broadcast adds ~0.15 cycles beyond the FMAs on "
+           "this Intel core; DESIGN.md's 93-98% were measured on an AMD Zen 5", quick=False),
     Figure("fig12", "fig12_layout_plan.py", "planned hybrid layouts 1.28x / 1.32x / 1.29x over the "
            "default (ResNet-18 / AlexNet / VGG-11)", "oneDNN's NHWC convs win almost every layer "
            "here, so the plan is nearly all-NHWC with conversions at the ends; the paper's GPU "
@@ -210,6 +214,14 @@ def _kernels_cpu(rows: list[dict[str, str]]) -> str:
     return text
 
 
+def _ceiling(rows: list[dict[str, str]]) -> str:
+    fits = [r for r in rows if r["fits_registers"] == "True"]
+    best = max(fits, key=lambda r: _f(r, "fraction_of_fma"))
+    shapes = ", ".join(f"{r['weight_vectors']}x{r['points']} {_f(r, 'fraction_of_fma'):.0%}" for r in fits)
+    return (f"best register tile {best['weight_vectors']}x{best['points']}: {_f(best, 'fraction_of_fma'):.1%} "
+            f"of the FMA loop in the same rounds ({shapes})")
+
+
 def _fig12(rows: list[dict[str, str]]) -> str:
     parts = [f"{r['network']} {_f(r, 'measured_speedup'):.2f}x ({r['nhwc_convs']}/{r['convs']} convs NHWC)"
              for r in rows if r["latency"] == "measure"]
@@ -324,6 +336,7 @@ SUMMARIES: dict[str, tuple[tuple[str, ...], Callable[[list[dict[str, str]]], str
     "fig06": (("fig06_space_size.csv",), _fig06),
     "kernels_cpu": (("kernels_cpu_tuned.csv", "kernels_cpu_tuned_quick.csv", "kernels_cpu.csv",
                      "kernels_cpu_quick.csv"), _kernels_cpu),
+    "ceiling": (("register_ceiling.csv",), _ceiling),
     "fig12": (("fig12_layout_plan.csv",), _fig12),
     "fig13": (("fig13_predictor_r2.csv",), _fig13),
     "fig14": (("fig14_error_threshold.csv",), _fig14),

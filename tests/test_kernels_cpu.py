@@ -355,6 +355,11 @@ def test_microkernel_ceiling_lies_below_the_fma_peak():
     assert 0 < micro <= 1.05 * fma  # loads share the core with the FMAs: never above the peak
     with pytest.raises(MacoError, match="unknown peak kind 'gpu'"):
         kernels.measure_peak(HOST, kind="gpu")
+    from maco.kernels.cpu_peak import flops_runner
+
+    flops_runner(HOST, "microkernel", (3, 8))(1e6)  # another register-tile shape builds and runs
+    with pytest.raises(MacoError, match=r"register tile shape must be positive.*\(0, 8\)"):
+        flops_runner(HOST, "microkernel", (0, 8))
 
 
 def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
