@@ -16,14 +16,13 @@ import argparse
 import csv
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from maco import Target
 from maco.kernels.cpu_codegen import ISA
-from maco.kernels.cpu_peak import flops_runner
+from maco.kernels.cpu_peak import best_gflops, flops_runner
 from maco.timing import environment
 
 # (weight vectors, input points): 24-28 accumulators; 4x7 needs 33 vector registers (gcc spills one)
@@ -48,12 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     gflops: dict[object, list[float]] = {k: [] for k in runners}
     for r in range(args.rounds):
         for key, run in runners.items():
-            best = 0.0
-            for _ in range(3):
-                t0 = time.perf_counter()
-                run(flops)
-                best = max(best, flops / (time.perf_counter() - t0) / 1e9)
-            gflops[key].append(best)
+            gflops[key].append(best_gflops(run, flops, 3))
         print(f"round {r + 1}/{args.rounds}: FMA loop {gflops['fma'][-1]:.0f} GFLOP/s", flush=True)
     fma = np.array(gflops["fma"])
     nregs = target.level("registers").elements // target.simd_width
@@ -62,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         frac = np.array(gflops[(kv, points)]) / fma
         fmas, loads = kv * points, kv + points
         rows.append(dict(weight_vectors=kv, points=points, accumulators=fmas, loads_per_step=loads,
-                         fits_registers=fmas + kv + 1 <= nregs, gflops_median=round(float(np.median(gflops[(kv, points)])), 1),
+                         fits_registers=fmas + kv + 1 <= nregs,  # accumulators, weights, one broadcast
+                         gflops_median=round(float(np.median(gflops[(kv, points)])), 1),
                          fraction_of_fma=round(float(np.median(frac)), 4),
                          fraction_min=round(float(frac.min()), 4), fraction_max=round(float(frac.max()), 4)))
     fitting = [r for r in rows if r["fits_registers"]]
