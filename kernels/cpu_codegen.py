@@ -31,6 +31,7 @@ from math import prod
 import numpy as np
 
 from maco.errors import MacoError
+from maco.kernels.source_text import comment
 from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -284,8 +285,8 @@ class _Generator:
     def source(self) -> str:
         p = self.p
         isa = p.intrinsics
-        head = [f"/* MACO CPU kernel: {p.spec}  schedule {self.sch.to_json()} */",
-                f"/* flavour: {isa or 'portable'}, bias={p.bias}, relu={p.relu}, residual={p.residual} */",
+        head = [comment(f"MACO CPU kernel: {p.spec}  schedule {self.sch.describe()}"),
+                comment(f"flavour: {isa or 'portable'}, bias={p.bias}, relu={p.relu}, residual={p.residual}"),
                 "#include <stdlib.h>", "#include <string.h>"]
         if isa:
             head.append("#include <immintrin.h>")
@@ -477,7 +478,7 @@ class _Generator:
             "const float *restrict w, const float *bias, const float *res, float *out, "
             "float *restrict patch, int *restrict key, int n0, int g0, int k0, int oh0, int ow0, int c0, "
             "int kh0, int kw0) {",
-            f"  const int first = c0 == 0 && kh0 == 0 && kw0 == 0;",
+            "  const int first = c0 == 0 && kh0 == 0 && kw0 == 0;",
             f"  const int last = c0 == {f['c'][0] - 1} && kh0 == {f['kh'][0] - 1} && kw0 == {f['kw'][0] - 1};",
             f"  const int cb = c0*{f['c'][1]}, khb = kh0*{f['kh'][1]}, kwb = kw0*{f['kw'][1]};",
             f"  const int ih0 = oh0*{s.stride[0]} - {s.padding[0]} + khb*{s.dilation[0]};",

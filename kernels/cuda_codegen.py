@@ -31,7 +31,8 @@ from math import prod
 from typing import Any
 
 from maco.errors import MacoError
-from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents
+from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
+from maco.kernels.source_text import comment
 from maco.spec import ConvSpec
 
 MAX_THREADS = 1024
@@ -237,11 +238,12 @@ class CudaPlan:
 
     # -- source --------------------------------------------------------------
     def constants(self) -> str:
+        self.validate()  # every source starts here: only a checked schedule reaches the text
         sp, sc = self.spec, self.schedule
         ph, pw = self.patch
-        lines = [f"// {sp}  layout {sc.layout}  bias={int(self.bias)} relu={int(self.relu)} "
-                 f"residual={int(self.residual)}",
-                 f"// schedule {sc.to_json()}"]
+        lines = [comment(f"{sp}  layout {sc.layout}  bias={int(self.bias)} relu={int(self.relu)} "
+                         f"residual={int(self.residual)}"),
+                 comment(f"schedule {sc.describe()}")]
         d = dict(N=sp.n, C=sp.c, H=sp.h, W=sp.w, K=sp.k, KH=sp.kh, KW=sp.kw, SH=sp.stride[0],
                  SW=sp.stride[1], PADH=sp.padding[0], PADW=sp.padding[1], DH=sp.dilation[0],
                  DW=sp.dilation[1], G=sp.groups, CG=sp.c_per_group, KG=sp.k_per_group,

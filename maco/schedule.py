@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from maco.errors import MacoError
+from maco.files import load_json, short
 from maco.spec import ConvSpec
 from maco.target import Target
 
@@ -40,6 +41,20 @@ GPU_MAX_THREADS = 1024
 GPU_MAX_ACCUMULATORS = 128
 GPU_MAX_SMEM_BYTES = 227 << 10
 GPU_BUFFERS = (2, 3, 4)  # shared-memory stages in flight (2 = double buffering)
+# backend knobs a schedule's `extra` may hold, with their types; the CPU backend has none
+EXTRA_KNOBS: dict[str, dict[str, type]] = {"cpu": {}, "cuda": {"split_c": int, "stage_out": bool,
+                                                               "buffers": int}}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _strict_int(name: str, value: Any) -> int:
+    """An int from JSON as it is (no float, string or bool coerced: 2.5 must not become 2)."""
+    if not _is_int(value):
+        raise MacoError(f"schedule field {name} must be an int, got {value!r}")
+    return int(value)
 
 
 def axis_extents(spec: ConvSpec) -> dict[str, int]:
@@ -150,9 +165,9 @@ class Schedule:
     # -- validity ------------------------------------------------------------
     def problems(self, spec: ConvSpec, target: Target | None = None) -> list[str]:
         """Everything that makes this schedule invalid for `spec` on `target` (empty if valid)."""
-        out: list[str] = []
-        if self.kind not in LEVELS:
-            return [f"kind must be 'cpu' or 'cuda', got {self.kind!r}"]
+        out = self._field_problems()
+        if out:
+            return out
         n_spatial, n_reduction = LEVELS[self.kind]
         extents = axis_extents(spec)
         for axes, tiles, levels in ((SPATIAL_AXES, self.spatial, n_spatial),
@@ -171,17 +186,9 @@ class Schedule:
                                f"not the extent {extents[axis]}")
         if out:
             return out
-        if self.layout not in LAYOUTS:
-            out.append(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.weight_packing not in WEIGHT_PACKINGS:
-            out.append(f"weight_packing must be one of {WEIGHT_PACKINGS}, got {self.weight_packing!r}")
         if self.unroll not in UNROLL_STEPS:
             out.append(f"unroll must be one of {UNROLL_STEPS}, got {self.unroll}")
-        if sorted(self.inner_order) != sorted(REDUCTION_AXES):
-            out.append(f"inner_order must be a permutation of {REDUCTION_AXES}, got {self.inner_order}")
-        if self.vector_axis not in SPATIAL_AXES:
-            out.append(f"vector_axis must be one of {SPATIAL_AXES}, got {self.vector_axis!r}")
-        elif self.vector_width < 1 or self.factors(self.vector_axis)[-1] % self.vector_width:
+        if self.vector_width < 1 or self.factors(self.vector_axis)[-1] % self.vector_width:
             out.append(f"vector_width {self.vector_width} must divide the register tile of "
                        f"{self.vector_axis} ({self.factors(self.vector_axis)[-1]})")
         if self.kind == "cpu" and not 0 <= self.parallel <= len(SPATIAL_AXES):
@@ -199,6 +206,31 @@ class Schedule:
                                f"{regs - REGISTER_RESERVE} of {regs} vector registers are free")
             else:
                 out += self._gpu_problems(spec, target)
+        return out
+
+    def _field_problems(self) -> list[str]:
+        """Types and names from fixed sets, checked before anything reads them: a schedule comes
+        from files users share, and only validated values may reach generated source."""
+        if not isinstance(self.kind, str) or self.kind not in LEVELS:
+            return [f"kind must be 'cpu' or 'cuda', got {self.kind!r}"]
+        out = []
+        for name, tiles in (("spatial", self.spatial), ("reduction", self.reduction)):
+            if not isinstance(tiles, tuple) or not all(
+                    isinstance(f, tuple) and all(_is_int(v) for v in f) for f in tiles):
+                out.append(f"{name} tiles must be tuples of ints, got {tiles!r}")
+        for name in ("parallel", "vector_width", "unroll"):
+            if not _is_int(getattr(self, name)):
+                out.append(f"{name} must be an int, got {getattr(self, name)!r}")
+        for name, allowed in (("vector_axis", SPATIAL_AXES), ("layout", LAYOUTS),
+                              ("weight_packing", WEIGHT_PACKINGS)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                out.append(f"{name} must be one of {allowed}, got {value!r}")
+        order = self.inner_order
+        if not isinstance(order, tuple) or not all(isinstance(a, str) for a in order) \
+                or sorted(order) != sorted(REDUCTION_AXES):
+            out.append(f"inner_order must be a permutation of {REDUCTION_AXES}, got {order!r}")
+        out += extra_problems(self.kind, self.extra)
         return out
 
     def _gpu_problems(self, spec: ConvSpec, target: Target) -> list[str]:
@@ -238,31 +270,78 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Schedule":
-        try:
-            tiles = d["tiles"]
-            missing = [a for a in SPATIAL_AXES + REDUCTION_AXES if a not in tiles]
-            if missing:
-                raise MacoError(f"schedule is missing tiles for axes {missing}")
-            return cls(kind=d["kind"],
-                       spatial=tuple(tuple(int(f) for f in tiles[a]) for a in SPATIAL_AXES),
-                       reduction=tuple(tuple(int(f) for f in tiles[a]) for a in REDUCTION_AXES),
-                       parallel=int(d.get("parallel", 1)), vector_axis=d.get("vector_axis", "k"),
-                       vector_width=int(d.get("vector_width", 1)), unroll=int(d.get("unroll", 0)),
-                       inner_order=tuple(d.get("inner_order", REDUCTION_AXES)),
-                       layout=d.get("layout", "NCHW"),
-                       weight_packing=d.get("weight_packing", "blocked"),
-                       extra=tuple(sorted(d.get("extra", {}).items())))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, MacoError):
-                raise
-            raise MacoError(f"not a schedule: {exc!r} in {d!r}") from None
+        """A schedule from its dict, with every field's type checked (values against a spec are
+        checked by `problems`); MacoError naming the first bad field."""
+        if not isinstance(d, dict):
+            raise MacoError(f"a schedule must be a JSON object, got {type(d).__name__}")
+        unknown = set(d) - SCHEDULE_FIELDS
+        if unknown:
+            raise MacoError(f"unknown schedule field(s) {sorted(map(str, unknown))[:5]}")
+        tiles, extra = d.get("tiles"), d.get("extra", {})
+        if not isinstance(tiles, dict):
+            raise MacoError(f"schedule tiles must be an object of axis: factors, got {short(tiles)}")
+        missing = [a for a in SPATIAL_AXES + REDUCTION_AXES if a not in tiles]
+        if missing:
+            raise MacoError(f"schedule is missing tiles for axes {missing}")
+        if len(tiles) != len(SPATIAL_AXES + REDUCTION_AXES):
+            raise MacoError(f"schedule tiles name unknown axes {short(sorted(set(map(str, tiles)) - set(SPATIAL_AXES + REDUCTION_AXES)))}")
+        for axis in SPATIAL_AXES + REDUCTION_AXES:
+            if not isinstance(tiles[axis], list) or len(tiles[axis]) > 8:
+                raise MacoError(f"tiles of axis {axis} must be a short list of ints, got {short(tiles[axis])}")
+        if not isinstance(extra, dict):
+            raise MacoError(f"schedule extra must be an object of knob: value, got {short(extra)}")
+        order = d.get("inner_order", list(REDUCTION_AXES))
+        if not isinstance(order, list) or len(order) != len(REDUCTION_AXES):
+            raise MacoError(f"inner_order must be a list of {len(REDUCTION_AXES)} axes, got {short(order)}")
+        schedule = cls(
+            kind=d.get("kind"),
+            spatial=tuple(tuple(_strict_int(f"tiles.{a}", f) for f in tiles[a]) for a in SPATIAL_AXES),
+            reduction=tuple(tuple(_strict_int(f"tiles.{a}", f) for f in tiles[a]) for a in REDUCTION_AXES),
+            parallel=_strict_int("parallel", d.get("parallel", 1)),
+            vector_axis=d.get("vector_axis", "k"),
+            vector_width=_strict_int("vector_width", d.get("vector_width", 1)),
+            unroll=_strict_int("unroll", d.get("unroll", 0)),
+            inner_order=tuple(order), layout=d.get("layout", "NCHW"),
+            weight_packing=d.get("weight_packing", "blocked"),
+            extra=tuple(sorted(extra.items())))
+        problems = schedule._field_problems()
+        if problems:
+            raise MacoError("not a valid schedule: " + "; ".join(problems))
+        return schedule
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
-        try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as exc:
-            raise MacoError(f"not a schedule JSON: {exc}") from None
+        return cls.from_dict(load_json(text, "schedule JSON"))
+
+    def describe(self) -> str:
+        """One line of this (validated) schedule's fields, for comments in generated source."""
+        tiles = " ".join(f"{a}={'x'.join(map(str, f))}" for a, f in
+                         zip(SPATIAL_AXES + REDUCTION_AXES, self.spatial + self.reduction))
+        knobs = "".join(f" {k}={int(v)}" for k, v in self.extra)
+        return (f"{self.kind} {self.layout} tiles {tiles} parallel={self.parallel} "
+                f"vector={self.vector_axis}x{self.vector_width} unroll={self.unroll} "
+                f"order={','.join(self.inner_order)} weights={self.weight_packing}{knobs}")
+
+
+SCHEDULE_FIELDS = {"kind", "tiles", "parallel", "vector_axis", "vector_width", "unroll",
+                   "inner_order", "layout", "weight_packing", "extra"}
+
+
+def extra_problems(kind: str, extra: Any) -> list[str]:
+    """`extra` must be (knob, scalar) pairs of the backend's known knobs, each of its type."""
+    known = EXTRA_KNOBS[kind]
+    if not isinstance(extra, tuple) or not all(isinstance(kv, tuple) and len(kv) == 2 for kv in extra):
+        return [f"extra must be (knob, value) pairs, got {short(extra)}"]
+    out = []
+    for knob, value in extra:
+        if not isinstance(knob, str) or knob not in known:
+            out.append(f"unknown {kind.upper()} schedule knob {short(knob)}"
+                       + (f"; known: {', '.join(known)}" if known else "; the CPU backend has none"))
+        elif type(value) is not known[knob]:
+            out.append(f"knob {knob} must be a {known[knob].__name__}, got {short(value)}")
+    if len({kv[0] for kv in extra if isinstance(kv[0], str)}) != len(extra):
+        out.append("extra names a knob twice")
+    return out

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from maco.errors import MacoError
+from maco.files import load_json, short
 
 Pair = tuple[int, int]
 DTYPE_BYTES = 4  # fp32 everywhere
@@ -19,12 +20,12 @@ def _pair(name: str, value: int | tuple[int, int] | list[int]) -> Pair:
     if isinstance(value, bool):
         raise MacoError(f"{name} must be an int or an (h, w) pair, got {value!r}")
     if isinstance(value, int):
-        return (value, value)
+        return (int(value), int(value))
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
         return (int(value[0]), int(value[1]))
-    raise MacoError(f"{name} must be an int or an (h, w) pair, got {value!r}")
+    raise MacoError(f"{name} must be an int or an (h, w) pair, got {short(value)}")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class ConvSpec:
         for name in ("n", "c", "h", "w", "k", "kh", "kw", "groups"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise MacoError(f"ConvSpec.{name} must be a positive int, got {value!r}")
+                raise MacoError(f"ConvSpec.{name} must be a positive int, got {short(value)}")
+            object.__setattr__(self, name, int(value))  # a plain int, whatever subclass came in
         for name in ("stride", "padding", "dilation"):
             object.__setattr__(self, name, _pair(name, getattr(self, name)))
         if min(self.stride) <= 0:
@@ -136,6 +138,12 @@ class ConvSpec:
         return self.output_elems * DTYPE_BYTES
 
     @property
+    def working_bytes(self) -> int:
+        """What one timed run holds: input and weight in two layouts (plus packed weights) and
+        four outputs (reference, candidate, torch's, a residual): the memory to ask for first."""
+        return 3 * (self.input_bytes + self.weight_bytes) + 4 * self.output_bytes
+
+    @property
     def input_shape(self) -> tuple[int, int, int, int]:
         return (self.n, self.c, self.h, self.w)
 
@@ -179,10 +187,12 @@ class ConvSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ConvSpec":
+        if not isinstance(d, dict):
+            raise MacoError(f"a ConvSpec must be a JSON object, got {type(d).__name__}")
         known = {"n", "c", "h", "w", "k", "kh", "kw", "stride", "padding", "dilation", "groups"}
         unknown = set(d) - known
         if unknown:
-            raise MacoError(f"unknown ConvSpec field(s): {sorted(unknown)}")
+            raise MacoError(f"unknown ConvSpec field(s): {short(sorted(map(str, unknown)))}")
         missing = {"n", "c", "h", "w", "k", "kh", "kw"} - set(d)
         if missing:
             raise MacoError(f"ConvSpec is missing field(s): {sorted(missing)}")
@@ -193,13 +203,7 @@ class ConvSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "ConvSpec":
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise MacoError(f"not a ConvSpec JSON: {exc}") from None
-        if not isinstance(d, dict):
-            raise MacoError(f"a ConvSpec JSON must be an object, got {type(d).__name__}")
-        return cls.from_dict(d)
+        return cls.from_dict(load_json(text, "ConvSpec JSON"))
 
     # -- a compact text form for the CLI and for file names -----------------
     def __str__(self) -> str:
@@ -223,19 +227,19 @@ class ConvSpec:
         for part in text.strip().split("_"):
             tag, value = part[:1], part[1:]
             if tag not in names or not value:
-                raise MacoError(f"bad layer spec part {part!r} in {text!r}; "
+                raise MacoError(f"bad layer spec part {short(part)} in {short(text)}; "
                                 "expected e.g. n1_c64_h56_w56_k64_r3x3_s1_p1_d1_g1")
             try:
                 nums = [int(v) for v in value.split("x")]
             except ValueError:
-                raise MacoError(f"bad number in layer spec part {part!r} of {text!r}") from None
+                raise MacoError(f"bad number in layer spec part {short(part)} of {short(text)}") from None
             if len(nums) not in (1, 2) or (len(nums) == 2 and tag not in "rspd"):
-                raise MacoError(f"bad layer spec part {part!r} in {text!r}")
+                raise MacoError(f"bad layer spec part {short(part)} in {short(text)}")
             if tag == "r":
                 fields["kh"], fields["kw"] = (nums[0], nums[-1])
             else:
                 fields[names[tag]] = nums[0] if len(nums) == 1 else tuple(nums)
         missing = [t for t in "chwk" if t not in fields] + ([] if "kh" in fields else ["r"])
         if missing:
-            raise MacoError(f"layer spec {text!r} is missing {', '.join(missing)}")
+            raise MacoError(f"layer spec {short(text)} is missing {', '.join(missing)}")
         return cls(**fields)
