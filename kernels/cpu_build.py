@@ -3,34 +3,95 @@
 The file name is a hash of the source, the flags and the compiler version, so a kernel is built
 once per machine; builds go to a temporary file that is renamed into place (atomic, safe when
 several processes build the same kernel), and many sources build in parallel, one gcc per core.
+
+A cached object is trusted only when the sha256 digest stored beside it (k_<key>.so.sha256)
+matches its bytes and it holds its own key (the exported string `maco_kernel_key`): a truncated
+object would crash the process that dlopens it, and another kernel's object under this name would
+silently compute the wrong thing. Anything else is rebuilt. An unwritable cache falls back to a
+private temporary one, with one warning.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import platform
+import re
+import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
 from maco.errors import MacoError
+from maco.files import write_atomic
 from maco.target import Target
 
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
               "-fno-predictive-commoning")  # it reuses broadcasts across steps and spills
+KEY_SYMBOL = "maco_kernel_key"
+STALE_AGE = 3600.0  # seconds: a temporary this old belongs to a build that died, not a running one
 _LIBS: dict[str, ctypes.CDLL] = {}
+_USABLE: dict[str, Path] = {}  # cache folder asked for -> folder used (itself, or the fallback)
+_SWEPT: set[str] = set()  # folders whose stale temporaries this process has removed
+_LOCK = threading.Lock()
+_PRIVATE: tuple[int, Path] | None = None  # (pid, folder): this process's temporary folder
 
 
 def cache_dir() -> Path:
-    """$MACO_CACHE/kernels-style folder: $MACO_CACHE if set, else ~/.cache/maco/kernels."""
+    """$MACO_CACHE if set, else ~/.cache/maco/kernels. When that cannot be written, a private
+    temporary folder (one warning), which also goes into MACO_CACHE so that worker processes
+    share it: an unwritable cache costs rebuilds, never a traceback."""
     env = os.environ.get("MACO_CACHE")
     path = Path(env) if env else Path.home() / ".cache" / "maco" / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    used = _usable(path)
+    if used != path:
+        os.environ["MACO_CACHE"] = str(used)
+    return used
+
+
+def _usable(path: Path) -> Path:
+    """`path` if a file can be created in it (tried for real: permission bits do not stop root),
+    else the private fallback, warned about once per path."""
+    with _LOCK:
+        if str(path) not in _USABLE:
+            reason = _unwritable(path)
+            if reason is None:
+                _USABLE[str(path)] = path
+            else:
+                fallback = _private_dir()
+                warnings.warn(f"the kernel cache {path} cannot be written ({reason}); using a "
+                              f"private temporary cache {fallback} for this run", stacklevel=3)
+                _USABLE[str(path)] = fallback
+        return _USABLE[str(path)]
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why no file can be created in `path`, or None when one can."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix="tmp", suffix=".probe.tmp", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def _private_dir() -> Path:
+    """This process's temporary folder (made once, removed at exit)."""
+    global _PRIVATE
+    if _PRIVATE is None or _PRIVATE[0] != os.getpid():
+        folder = Path(tempfile.mkdtemp(prefix="maco-kernels-"))
+        atexit.register(shutil.rmtree, folder, True)
+        _PRIVATE = (os.getpid(), folder)
+    return _PRIVATE[1]
 
 
 def compiler() -> str:
@@ -74,39 +135,91 @@ def key(source: str, flags: list[str]) -> str:
 
 
 def build(source: str, flags: list[str], out_dir: Path | None = None, timeout: float = 300.0) -> Path:
-    """The shared object of `source` (built now unless the cache has it); MacoError with gcc's
-    message when it does not compile, or when gcc runs past `timeout` seconds (the tuner gives
+    """The shared object of `source` (built now unless the cache has an intact one); MacoError with
+    gcc's message when it does not compile, or when gcc runs past `timeout` seconds (the tuner gives
     a short one: a variant that takes minutes to compile is not worth its measurement)."""
-    out_dir = out_dir or cache_dir()
-    so = out_dir / f"k_{key(source, flags)}.so"
-    if so.exists():
-        return so
-    fd, tmp_c = tempfile.mkstemp(suffix=".c", dir=out_dir)
-    tmp_so = tmp_c[:-2] + ".so.tmp"
+    out_dir = _usable(Path(out_dir)) if out_dir else cache_dir()
+    k = key(source, flags)
+    so = out_dir / f"k_{k}.so"
+    if _intact(so, k) is None:
+        _compile(_with_key(source, k), flags, so, timeout)
+    return so
+
+
+def _with_key(source: str, k: str) -> str:
+    """The source gcc compiles: `source` plus an exported string holding its cache key, so that a
+    loaded object can be asked whose kernel it is."""
+    return (f'{source}\n__attribute__((visibility("default"), used)) '
+            f'const char {KEY_SYMBOL}[] = "{k}";\n')
+
+
+def _digest_file(so: Path) -> Path:
+    return so.with_name(so.name + ".sha256")
+
+
+def _intact(so: Path, k: str) -> bytes | None:
+    """The bytes of `so` when they match the digest beside them and hold the key `k`; None when
+    the object or its digest is missing, truncated, or another kernel's."""
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(source)
-        cmd = [compiler(), *flags, tmp_c, "-o", tmp_so]
+        data = so.read_bytes()
+        want = _digest_file(so).read_text().strip()
+    except OSError:
+        return None
+    if hashlib.sha256(data).hexdigest() != want or k.encode() + b"\0" not in data:
+        return None
+    return data
+
+
+def _compile(source: str, flags: list[str], so: Path, timeout: float) -> None:
+    """gcc `source` (read from stdin, so the object does not depend on a temporary file's name:
+    two processes building one kernel write the same bytes) into `so` and its digest, atomically."""
+    _sweep(so.parent)
+    try:
+        so.parent.mkdir(parents=True, exist_ok=True)  # it may have been deleted since it was checked
+        fd, tmp_so = tempfile.mkstemp(prefix="tmp", suffix=".so.tmp", dir=so.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise MacoError(f"cannot write to the kernel cache {so.parent}: {exc.strerror}") from None
+    try:
+        cmd = [compiler(), *flags, "-x", "c", "-", "-o", tmp_so]
         # a session of its own, so that a timeout kills cc1 and as too, not only the gcc driver
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            stdout, stderr = proc.communicate(source, timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise MacoError(f"gcc took longer than {timeout:g} s on {so.name}") from None
         if proc.returncode != 0:
             msg = (stderr or stdout).strip()
-            raise MacoError(f"gcc failed ({' '.join(cmd[:-3])}):\n{msg[-4000:]}")
+            raise MacoError(f"gcc failed ({' '.join(cmd[:-5])}):\n{msg[-4000:]}")
+        digest = hashlib.sha256(Path(tmp_so).read_bytes()).hexdigest()
+        # the object first, its digest last: a crash in between leaves an old or no digest,
+        # which reads as "rebuild", never as "trust"
         os.replace(tmp_so, so)
-        return so
+        write_atomic(_digest_file(so), digest + "\n")
     finally:
-        for path in (tmp_c, tmp_so):
+        try:
+            os.unlink(tmp_so)
+        except FileNotFoundError:
+            pass
+
+
+def _sweep(folder: Path) -> None:
+    """Remove temporaries of builds that died (gcc or Python killed) more than STALE_AGE ago,
+    once per folder and process; younger ones may belong to a build running elsewhere."""
+    if str(folder) in _SWEPT:
+        return
+    _SWEPT.add(str(folder))
+    now = time.time()
+    for pattern in ("tmp*.c", "tmp*.tmp", ".*.tmp"):
+        for path in folder.glob(pattern):
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+                if now - path.lstat().st_mtime > STALE_AGE:
+                    path.unlink()
+            except OSError:
+                pass  # gone already, or another process's business
 
 
 def build_parallel(jobs: list[tuple[str, list[str]]], workers: int | None = None,
@@ -127,14 +240,49 @@ def build_parallel(jobs: list[tuple[str, list[str]]], workers: int | None = None
 
 
 def load(so: Path, function: str) -> ctypes._CFuncPtr:
-    """The C function `function` of a built kernel (each .so is loaded once per process)."""
+    """The C function `function` of a kernel from `build` (each loaded once per process). The
+    object is checked before dlopen (digest and key: a damaged file would crash this process)
+    and after it (the exported key: dlopen may hand back another object loaded before under this
+    path); a check that fails is a MacoError, build() again to rebuild."""
     lib = _LIBS.get(str(so))
     if lib is None:
-        try:
-            lib = ctypes.CDLL(str(so))
-        except OSError as exc:
-            raise MacoError(f"cannot load kernel {so}: {exc}") from None
-        _LIBS[str(so)] = lib
+        lib = _LIBS[str(so)] = _open(Path(so))
     fn = getattr(lib, function)
     fn.restype = None
     return fn
+
+
+def _open(so: Path) -> ctypes.CDLL:
+    m = re.fullmatch(r"k_([0-9a-f]{32})\.so", so.name)
+    if m is None:
+        raise MacoError(f"{so} is not a kernel object of maco's build cache (k_<key>.so)")
+    k = m.group(1)
+    data = _intact(so, k)
+    if data is None:
+        raise MacoError(f"kernel {so} is missing, damaged or another kernel's (its digest or key does "
+                        "not match); building the kernel again replaces it")
+    lib = _dlopen(so)
+    if _embedded_key(lib) != k:
+        # glibc reuses a handle already open under this path (an object replaced since) or the
+        # file changed after the check: run the checked bytes from a path of their own
+        fd, fresh = tempfile.mkstemp(prefix="reload-", suffix=".so", dir=_private_dir())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        lib = _dlopen(Path(fresh))
+        if _embedded_key(lib) != k:
+            raise MacoError(f"kernel {so} does not hold its key {k}; building the kernel again replaces it")
+    return lib
+
+
+def _dlopen(so: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(so))
+    except OSError as exc:
+        raise MacoError(f"cannot load kernel {so}: {exc}") from None
+
+
+def _embedded_key(lib: ctypes.CDLL) -> str | None:
+    try:
+        return (ctypes.c_char * 33).in_dll(lib, KEY_SYMBOL).value.decode()
+    except (ValueError, UnicodeDecodeError):
+        return None

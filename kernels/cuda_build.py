@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maco.errors import MacoError
+from maco.files import write_atomic
 from maco.kernels.cuda_codegen import CudaPlan, batch_source
 
 
@@ -59,6 +60,21 @@ def _ptxas_report(stderr: str) -> dict[str, tuple[int | None, int | None]]:
     return out
 
 
+def _digest_file(cubin: Path) -> Path:
+    return cubin.with_name(cubin.name + ".sha256")
+
+
+def _intact(cubin: Path) -> bool:
+    """Whether `cubin` matches the sha256 digest written beside it when it was built: a truncated
+    or replaced cubin (or one whose digest was never written) is built again, not loaded."""
+    try:
+        data = cubin.read_bytes()
+        want = _digest_file(cubin).read_text().strip()
+    except OSError:
+        return False
+    return hashlib.sha256(data).hexdigest() == want
+
+
 def build(plans: list[CudaPlan], out_dir: str | Path | None = None, arch: str = "sm_90",
           per_unit: int = 8, jobs: int | None = None) -> dict[str, Built]:
     """Compile `plans` to cubins with nvcc, `per_unit` kernels per translation unit, `jobs`
@@ -77,9 +93,13 @@ def build(plans: list[CudaPlan], out_dir: str | Path | None = None, arch: str = 
 
     def finish(proc: subprocess.Popen, group: list[CudaPlan], cubin: Path) -> None:
         _, err = proc.communicate()
+        tmp = cubin.with_suffix(f".{os.getpid()}.tmp")
         if proc.returncode:
+            tmp.unlink(missing_ok=True)
             raise MacoError(f"nvcc failed on {cubin.with_suffix('.cu')} ({group[0].spec} ...):\n{err[-4000:]}")
-        os.replace(cubin.with_suffix(f".{os.getpid()}.tmp"), cubin)
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        os.replace(tmp, cubin)  # the cubin first, its digest last: a crash between means "rebuild"
+        write_atomic(_digest_file(cubin), digest + "\n")
         report = _ptxas_report(err)
         for p in group:
             regs, spill = report.get(kernel_name(p), (None, None))
@@ -89,11 +109,11 @@ def build(plans: list[CudaPlan], out_dir: str | Path | None = None, arch: str = 
         src = batch_source(group, [kernel_name(p) for p in group])
         digest = hashlib.sha256((src + arch).encode()).hexdigest()[:20]
         cu, cubin = out / f"unit_{digest}.cu", out / f"unit_{digest}.cubin"
-        if cubin.exists():  # built before (same source, same arch)
+        if _intact(cubin):  # built before (same source, same arch) and not damaged since
             for p in group:
                 result[p.source_hash] = Built(cubin, kernel_name(p), None, None)
             continue
-        cu.write_text(src)
+        write_atomic(cu, src)
         tmp = cubin.with_suffix(f".{os.getpid()}.tmp")
         cmd = [nvcc, f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o", str(tmp), str(cu)]
         while len(pending) >= jobs:
