@@ -135,7 +135,7 @@ class CostModel:
         fingerprint = self.target.fingerprint()
         groups: dict[ConvSpec, list[Record]] = {}
         for r in records:
-            if r.target == fingerprint:
+            if r.target == fingerprint and not r.retryable:  # a timeout says nothing of speed
                 groups.setdefault(r.spec, []).append(r)
         rows, ys = [], []
         for spec, recs in groups.items():

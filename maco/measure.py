@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 from maco.errors import MacoError
+from maco.records import TransientError
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -31,6 +32,15 @@ class MeasureConfig:
     timeout: float = 120.0  # seconds one job may take in the worker (data set-up included)
     build_timeout: float = 30.0  # seconds gcc may take on one variant (typical: 0.15-1 s)
     check: bool = True  # compare every kernel's output with torch before timing it
+
+    def __post_init__(self) -> None:
+        for name in ("min_run_time", "timeout", "build_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise MacoError(f"MeasureConfig.{name} must be a positive number of seconds, got {value!r}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise MacoError(f"MeasureConfig needs repeats >= 1 and warmup >= 0, "
+                            f"got {self.repeats} and {self.warmup}")
 
 
 class Measurer:
@@ -91,7 +101,7 @@ class Measurer:
         self._proc.join()
         code = self._proc.exitcode
         self._proc = self._conn = None
-        return None, reason or f"worker died (exit code {code})"
+        return None, TransientError(reason or f"worker died (exit code {code})")
 
     # -- public ----------------------------------------------------------------------------
     def __call__(self, spec: ConvSpec, schedules: Sequence[Schedule],

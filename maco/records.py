@@ -3,18 +3,22 @@ a crash never leaves half a record. A corrupt line is reported and skipped; the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from maco.errors import MacoError
+from maco.files import MAX_LINE_BYTES, load_json, short
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
 from maco.timing import Timing, environment
+
+TIMING_FIELDS = {"median", "min", "max", "stdev", "repeats", "number"}
 
 FORMAT_VERSION = 1
 
@@ -30,6 +34,11 @@ class Record:
     error: str | None = None
     env: dict[str, Any] = field(default_factory=dict, compare=False)
     time: float = field(default_factory=time.time, compare=False)
+    transient: bool = False  # the error may not recur (timeout, dead worker): retried once
+
+    @property
+    def retryable(self) -> bool:
+        return self.transient and not self.ok
 
     @property
     def ok(self) -> bool:
@@ -44,31 +53,112 @@ class Record:
         return self.spec.flops / self.seconds / 1e9 if self.ok else 0.0
 
     def to_json(self) -> str:
-        return json.dumps({"v": FORMAT_VERSION, "spec": self.spec.to_dict(), "target": self.target,
-                           "schedule": self.schedule.to_dict(),
-                           "timing": self.timing.to_dict() if self.timing else None,
-                           "error": self.error, "env": self.env, "time": self.time},
-                          sort_keys=True, separators=(",", ":"))
+        d = {"v": FORMAT_VERSION, "spec": self.spec.to_dict(), "target": self.target,
+             "schedule": self.schedule.to_dict(), "timing": self.timing.to_dict() if self.timing else None,
+             "error": self.error, "env": self.env, "time": self.time}
+        if self.transient:
+            d["transient"] = True
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, line: str) -> "Record":
-        try:
-            d = json.loads(line)
-            if not isinstance(d, dict) or d.get("v") != FORMAT_VERSION:
-                raise MacoError(f"unknown record format version {d.get('v') if isinstance(d, dict) else d!r}")
-            return cls(spec=ConvSpec.from_dict(d["spec"]), target=d["target"],
-                       schedule=Schedule.from_dict(d["schedule"]),
-                       timing=Timing(**d["timing"]) if d.get("timing") else None,
-                       error=d.get("error"), env=d.get("env") or {}, time=float(d.get("time", 0.0)))
-        except MacoError:
-            raise
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise MacoError(f"corrupt record: {exc!r}") from None
+        """A record checked as strictly as a schedule: spec, schedule (against the spec), target
+        fingerprint and timing; anything else is a MacoError saying what is wrong."""
+        d = load_json(line, "record line", MAX_LINE_BYTES)
+        if not isinstance(d, dict) or d.get("v") != FORMAT_VERSION:
+            raise MacoError(f"unknown record format version {short(d.get('v') if isinstance(d, dict) else d)}")
+        unknown = set(d) - RECORD_FIELDS
+        if unknown:
+            raise MacoError(f"unknown record field(s) {short(sorted(map(str, unknown)))}")
+        if "spec" not in d or "schedule" not in d or "target" not in d:
+            raise MacoError("a record needs spec, schedule and target")
+        spec = ConvSpec.from_dict(d["spec"])
+        schedule = Schedule.from_dict(d["schedule"])
+        target = _check_fingerprint(d["target"])
+        problems = schedule.problems(spec)
+        if schedule.kind != target["kind"]:
+            problems.append(f"a {schedule.kind} schedule recorded on a {target['kind']} target")
+        if problems:
+            raise MacoError(f"schedule does not fit {spec}: " + "; ".join(problems))
+        error = d.get("error")
+        if error is not None and not isinstance(error, str):
+            raise MacoError(f"record error must be text, got {short(error)}")
+        timing = _check_timing(d.get("timing")) if d.get("timing") is not None else None
+        if timing is None and error is None:
+            raise MacoError("a record has a timing or an error")
+        env, when = d.get("env") or {}, d.get("time", 0.0)
+        if not isinstance(env, dict):
+            raise MacoError(f"record env must be an object, got {short(env)}")
+        if not _finite(when):
+            raise MacoError(f"record time must be a number, got {short(when)}")
+        return cls(spec=spec, target=target, schedule=schedule, timing=timing, error=error,
+                   env=env, time=float(when), transient=bool(d.get("transient", False)))
+
+
+RECORD_FIELDS = {"v", "spec", "target", "schedule", "timing", "error", "env", "time", "transient"}
+FINGERPRINT_TYPES = {"name": str, "kind": str, "model": str, "isa": str, "cores": int, "levels": list}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_fingerprint(fp: Any) -> dict[str, Any]:
+    """A Target.fingerprint() as written: known keys of the right types, levels [name, bytes, n]."""
+    if not isinstance(fp, dict) or set(fp) != set(FINGERPRINT_TYPES):
+        raise MacoError(f"record target must be a fingerprint with keys {sorted(FINGERPRINT_TYPES)}, "
+                        f"got {short(fp)}")
+    for key, kind in FINGERPRINT_TYPES.items():
+        if not isinstance(fp[key], kind) or isinstance(fp[key], bool):
+            raise MacoError(f"record target {key} must be a {kind.__name__}, got {short(fp[key])}")
+    if fp["kind"] not in ("cpu", "cuda"):
+        raise MacoError(f"record target kind must be cpu or cuda, got {short(fp['kind'])}")
+    for level in fp["levels"]:
+        if not (isinstance(level, list) and len(level) == 3 and isinstance(level[0], str)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in level[1:])):
+            raise MacoError(f"record target level must be [name, bytes, processors], got {short(level)}")
+    return fp
+
+
+def _check_timing(d: Any) -> Timing:
+    """Seconds that can be true: positive, finite, min <= median <= max, counts >= 1."""
+    if not isinstance(d, dict) or set(d) != TIMING_FIELDS:
+        raise MacoError(f"record timing must have the fields {sorted(TIMING_FIELDS)}, got {short(d)}")
+    for key in ("median", "min", "max", "stdev"):
+        if not _finite(d[key]) or d[key] < 0 or (key != "stdev" and d[key] <= 0):
+            raise MacoError(f"record timing {key} must be a positive number of seconds, got {short(d[key])}")
+    for key in ("repeats", "number"):
+        if not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] < 1:
+            raise MacoError(f"record timing {key} must be a positive int, got {short(d[key])}")
+    if not d["min"] <= d["median"] <= d["max"]:
+        raise MacoError(f"record timing needs min <= median <= max, got {d['min']}, {d['median']}, {d['max']}")
+    return Timing(**d)
+
+
+class TransientError(str):
+    """A measurement error whose cause may not recur (a timeout, a worker killed by a signal):
+    the schedule is retried once in a later round instead of failing for good."""
 
 
 def make_record(spec: ConvSpec, target: Target, schedule: Schedule, timing: Timing | None = None,
                 error: str | None = None) -> Record:
-    return Record(spec, target.fingerprint(), schedule, timing, error, env=environment())
+    return Record(spec, target.fingerprint(), schedule, timing, error, env=environment(),
+                  transient=isinstance(error, TransientError))
+
+
+def _capped_lines(fh: Any, limit: int) -> Iterator[bytes | None]:
+    """The lines of a binary file, each read with at most `limit` bytes in memory; None stands
+    for a longer line (its rest is skipped), so one huge line cannot exhaust memory."""
+    while True:
+        line = fh.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = fh.readline(limit + 1)
+            yield None
+        else:
+            yield line
 
 
 class RecordFile:
@@ -83,9 +173,12 @@ class RecordFile:
         batch = [records] if isinstance(records, Record) else list(records)
         if not batch:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         data = "".join(r.to_json() + "\n" for r in batch).encode()
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise MacoError(f"cannot write records file {str(self.path)!r}: {exc.strerror or exc}") from None
         try:
             if os.fstat(fd).st_size and not self._ends_with_newline(fd):
                 data = b"\n" + data  # a torn last line from a crash stays on its own line
@@ -100,22 +193,31 @@ class RecordFile:
         return os.pread(fd, 1, size - 1) == b"\n"
 
     def load(self, warn: bool = True) -> list[Record]:
-        """All readable records; unreadable lines go to `bad_lines` and, if `warn`, a warning."""
+        """All valid records; a line that is unreadable, or a record that fails its checks, goes to
+        `bad_lines` with its line number and, if `warn`, a warning. The file is never rewritten."""
         self.bad_lines = []
-        if not self.path.exists():
-            return []
+        if self.path.is_dir():
+            raise MacoError(f"records file {str(self.path)!r} is a directory; give a .jsonl file")
         out = []
-        with open(self.path, encoding="utf-8", errors="replace") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append(Record.from_json(line))
-                except MacoError as exc:
-                    self.bad_lines.append((lineno, str(exc)))
+        try:
+            with open(self.path, "rb") as fh:
+                for lineno, line in enumerate(_capped_lines(fh, MAX_LINE_BYTES), 1):
+                    if line is None:
+                        self.bad_lines.append((lineno, f"line longer than {MAX_LINE_BYTES} bytes"))
+                        continue
+                    if not line.strip():
+                        continue
+                    try:
+                        out.append(Record.from_json(line.decode("utf-8", errors="replace")))
+                    except MacoError as exc:
+                        self.bad_lines.append((lineno, str(exc)))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise MacoError(f"cannot read records file {str(self.path)!r}: {exc.strerror or exc}") from None
         if warn and self.bad_lines:
             first = self.bad_lines[0]
-            warnings.warn(f"{self.path}: skipped {len(self.bad_lines)} corrupt record line(s), "
+            warnings.warn(f"{self.path}: skipped {len(self.bad_lines)} bad record line(s), "
                           f"first at line {first[0]}: {first[1]}", stacklevel=2)
         return out
 

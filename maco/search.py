@@ -55,7 +55,15 @@ class TaskState:
 
     @property
     def measured(self) -> set[Schedule]:
-        return {r.schedule for r in self.records}
+        """Schedules not to measure again: all but those whose only record is one transient failure."""
+        return {r.schedule for r in self.records} - set(self.retries())
+
+    def retries(self) -> list[Schedule]:
+        """Schedules that failed once for a passing reason (timeout, dead worker) and nothing else."""
+        count: dict[Schedule, int] = {}
+        for r in self.records:
+            count[r.schedule] = count.get(r.schedule, 0) + (1 if r.retryable else 2)
+        return [s for s, c in count.items() if c == 1]
 
     @property
     def best(self) -> Record | None:
@@ -227,9 +235,10 @@ def search_round(state: TaskState, target: Target, model, measurer: Measurer, rn
     fitted by the caller, which may train it on every task); returns the new records. `seeds`
     not measured yet go first (the bound-derived default: a search never starts from nothing)."""
     spec, n = state.spec, n or config.batch
-    measured = state.measured
-    first = [s for s in dict.fromkeys(seeds) if s not in measured
-             and s.layout in config.allowed_layouts and not s.problems(spec, target)][:n]
+    retries = state.retries()
+    measured = state.measured | set(retries)
+    first = (retries + [s for s in dict.fromkeys(seeds) if s not in measured and s.layout
+                        in config.allowed_layouts and not s.problems(spec, target)])[:n]
     elites = [r.schedule for r in sorted((r for r in state.records if r.ok), key=lambda r: r.seconds)
               [:config.elite] if r.schedule.layout in config.allowed_layouts]
     init = _sample(spec, target, rng, max(config.population - len(elites), 2), config) + elites

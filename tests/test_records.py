@@ -4,14 +4,14 @@ import multiprocessing as mp
 import pytest
 
 from maco import ConvSpec, Schedule, Target
-from maco.records import Record, RecordFile, make_record
+from maco.records import RecordFile, make_record
 from maco.timing import Timing
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)
 
 
-def _schedule(layout="NCHW", unroll=0):
-    return Schedule(kind="cpu", spatial=((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 2, 8), (2, 5, 1, 1), (1, 2, 1, 5)),
+def _schedule(layout="NCHW", unroll=0, n=1):
+    return Schedule(kind="cpu", spatial=((n, 1, 1, 1), (1, 1, 1, 1), (1, 1, 2, 8), (2, 5, 1, 1), (1, 2, 1, 5)),
                     reduction=((2, 4), (1, 3), (3, 1)), layout=layout, unroll=unroll)
 
 
@@ -25,7 +25,7 @@ def test_round_trip_and_best(tmp_path):
     recs = [make_record(SPEC, target, _schedule("NCHW", 0), _timing(3e-3)),
             make_record(SPEC, target, _schedule("NHWC", 16), _timing(2e-3)),
             make_record(SPEC, target, _schedule("NHWC", 64), error="compile error: boom"),
-            make_record(SPEC.with_batch(2), target, _schedule(), _timing(1e-3))]
+            make_record(SPEC.with_batch(2), target, _schedule(n=2), _timing(1e-3))]
     f.append(recs[:2])
     f.append(recs[2:])
     loaded = f.load()
@@ -46,7 +46,7 @@ def test_corrupt_and_torn_lines_are_reported_and_skipped(tmp_path):
         fh.write("not json at all\n")
         fh.write(good.to_json()[:40])  # torn: a crash mid-line, no newline
     f.append(good)  # must start on a fresh line
-    with pytest.warns(UserWarning, match="skipped 3 corrupt record line"):
+    with pytest.warns(UserWarning, match="skipped 3 bad record line"):
         loaded = f.load()
     assert loaded == [good, good]
     assert [n for n, _ in f.bad_lines] == [2, 3, 4]
