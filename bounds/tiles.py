@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import sqrt
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from maco.bounds.conv import _check_S, reuse
 from maco.errors import MacoError
 from maco.spec import ConvSpec
 from maco.target import Target
+
+CHUNK = 1 << 19  # (x, y) pairs optimal_tile scores at once (~50 MB of numpy temporaries)
+PIECES = 1 << 18  # about the most row pieces optimal_tile bounds (~20 MB of arrays)
 
 
 @dataclass(frozen=True)
@@ -75,12 +78,11 @@ def dataflow_loads(spec: ConvSpec, tile: Tile) -> int:
     """Input and weight loads of the dataflow (module docstring), summed over all tiles."""
     t = tile.clipped(spec)
     rows, cols = spec_axes(spec)
-    in_rows, taps_rows = rows.block_tables()
-    in_cols, taps_cols = cols.block_tables()
+    in_rows, taps_rows = rows.blocks(t.y)
+    in_cols, taps_cols = cols.blocks(t.x)
     kg = spec.k_per_group
     k_blocks = -(-kg // t.z)
-    per_channel = (k_blocks * int(in_rows[t.y]) * int(in_cols[t.x])
-                   + kg * int(taps_rows[t.y]) * int(taps_cols[t.x]))
+    per_channel = (k_blocks * int(in_rows) * int(in_cols) + kg * int(taps_rows) * int(taps_cols))
     return spec.n * spec.groups * spec.c_per_group * per_channel
 
 
@@ -105,34 +107,92 @@ def optimal_tile(spec: ConvSpec, S: float, Np: int = 1) -> Tile:
     """The integer tile with footprint <= S/Np that minimises dataflow_io.
 
     For fixed (x, y) the I/O only falls as z grows, so z is the largest that fits (at most the
-    group's filters, then shrunk to the least z with the same number of filter blocks); every
-    (x, y) is scored at once with numpy. Ties go to the smaller footprint, then the squarer tile."""
+    group's filters, then shrunk to the least z with the same number of filter blocks). Only
+    the (x, y) that fit are scored, so the work follows S/Np, not out_h * out_w: rows y are cut
+    into pieces of x with a lower bound on their loads, and scored with numpy, about CHUNK pairs
+    at a time, best bound first, until the bounds left exceed the best loads found. Ties go to
+    the smaller footprint, then the squarer tile, the smaller y, the smaller x."""
     s = _check_S(S)
     if isinstance(Np, bool) or not isinstance(Np, int) or Np <= 0:
         raise MacoError(f"Np (processors sharing the memory) must be a positive int, got {Np!r}")
-    cap = int(s // Np)
+    cap = min(int(s // Np), 1 << 62)  # far more than any layer needs, and no int64 overflow
     cont = continuous_tile(spec, s, Np)
-    rows, cols = spec_axes(spec)
-    in_rows, taps_rows = rows.block_tables()
-    in_cols, taps_cols = cols.block_tables()
     kg, window = spec.k_per_group, spec.kh * spec.kw
-    ys = np.arange(1, spec.out_h + 1, dtype=np.int64)[:, None]
-    xs = np.arange(1, spec.out_w + 1, dtype=np.int64)[None, :]
-    yin = (ys - 1) * spec.stride[0] + (spec.kh - 1) * spec.dilation[0] + 1
-    xin = (xs - 1) * spec.stride[1] + (spec.kw - 1) * spec.dilation[1] + 1
-    zmax = (cap - yin * xin) // (ys * xs + window)
-    fits = zmax >= 1
-    if not fits.any():
+    (sh, sw), eh, ew = spec.stride, spec.dilated_kh, spec.dilated_kw
+    # z filters fit beside x by y iff x*(yin*sw + z*y) <= cap - z*window - yin*(ew - sw),
+    # with yin = (y-1)*sh + eh input rows: that gives the largest y (x = z = 1) and x
+    y_max = min(spec.out_h, (cap - window - (eh - sh) * ew) // (sh * ew + 1))
+    if y_max < 1:
         return Tile(1, 1, 1, cont, fits=False)
-    z = np.clip(zmax, 1, kg)
-    k_blocks = -(-kg // z)
-    loads = (k_blocks * in_rows[ys] * in_cols[xs] + kg * taps_rows[ys] * taps_cols[xs]).astype(float)
-    loads[~fits] = np.inf
-    z = -(-kg // k_blocks)  # same blocks, least footprint
-    foot = ys * xs * z + yin * xin + z * window
-    order = np.lexsort((np.abs(ys - xs).ravel(), foot.ravel(), loads.ravel()))
-    best = np.unravel_index(order[0], loads.shape)
-    return Tile(int(xs[0, best[1]]), int(ys[best[0], 0]), int(z[best]), cont)
+    ys = np.arange(1, y_max + 1, dtype=np.int64)
+    yins = (ys - 1) * sh + eh
+
+    def x_fits(z: int) -> np.ndarray:  # per y, the largest x beside z filters (0: none)
+        return np.clip((cap - z * window - yins * (ew - sw)) // (yins * sw + z * ys), 0, spec.out_w)
+
+    rows, cols = spec_axes(spec)
+    in_rows, taps_rows = rows.blocks(ys)
+    in_cols, taps_cols = (np.concatenate(([0], a))  # indexed by x
+                          for a in cols.blocks(np.arange(1, x_fits(1).max() + 1, dtype=np.int64)))
+    most = int(in_rows.max()) * int(in_cols.max()) + int(taps_rows.max()) * int(taps_cols.max())
+    if kg * most >= 2**63:
+        raise MacoError(f"{spec}: loads too large to score exactly in int64")
+    row, lo, hi, low_blocks = _row_pieces(kg, y_max, x_fits)
+    # a piece's loads are at least `low`: its blocks >= low_blocks, in_cols[x] >= least_in[hi - 1]
+    least_in, least_taps = (np.minimum.accumulate(a[1:]) for a in (in_cols, taps_cols))
+    low = low_blocks * in_rows[row] * least_in[hi - 1] + kg * taps_rows[row] * least_taps[hi - 1]
+    order = np.argsort(low)
+    ends = np.cumsum((hi - lo + 1)[order])
+    best: tuple[int, ...] | None = None  # (loads, footprint, |y-x|, y, x, z)
+    first, size = 0, CHUNK >> 7  # small first chunks find a good bound early
+    while first < order.size and (best is None or low[order[first]] <= best[0]):
+        scored = int(ends[first - 1]) if first else 0
+        last = max(first + 1, int(np.searchsorted(ends, scored + size, "right")))
+        size = min(2 * size, CHUNK)
+        chunk = order[first:last]
+        first = last
+        if best is not None:
+            chunk = chunk[low[chunk] <= best[0]]
+        count = hi[chunk] - lo[chunk] + 1
+        r = np.repeat(row[chunk], count)
+        x = np.arange(r.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count - lo[chunk], count)
+        y, yin, xin = ys[r], yins[r], (x - 1) * sw + ew
+        blocks = -(-kg // np.minimum((cap - yin * xin) // (y * x + window), kg))
+        loads = blocks * in_rows[r] * in_cols[x] + kg * taps_rows[r] * taps_cols[x]
+        pick = np.flatnonzero(loads == loads.min())
+        x, y, z = x[pick], y[pick], -(-kg // blocks[pick])  # least z with the same blocks
+        foot = y * x * z + yin[pick] * xin[pick] + z * window
+        pick = np.flatnonzero(foot == foot.min())
+        i = pick[np.lexsort((x[pick], y[pick], np.abs(y[pick] - x[pick])))[0]]
+        xi, yi = int(x[i]), int(y[i])
+        cand = (int(loads.min()), int(foot[i]), abs(yi - xi), yi, xi, int(z[i]))
+        best = cand if best is None else min(best, cand)
+    assert best is not None
+    return Tile(best[4], best[3], best[5], cont)
+
+
+def _row_pieces(kg: int, y_max: int, x_fits: Callable[[int], np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Cut the rows y = 1..y_max into pieces x = lo..hi with a lower bound on their filter blocks.
+
+    A level z takes, per row, the x that fit z filters but not the previous (larger) level's, so
+    there z <= previous level - 1 and the blocks ceil(kg/z) are at least kg/(previous - 1). The
+    levels are the z where the blocks step, or a geometric subset of them on tall layers, to
+    keep the pieces near PIECES. Returns (row index, lo, hi, least blocks) per piece."""
+    levels = np.unique(-(-kg // np.arange(1, kg + 1, dtype=np.int64)))[::-1]
+    keep = np.geomspace(1, levels.size, min(levels.size, max(2, PIECES // y_max)))
+    levels = levels[np.unique(keep.round().astype(np.int64)) - 1].tolist()
+    row, lo, hi, blocks = [], [], [], []
+    done = np.zeros(y_max, dtype=np.int64)
+    for level, z in enumerate(levels):
+        upto = x_fits(z)
+        new = np.flatnonzero(upto > done)
+        row.append(new)
+        lo.append(done[new] + 1)
+        hi.append(upto[new])
+        blocks.append(np.full(new.size, 1 if level == 0 else -(-kg // (levels[level - 1] - 1))))
+        done = np.maximum(done, upto)
+    return tuple(np.concatenate(a) for a in (row, lo, hi, blocks))  # type: ignore[return-value]
 
 
 def tiles_for_target(spec: ConvSpec, target: Target) -> dict[str, Tile]:
