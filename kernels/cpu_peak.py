@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import time
 from collections.abc import Callable
 from functools import lru_cache
 
 from maco.errors import MacoError
+from maco.files import load_json_file, write_atomic
 from maco.kernels import cpu_build
 from maco.kernels.cpu_codegen import ISA
 from maco.target import Target
@@ -151,17 +151,19 @@ def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> floa
     key = f"{host.model}|{target.isa}|{target.cores}" + ("" if kind == "fma" else f"|{kind}")
     path = _cache_file(target)
     try:
-        with open(path) as fh:
-            known = json.load(fh)
-    except (OSError, ValueError):
+        known = load_json_file(path, "peak cache", 1 << 20)
+    except MacoError:
+        known = {}  # missing or damaged: measure again
+    if not isinstance(known, dict):
         known = {}
+    known = {k: v for k, v in known.items() if isinstance(v, (int, float)) and 0 < v < 1e9}
     if key in known and not fresh:
         return float(known[key])
     best = best_gflops(flops_runner(target, kind), 2.5e10 * target.cores, 5)  # ~0.1 s per run
     gf = max(best, float(known.get(key, 0.0)))
     known[key] = gf
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(known, fh, indent=1)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, json.dumps(known, indent=1))
+    except OSError:
+        pass  # an unwritable cache only costs measuring again next time
     return gf

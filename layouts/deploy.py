@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch import nn
 
 from maco.errors import MacoError
+from maco.files import load_json, load_json_file
 from maco.spec import ConvSpec
 from maco.timing import Timing, environment, time_callable
 
@@ -286,10 +287,7 @@ class LayoutPlan:
 
     @classmethod
     def from_json(cls, text: str) -> "LayoutPlan":
-        try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as exc:
-            raise MacoError(f"a layout plan must be JSON: {exc}") from None
+        return cls.from_dict(load_json(text, "layout plan JSON"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Written atomically (a temp file beside it, then os.replace)."""
@@ -299,11 +297,7 @@ class LayoutPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "LayoutPlan":
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise MacoError(f"cannot read layout plan {str(path)!r}: {exc}") from None
-        return cls.from_json(text)
+        return cls.from_dict(load_json_file(path, "layout plan"))
 
     # -- applying it
     def apply(self, model: nn.Module) -> fx.GraphModule:

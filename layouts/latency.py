@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from maco.errors import MacoError
+from maco.files import load_json_file, write_atomic
 from maco.spec import DTYPE_BYTES, ConvSpec
 from maco.timing import Timing, time_callable
 
@@ -287,10 +287,7 @@ class ConversionModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "ConversionModel":
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise MacoError(f"cannot read conversion model {str(path)!r}: {exc}") from None
+        return cls.from_dict(load_json_file(path, "conversion model"))
 
 
 _DEFAULT_MODELS: dict[str, ConversionModel] = {}
@@ -306,25 +303,6 @@ def predict_conversion(shape: Sequence[int], src: str, dst: str, device: str = "
             _DEFAULT_MODELS[dev] = ConversionModel.calibrate(dev)
         model = _DEFAULT_MODELS[dev]
     return model.predict(shape, src, dst)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a whole file or nothing: a temp file beside it, fsync, then os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make results unreadable to others
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 __all__ = ["LAYOUTS", "ConversionModel", "check_layout", "check_device", "conv_callable",

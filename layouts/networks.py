@@ -6,6 +6,7 @@ needs shapes and timings, not accuracy.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Callable
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from maco.errors import MacoError
 from maco.spec import ConvSpec
+from maco.target import require_memory
 
 
 class BasicBlock(nn.Module):
@@ -182,7 +184,11 @@ def build(name: str) -> nn.Module:
 
 
 def example_input(batch: int = 1) -> torch.Tensor:
-    return torch.randn(batch, *INPUT_SHAPE[1:], generator=torch.Generator().manual_seed(0))
+    """A fixed random image batch; refused up front where the batch's activations (about 16 times
+    the input at the networks' widest layers) would not fit this host's memory."""
+    shape = (batch, *INPUT_SHAPE[1:])
+    require_memory(16 * 4 * math.prod(shape), f"a batch of {batch} images of {INPUT_SHAPE[1:]}")
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
 
 
 def conv_layers(model: nn.Module, example: torch.Tensor) -> list[tuple[str, ConvSpec]]:
@@ -195,6 +201,12 @@ def conv_layers(model: nn.Module, example: torch.Tensor) -> list[tuple[str, Conv
     try:
         with torch.no_grad():
             model(example)
+    except MacoError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's model failing is a user error, said in one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise MacoError(f"the model's forward failed on an input of shape {tuple(example.shape)}: "
+                        f"{type(exc).__name__}: {first}") from None
     finally:
         for hook in hooks:
             hook.remove()
@@ -202,8 +214,9 @@ def conv_layers(model: nn.Module, example: torch.Tensor) -> list[tuple[str, Conv
 
 
 def network_convs(name: str, batch: int = 1) -> list[tuple[str, ConvSpec]]:
-    """The conv layers of a built-in network at a batch size."""
-    return conv_layers(build(name), example_input(batch))
+    """The conv layers of a built-in network at a batch size (shapes only: traced on torch's meta
+    device, so a batch too large to run still lists its layers)."""
+    return conv_layers(build(name).to("meta"), torch.empty(batch, *INPUT_SHAPE[1:], device="meta"))
 
 
 def distinct_convs(layers: list[tuple[str, ConvSpec]]) -> list[tuple[ConvSpec, list[str]]]:

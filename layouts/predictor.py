@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from maco.errors import MacoError
+from maco.files import load_json_file
 from maco.spec import ConvSpec
 
 from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, write_atomic
@@ -50,6 +51,7 @@ def _pad(v: int, block: int) -> float:
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh, "elu": nn.ELU}
 FORMAT_VERSION = 1
+MAX_MODEL_BYTES = 256 << 20  # the ensemble's weights: a few MB in practice
 # The NAS's widest layer: 5 hidden layers of 256 in a 3-model ensemble save to ~3 MB, small
 # enough to keep a trained predictor in the repository.
 MAX_WIDTH = 256
@@ -212,10 +214,12 @@ class LatencyPredictor:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "LatencyPredictor":
         folder = Path(path)
+        doc = load_json_file(folder / "predictor.json", "latency predictor")
         try:
-            doc = json.loads((folder / "predictor.json").read_text())
+            if (folder / "model.pt").stat().st_size > MAX_MODEL_BYTES:
+                raise MacoError(f"{str(path)!r}: model.pt is larger than {MAX_MODEL_BYTES} bytes")
             blob = (folder / "model.pt").read_bytes()
-        except (OSError, json.JSONDecodeError) as exc:
+        except OSError as exc:
             raise MacoError(f"cannot read a latency predictor from {str(path)!r}: {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
             raise MacoError(f"{str(path)!r}: unknown predictor format {doc.get('format') if isinstance(doc, dict) else doc!r}")

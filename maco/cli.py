@@ -5,14 +5,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+from typing import NoReturn
 
 from maco.errors import MacoError
 
 COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune", "optimize", "reproduce", "bench"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (the usage is one --help away), like every
+    other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="maco", description="MACO: memory-aware tuning of CNN convolutions "
         "(I/O lower bounds, pruned schedule search, layout planning).")
     from maco import __version__
@@ -23,9 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001
+    return f"maco: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning  # e.g. skipped record lines: said, not dumped
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad argument argparse has explained
+        return int(exc.code or 0)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

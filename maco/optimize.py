@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from maco.errors import MacoError
+from maco.files import check_writable
 from maco.spec import ConvSpec
-from maco.target import Target
+from maco.target import Target, require_memory
+from maco.tune import BUDGETS
 
-# Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
-BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
 
@@ -138,13 +138,13 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         from maco.kernels.cuda import require_gpu
 
         require_gpu()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    records = Path(records) if records else out / "records.jsonl"
+    out = check_writable(out, "output folder", folder=True)
+    records = check_writable(records or out / "records.jsonl", "records file")
     name, model = load_model(model_text)
     model.eval()
     device = "cuda" if tgt.kind == "cuda" else "cpu"
     if input_shape:
+        require_memory(4 * 4 * math.prod(input_shape), f"an input of shape {input_shape}")
         x = torch.randn(*input_shape, generator=torch.Generator().manual_seed(0))
     else:
         x = example_input(1) if model_text in NETWORKS else torch.randn(*DEFAULT_INPUT_SHAPE)

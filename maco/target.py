@@ -147,6 +147,27 @@ class Target:
         raise MacoError(f"unknown target {name!r}; choose host, cpu, h100 or cuda")
 
 
+def available_memory() -> int:
+    """Bytes this host can still allocate (MemAvailable), or a large number where unknown."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+        m = re.search(r"^MemAvailable:\s*(\d+) kB", text, re.M)
+        if m:
+            return int(m.group(1)) << 10
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def require_memory(nbytes: int, what: str) -> None:
+    """Fail fast, with the size named, where `what` would need more memory than the host has
+    (torch would raise a bare RuntimeError, or the OOM killer end the run, minutes later)."""
+    have = available_memory()
+    if nbytes > have:
+        raise MacoError(f"{what} needs about {nbytes / 2**30:.1f} GiB of memory, "
+                        f"more than the {have / 2**30:.1f} GiB available")
+
+
 def _cpuinfo() -> tuple[set[str], str, float]:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -15,6 +15,9 @@ from maco.search import Measurer, SearchConfig, TaskState, search_round
 from maco.spec import ConvSpec
 from maco.target import Target
 
+# Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
+BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
+
 
 @dataclass
 class Task:

@@ -6,14 +6,14 @@ import argparse
 import functools
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-from maco.commands.common import print_table, resolve_layers
+from maco.commands.common import positive_int, print_table, resolve_layers
 from maco.errors import MacoError
+from maco.files import load_json_file
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
-from maco.target import Target
+from maco.target import Target, require_memory
 
 CHECK_RTOL = 1e-4
 
@@ -31,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", help="JSON file of a Schedule (as Schedule.to_json writes it)")
     p.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW",
                    help="layout of the default schedule (default NCHW; --schedule carries its own)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds (default 5)")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="interleaved timing rounds (default 5)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     p.set_defaults(func=run)
 
 
@@ -129,16 +129,13 @@ def bench_layer(name: str, spec: ConvSpec, schedules: dict[str, Schedule], targe
 def run(args: argparse.Namespace) -> int:
     from maco import kernels
 
-    if args.repeats < 1:
-        raise MacoError(f"--repeats must be at least 1, got {args.repeats}")
     target = Target.host()
     layers = resolve_layers(args.layer, args.batch)
     fixed = None
     if args.schedule:
-        try:
-            fixed = Schedule.from_json(Path(args.schedule).read_text())
-        except OSError as exc:
-            raise MacoError(f"cannot read schedule file {args.schedule!r}: {exc}") from None
+        fixed = Schedule.from_dict(load_json_file(args.schedule, "schedule file"))
+    for name, spec in layers:
+        require_memory(spec.working_bytes, f"benchmarking {name}" + (f" ({spec})" if name != str(spec) else ""))
     rows = []
     for name, spec in layers:
         schedule = fixed or kernels.default_schedule(spec, target, args.layout)

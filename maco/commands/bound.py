@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 
-from maco.commands.common import print_table, resolve_layers
+from maco.commands.common import positive_int, print_table, resolve_layers
 from maco.errors import MacoError
 from maco.spec import ConvSpec
 from maco.target import MemoryLevel, Target
@@ -37,21 +37,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("layer", nargs="?", help="network name (resnet18, alexnet, vgg11, resnet50, "
                    "mobilenet_v2) or layer spec such as n1_c64_h56_w56_k64_r3_p1")
     shape = p.add_argument_group("shape (instead of LAYER)")
-    shape.add_argument("--c", type=int, help="input channels")
-    shape.add_argument("--h", type=int, help="input height")
-    shape.add_argument("--w", type=int, help="input width")
-    shape.add_argument("--k", type=int, help="output channels (filters)")
+    shape.add_argument("--c", type=positive_int, help="input channels")
+    shape.add_argument("--h", type=positive_int, help="input height")
+    shape.add_argument("--w", type=positive_int, help="input width")
+    shape.add_argument("--k", type=positive_int, help="output channels (filters)")
     shape.add_argument("--kernel", type=_int_or_pair, default=3, help="kernel size, N or HxW (default 3)")
     shape.add_argument("--padding", type=_int_or_pair, default=0, help="zero padding, N or HxW (default 0)")
     shape.add_argument("--stride", type=_int_or_pair, default=1, help="stride, N or HxW (default 1)")
     shape.add_argument("--dilation", type=_int_or_pair, default=1, help="dilation, N or HxW (default 1)")
-    shape.add_argument("--groups", type=int, default=1, help="groups (default 1; = c for depthwise)")
-    p.add_argument("--n", "--batch", dest="n", type=int, default=1, help="batch size (default 1)")
+    shape.add_argument("--groups", type=positive_int, default=1, help="groups (default 1; = c for depthwise)")
+    p.add_argument("--n", "--batch", dest="n", type=positive_int, default=1, help="batch size (default 1)")
     mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--S", dest="S", type=int, help="one fast memory of S fp32 elements instead of a target")
+    mem.add_argument("--S", dest="S", type=positive_int, help="one fast memory of S fp32 elements instead of a target")
     mem.add_argument("--target", default="host", help="memory hierarchy: host (this CPU, from the OS) "
                      "or h100 (default host)")
-    p.add_argument("--np", dest="np", type=int, default=1, help="processors sharing the --S memory (default 1)")
+    p.add_argument("--np", dest="np", type=positive_int, default=1, help="processors sharing the --S memory (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
 
@@ -62,8 +62,6 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
         if given:
             raise MacoError(f"give either LAYER ({args.layer!r}) or the shape flags, not both "
                             f"(got --{', --'.join(given)})")
-        if args.n < 1:
-            raise MacoError(f"--n must be a positive batch size, got {args.n}")
         return resolve_layers(args.layer, args.n)
     missing = [f"--{f}" for f in SHAPE_FLAGS if getattr(args, f) is None]
     if missing:
@@ -76,10 +74,6 @@ def _layers(args: argparse.Namespace) -> list[tuple[str, ConvSpec]]:
 
 def _levels(args: argparse.Namespace) -> tuple[str, list[MemoryLevel]]:
     if args.S is not None:
-        if args.S <= 0:
-            raise MacoError(f"--S must be a positive number of elements, got {args.S}")
-        if args.np <= 0:
-            raise MacoError(f"--np must be a positive number of processors, got {args.np}")
         return f"S = {args.S} elements", [MemoryLevel("S", args.S * 4, args.np, 1)]
     target = Target.named(args.target)
     return f"target {target.name} ({target.model})", list(target.levels)

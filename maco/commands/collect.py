@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from maco.commands.common import print_table
+from maco.commands.common import (nonnegative_float, nonnegative_int, positive_float, positive_int,
+                                  print_table)
 from maco.errors import MacoError
+from maco.files import check_writable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "one CSV row per (spec, layout, device). Rows already in the file are skipped, so "
                        "an interrupted run resumes; the environment goes to <out>.env.json.")
     p.add_argument("--out", default=None, help="CSV file (default results/dataset_<device>.csv)")
-    p.add_argument("--random", type=int, default=400, metavar="N",
+    p.add_argument("--random", type=nonnegative_int, default=400, metavar="N",
                    help="random configurations (default 400; the same seed and a larger N extend the set)")
     p.add_argument("--networks", default="resnet18,alexnet,vgg11",
                    help="comma-separated built-in networks whose layers to add ('' for none)")
@@ -23,18 +25,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random configurations (default 0)")
     p.add_argument("--layouts", default="NCHW,NHWC", help="layouts to time (default NCHW,NHWC)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--max-gflop", type=float, default=2.0,
+    p.add_argument("--max-gflop", type=positive_float, default=2.0,
                    help="cap on a random configuration's GFLOP, which bounds its timing cost (default 2)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per layout (default 3)")
-    p.add_argument("--tolerance", type=float, default=0.1,
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds per layout (default 3)")
+    p.add_argument("--tolerance", type=positive_float, default=0.1,
                    help="re-time a conv whose rounds disagree by more than this (stdev/median, default 0.1)")
-    p.add_argument("--attempts", type=int, default=3, help="timing attempts per conv at most (default 3)")
+    p.add_argument("--attempts", type=positive_int, default=3, help="timing attempts per conv at most (default 3)")
     p.add_argument("--retime-noisy", action="store_true",
                    help="also re-time convs already in the file whose rows are noisy or were timed "
                    "beside a busy neighbour")
-    p.add_argument("--patience", type=float, default=30.0,
+    p.add_argument("--patience", type=nonnegative_float, default=30.0,
                    help="seconds to wait for quiet cores before timing a conv anyway (default 30)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -55,18 +57,11 @@ def run(args: argparse.Namespace) -> int:
 
     device = check_device(args.device).type
     out = args.out or f"results/dataset_{device}.csv"
-    if args.max_gflop <= 0:
-        raise MacoError(f"--max-gflop must be positive, got {args.max_gflop}")
-    if args.patience < 0:
-        raise MacoError(f"--patience must be >= 0, got {args.patience}")
-    if args.rounds <= 0:
-        raise MacoError(f"--rounds must be positive, got {args.rounds}")
+    check_writable(out, "--out")
     networks = [n.strip() for n in args.networks.split(",") if n.strip()]
     specs = [(src, spec) for b in _ints(args.batch, "batch") for src, spec in network_specs(networks, b)]
     specs += [("random", s) for s in random_specs(args.random, args.seed, max_flops=args.max_gflop * 1e9)]
     layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
-    if args.tolerance <= 0 or args.attempts <= 0:
-        raise MacoError(f"--tolerance and --attempts must be positive, got {args.tolerance}, {args.attempts}")
     summary = collect(out, specs, layouts, args.device, rounds=args.rounds, tolerance=args.tolerance,
                       attempts=args.attempts, retime_noisy=args.retime_noisy, threads=args.threads,
                       patience=args.patience,

@@ -1,24 +1,55 @@
 """Helpers shared by subcommands: turning a layer or network argument into conv specs, tables."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+import argparse
+import math
+from typing import Any, Callable, Iterable
 
 from maco.errors import MacoError
+from maco.files import short
 from maco.spec import ConvSpec
 
 
+def _number(kind: type, low: float, low_ok: bool, high: float = math.inf) -> Callable[[str], Any]:
+    """An argparse type that refuses values that make no sense before any work starts."""
+    bound = f">= {low:g}" if low_ok else f"> {low:g}"
+    if high < math.inf:
+        bound = f"in [{low:g}, {high:g}]"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_ok) or value > high:
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+positive_int = _number(int, 1, True)
+nonnegative_int = _number(int, 0, True)
+positive_float = _number(float, 0, False)
+nonnegative_float = _number(float, 0, True)
+fraction = _number(float, 0, True, 1)
+
+
 def resolve_layers(text: str, batch: int = 1) -> list[tuple[str, ConvSpec]]:
-    """A built-in network name (every distinct conv layer) or a layer spec like n1_c64_h56_w56_k64_r3_p1."""
+    """A built-in network name (every distinct conv layer) or a layer spec like n1_c64_h56_w56_k64_r3_p1
+    (a spec is parsed first: it needs no torch, which takes seconds to import)."""
+    try:
+        spec = ConvSpec.parse(text)
+        return [(str(spec), spec.with_batch(batch) if batch != 1 else spec)]
+    except MacoError as exc:
+        error = exc
     from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
 
     if text in NETWORKS:
         return [(names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})", spec)
                 for spec, names in distinct_convs(network_convs(text, batch))]
-    try:
-        spec = ConvSpec.parse(text)
-    except MacoError as exc:
-        raise MacoError(f"{text!r} is neither a network ({', '.join(NETWORKS)}) nor a layer spec: {exc}") from None
-    return [(str(spec), spec.with_batch(batch) if batch != 1 else spec)]
+    raise MacoError(f"{short(text)} is neither a network ({', '.join(NETWORKS)}) nor a layer spec: {error}")
 
 
 def print_table(title: str, columns: list[str], rows: Iterable[Iterable[Any]]) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from maco.commands.common import print_table
+from maco.commands.common import nonnegative_int, positive_float, positive_int, print_table
 from maco.errors import MacoError
+from maco.files import check_writable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,12 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=["exact", "backtrack", "mincut", "milp"], default="exact",
                    help="planner (default exact: min cut for two layouts)")
     p.add_argument("--layouts", default="NCHW,NHWC", help="layouts to choose from (default NCHW,NHWC)")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--json", default=None, metavar="FILE", help="save the plan as JSON (atomically)")
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--rounds", type=nonnegative_int, default=5,
                    help="interleaved end-to-end timing rounds (default 5; 0 skips the timing)")
-    p.add_argument("--time-limit", type=float, default=60.0,
+    p.add_argument("--time-limit", type=positive_float, default=60.0,
                    help="planner time limit in seconds (default 60; backtracking can be exponential)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -71,12 +72,10 @@ def run(args: argparse.Namespace) -> int:
     from maco.layouts.graph import trace
     from maco.layouts.networks import build, example_input
 
-    if args.batch <= 0:
-        raise MacoError(f"--batch must be positive, got {args.batch}")
-    if args.rounds < 0:
-        raise MacoError(f"--rounds must be >= 0, got {args.rounds}")
     from maco.layouts.latency import check_device
 
+    if args.json:
+        check_writable(args.json, "--json")
     device = check_device(args.device)
     model, x = build(args.network).to(device), example_input(args.batch).to(device)
     layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from maco.files import check_writable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from maco.reproduce import run_figures, select, write_report
 
     figures = select(args.figures)
-    out = Path(args.out)
+    out = check_writable(args.out, "--out", folder=True)
     status = {} if args.report_only else run_figures(figures, out, args.quick)
     path = write_report(out, status)
     print(f"report: {path}")

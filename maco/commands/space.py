@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from maco.commands.common import print_table, resolve_layers
-from maco.errors import MacoError
+from maco.commands.common import (fraction, nonnegative_int, positive_float, positive_int, print_table,
+                                  resolve_layers)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,12 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("layer", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2: its "
                    "distinct conv layers) or a layer spec such as n1_c64_h56_w56_k64_r3_p1")
     p.add_argument("--target", default="host", help="host (this CPU, default) or h100 (GPU sketch)")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    p.add_argument("--tolerance", type=float, default=2.0,
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument("--tolerance", type=positive_float, default=2.0,
                    help="pruning tolerance on x*y / (R*z) (default 2: within a factor of 2)")
-    p.add_argument("--fill", type=float, default=0.25,
+    p.add_argument("--fill", type=fraction, default=0.25,
                    help="least share of a level a tile's footprint must fill (default 0.25)")
-    p.add_argument("--samples", type=int, default=0, metavar="N",
+    p.add_argument("--samples", type=nonnegative_int, default=0, metavar="N",
                    help="also print N schedules drawn uniformly from the pruned space of each layer, "
                    "one JSON object per line")
     p.add_argument("--seed", type=int, default=0, help="random seed for --samples (default 0)")
@@ -34,10 +34,6 @@ def run(args: argparse.Namespace) -> int:
     from maco import prune, space
     from maco.target import Target
 
-    if args.batch < 1:
-        raise MacoError(f"--batch must be a positive int, got {args.batch}")
-    if args.samples < 0:
-        raise MacoError(f"--samples must be >= 0, got {args.samples}")
     target = Target.named(args.target)
     config = prune.PruneConfig(tolerance=args.tolerance, fill_low=args.fill)
     layers = resolve_layers(args.layer, args.batch)

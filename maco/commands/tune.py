@@ -7,10 +7,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from maco.commands.common import print_table, resolve_layers
+from maco.commands.common import (nonnegative_int, positive_float, positive_int, print_table,
+                                  resolve_layers)
 from maco.errors import MacoError
+from maco.files import check_writable
 from maco.spec import ConvSpec
-from maco.target import Target
+from maco.target import Target, require_memory
 
 DEFAULT_RECORDS = "maco_records.jsonl"
 
@@ -24,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "command again resumes (records already there count towards --trials).")
     p.add_argument("layer", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2) or "
                    "a layer spec such as n1_c64_h56_w56_k64_r3_p1")
-    p.add_argument("--trials", type=int, default=64,
+    p.add_argument("--trials", type=nonnegative_int, default=64,
                    help="measurements in total over all layers (default 64)")
     p.add_argument("--no-prune", action="store_true",
                    help="search the full space instead of the MACO-pruned one")
@@ -32,12 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"tuning records, JSON lines (default {DEFAULT_RECORDS})")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--target", default="cpu", help="cpu (this machine, default) or cuda (H100 model)")
-    p.add_argument("--batch", type=int, default=1, help="batch size of the layers (default 1)")
-    p.add_argument("--round", type=int, default=16, dest="round_size",
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size of the layers (default 1)")
+    p.add_argument("--round", type=positive_int, default=16, dest="round_size",
                    help="schedules measured per search round (default 16)")
     p.add_argument("--layouts", default="NCHW,NHWC",
                    help="activation layouts the search may pick (default NCHW,NHWC)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds one measurement may take before it counts as failed (default 120)")
     p.add_argument("--no-baseline", action="store_true", help="skip timing torch for the table")
     p.set_defaults(func=run)
@@ -55,15 +57,12 @@ class LayerResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.trials < 0:
-        raise MacoError(f"--trials must be >= 0, got {args.trials}")
-    if args.batch < 1:
-        raise MacoError(f"--batch must be a positive int, got {args.batch}")
     layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
     bad = [x for x in layouts if x not in ("NCHW", "NHWC")]
     if bad or not layouts:
         raise MacoError(f"--layouts must name NCHW and/or NHWC, got {args.layouts!r}")
     target = Target.named(args.target)
+    check_writable(args.records, "--records")
     results = tune_layers(resolve_layers(args.layer, args.batch), target, args.trials,
                           records=args.records, pruned=not args.no_prune, seed=args.seed,
                           round_size=args.round_size, layouts=layouts, timeout=args.timeout,
@@ -103,6 +102,9 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
     from maco.tune import Task, tune
 
     weights = weights or [_weight(name) for name, _ in layers]
+    if target.kind == "cpu":
+        for name, spec in layers:
+            require_memory(spec.working_bytes, f"measuring {name} ({spec})")
     tasks = [Task(name, spec, w, default_seeds(spec, target, layouts))
              for (name, spec), w in zip(layers, weights)]
     config = SearchConfig(batch=round_size, pruned=pruned, allowed_layouts=layouts)
