@@ -16,7 +16,8 @@ import io
 from pathlib import Path
 
 from maco.layouts.dataset import Canary
-from maco.layouts.latency import measure_conversion, measure_layouts, write_atomic
+from maco.files import write_atomic
+from maco.layouts.latency import measure_conversion, measure_layouts
 from maco.layouts.networks import network_convs
 from maco.timing import environment
 

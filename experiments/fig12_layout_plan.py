@@ -83,7 +83,7 @@ def run_network(name: str, sources: list[str], rounds: int, predictor: str | Non
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    from maco.layouts.latency import write_atomic
+    from maco.files import write_atomic
 
     buf = io.StringIO()
     w = csv.DictWriter(buf, COLUMNS, restval="")
@@ -99,7 +99,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from maco.layouts.latency import write_atomic
+    from maco.files import write_atomic
 
     nets = list(dict.fromkeys(r["network"] for r in rows))
     sources = list(dict.fromkeys(r["latency"] for r in rows))

@@ -28,7 +28,8 @@ from typing import Iterator
 import numpy as np
 
 from maco.layouts.dataset import QUIET_LOAD, Canary, load_rows
-from maco.layouts.latency import ConversionModel, measure_layouts, write_atomic
+from maco.files import write_atomic
+from maco.layouts.latency import ConversionModel, measure_layouts
 from maco.layouts.predictor import (baseline_models, evaluate, fit_baseline, fit_predictor,
                                     search_config, split_by_spec)
 

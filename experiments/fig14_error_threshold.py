@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writerow([m, *[f"{np.mean(e <= t):.4f}" for t in THRESHOLDS], f"{np.median(e):.4g}",
                     f"{np.quantile(e, 0.9):.4g}", len(e), *[f"{st[g][0]:.4f}" for g in GAPS],
                     *[f"{st[g][1]:.5f}" for g in GAPS], *[st[g][2] for g in GAPS]])
-    from maco.layouts.latency import write_atomic
+    from maco.files import write_atomic
 
     write_atomic(out / "fig14_error_threshold.csv", buf.getvalue().encode())
     print(f"{'model':12s} " + " ".join(f"<={t:<5g}" for t in THRESHOLDS))
@@ -107,7 +107,7 @@ def plot(errors: dict[str, np.ndarray], picks: dict[str, dict], path: Path) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from maco.layouts.latency import write_atomic
+    from maco.files import write_atomic
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
     grid = np.logspace(-3, 1, 200)

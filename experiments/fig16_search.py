@@ -23,7 +23,7 @@ import numpy as np
 from maco import ConvSpec, Target
 from maco.measure import MeasureConfig, Measurer
 from maco.search import SearchConfig
-from maco.tune import Task, tune
+from maco.tuning import Task, tune
 
 LAYERS = {"resnet18.layer1.conv": "n1_c64_h56_w56_k64_r3_p1",
           "resnet18.layer3.conv": "n1_c256_h14_w14_k256_r3_p1"}

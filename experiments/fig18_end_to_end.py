@@ -91,7 +91,7 @@ def run_network(name: str, rounds: int, records: dict | None) -> dict:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    from maco.layouts.latency import write_atomic
+    from maco.files import write_atomic
 
     buf = io.StringIO()
     w = csv.DictWriter(buf, COLUMNS, restval="")
@@ -107,7 +107,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from maco.layouts.latency import write_atomic
+    from maco.files import write_atomic
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = np.arange(len(rows))
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"records file(s) not found: {', '.join(missing)}")
     records = None
     if args.records:
-        from maco.optimize import best_in_files
+        from maco.records import best_in_files
         from maco.target import Target
 
         records = best_in_files(args.records, Target.host())

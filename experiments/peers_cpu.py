@@ -7,7 +7,7 @@ For each conv layer (NCHW, fp32, batch 1) this tunes and times:
                             Mullapudi2016 (the other CPU autoschedulers shipped in the wheel)
   tvm-ms                    TVM MetaSchedule (tune_tir on topi.nn.conv2d_nchw, XGBoost cost
                             model + evolutionary search, `--trials` measured candidates)
-  maco                      MACO's tuner (maco.commands.tune.tune_layers, `--trials` measurements)
+  maco                      MACO's tuner (maco.tuning.tune_layers, `--trials` measurements)
 
 Every (layer, tuner) runs in its own worker process (a peer that crashes -- TVM can segfault --
 becomes a row with an empty gflops and the reason in `note`), under `flock <--lock>` so that
@@ -268,7 +268,7 @@ def run_maco(spec, trials: int, quick: bool, workdir: Path) -> dict:
 
     if not hasattr(kernels, "build_many"):
         raise RuntimeError("maco.kernels.build_many missing: the CPU kernel backend is not there yet")
-    from maco.commands.tune import tune_layers
+    from maco.tuning import tune_layers
     from maco.target import Target
 
     # a cold gcc build cache, like TVM's and Halide's compiles: tuning_seconds counts every build

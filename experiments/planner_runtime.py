@@ -144,7 +144,7 @@ def measure(time_limit: float, max_depth: int) -> list[dict]:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    from maco.layouts.latency import write_atomic as write
+    from maco.files import write_atomic as write
 
     write(path, data)
 

@@ -291,7 +291,7 @@ class LayoutPlan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Written atomically (a temp file beside it, then os.replace)."""
-        from maco.layouts.latency import write_atomic
+        from maco.files import write_atomic
 
         write_atomic(Path(path), self.to_json().encode())
 
@@ -479,7 +479,7 @@ def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any,
     `example_input`, interleaved by rounds, with torch.inference_mode."""
     from tqdm import tqdm
 
-    from maco.layouts.latency import pool_timings, steady_allocator
+    from maco.timing import pool_timings, steady_allocator
 
     steady_allocator()  # the allocator's steady state, as the per-layer latencies were measured
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)

@@ -21,8 +21,9 @@ import torch
 
 from maco.errors import MacoError
 from maco.files import load_json_file, write_atomic
+from maco.kernels.baselines import torch_conv
 from maco.spec import DTYPE_BYTES, ConvSpec
-from maco.timing import Timing, time_callable
+from maco.timing import Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
 
 LAYOUTS: tuple[str, ...] = ("NCHW", "NHWC")
 _FORMATS = {"NCHW": torch.contiguous_format, "NHWC": torch.channels_last}
@@ -72,50 +73,14 @@ def _strict_cudnn(benchmark: bool) -> Iterator[None]:
          torch.backends.cuda.matmul.allow_tf32) = saved
 
 
-_STEADY: bool | None = None
-
-
-def steady_allocator() -> bool:
-    """Make glibc malloc serve every block from the heap and keep freed memory (no mmap, no
-    trimming), once per process; True where that worked (glibc). Affects the whole process:
-    it is what timing functions call, never plain model code.
-
-    Why: by default a block over the mmap threshold (128 KiB rising to at most 32 MiB as big
-    blocks are freed) is mmap'ed on every allocation and page-faulted in as it is written, so a
-    conv's time depends on its output size against a threshold that depends on what the
-    process did before. Measured here: one conv took 2.7 ms in one process and 18 ms in a fresh
-    one; a 38 MB-output conv took 24.6 ms mmap'ed and 6.4 ms from the heap. Served from the
-    heap, every measurement (data set, re-measurement, plan, end to end) sees the steady state
-    of a long-running process that reuses its memory, and repeats."""
-    global _STEADY
-    if _STEADY is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            m_trim_threshold, m_mmap_max = -1, -4
-            _STEADY = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-        except (OSError, AttributeError):
-            _STEADY = False
-    return _STEADY
-
-
 def conv_callable(spec: ConvSpec, layout: str, device: str | torch.device = "cpu"):
     """A no-argument function running the conv once, on random data in the given layout."""
     steady_allocator()
-    fmt, dev = memory_format(layout), check_device(device)
+    check_layout(layout)
+    dev = check_device(device)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(spec.input_shape, generator=gen).to(dev).contiguous(memory_format=fmt)
-    wt = torch.randn(spec.weight_shape, generator=gen).to(dev).contiguous(memory_format=fmt)
-    conv = torch.nn.functional.conv2d
-    args = (spec.stride, spec.padding, spec.dilation, spec.groups)
-
-    def run() -> torch.Tensor:
-        with torch.inference_mode():
-            return conv(x, wt, None, *args)
-
-    return run
+    x = torch.randn(spec.input_shape, generator=gen).to(dev)
+    return torch_conv(spec, x, torch.randn(spec.weight_shape, generator=gen).to(dev), layout)
 
 
 def measure_conv(spec: ConvSpec, layout: str, device: str | torch.device = "cpu", *,
@@ -136,22 +101,12 @@ def measure_layouts(spec: ConvSpec, layouts: Sequence[str] = LAYOUTS,
     machine hits both layouts alike; each layout's Timing pools its rounds' samples."""
     dev = check_device(device)
     runs = {check_layout(lay): conv_callable(spec, lay, dev) for lay in layouts}
-    per_round: dict[str, list[Timing]] = {lay: [] for lay in runs}
     with _strict_cudnn(cudnn_benchmark):
-        for r in range(max(rounds, 1)):
-            for lay, run in runs.items():
-                per_round[lay].append(time_callable(run, repeats=repeats, min_run_time=min_run_time,
-                                                    warmup=2 if r == 0 else 1, sync=_sync(dev)))
+        for run in runs.values():
+            run()  # the first call builds oneDNN/cuDNN primitives: off the clock
+        per_round = interleaved_rounds(runs, rounds, repeats=repeats, min_run_time=min_run_time,
+                                       sync=_sync(dev))
     return {lay: pool_timings(ts) for lay, ts in per_round.items()}
-
-
-def pool_timings(timings: Sequence[Timing]) -> Timing:
-    """One Timing from several rounds: the median of the rounds' medians, the extremes of all
-    repeats, the spread of the round medians, and the total repeat count."""
-    meds = [t.median for t in timings]
-    return Timing(median=float(np.median(meds)), min=min(t.min for t in timings),
-                  max=max(t.max for t in timings), stdev=float(np.std(meds)),
-                  repeats=sum(t.repeats for t in timings), number=max(t.number for t in timings))
 
 
 # -- layout conversions -------------------------------------------------------------------------
@@ -307,5 +262,4 @@ def predict_conversion(shape: Sequence[int], src: str, dst: str, device: str = "
 
 __all__ = ["LAYOUTS", "ConversionModel", "check_layout", "check_device", "conv_callable",
            "measure_conv", "measure_layouts", "measure_conversion", "predict_conversion",
-           "conversion_bytes", "memory_format", "pool_timings", "write_atomic", "CALIBRATION_SHAPES",
-           "steady_allocator"]
+           "conversion_bytes", "memory_format", "CALIBRATION_SHAPES"]

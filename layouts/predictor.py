@@ -33,7 +33,8 @@ from maco.errors import MacoError
 from maco.files import load_json_file
 from maco.spec import ConvSpec
 
-from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, write_atomic
+from maco.files import write_atomic
+from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout
 
 FEATURES = ["layout", "n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h",
             "pad_w", "dil_h", "dil_w", "groups", "flops", "input_bytes", "weight_bytes",

@@ -44,7 +44,7 @@ class MeasureConfig:
 
 
 class Measurer:
-    """Callable as maco.search.Measurer: `(spec, schedules, target) -> [(Timing|None, error|None)]`.
+    """A maco.search.MeasureFunction: `(spec, schedules, target) -> [(Timing|None, error|None)]`.
     Use as a context manager (or call close()) to stop the worker."""
 
     def __init__(self, target: Target, config: MeasureConfig | None = None):
@@ -144,7 +144,7 @@ def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target,
 
 # -- the worker ------------------------------------------------------------------------------
 def _worker_main(conn: Any, target_dict: dict[str, Any]) -> None:
-    from maco.layouts.latency import steady_allocator
+    from maco.timing import steady_allocator
 
     steady_allocator()  # torch's outputs come from the heap, as in a long-running model (no mmap faults)
     target = Target.from_dict(target_dict)
@@ -207,7 +207,7 @@ def _run_job(job: dict[str, Any], target: Target, cache: dict) -> dict[str, Any]
             xl, wl = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
             fn = CudnnConv(spec, job["layout"], benchmark=True).prepare(xl, wl)
         else:
-            from maco.commands.bench import torch_conv
+            from maco.kernels.baselines import torch_conv
 
             fn = torch_conv(spec, x, w, job["layout"])
     else:

@@ -18,9 +18,10 @@ from torch import nn
 
 from maco.errors import MacoError
 from maco.files import check_writable
+from maco.records import best_in_files
 from maco.spec import ConvSpec
 from maco.target import Target, require_memory
-from maco.tune import BUDGETS
+from maco.tuning import BUDGETS, tune_layers
 
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
@@ -126,7 +127,6 @@ class OptimizeResult:
 def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str = "quick",
              out: str | Path = "maco-out", records: str | Path | None = None, seed: int = 0,
              input_shape: tuple[int, ...] | None = None, log=print) -> OptimizeResult:
-    from maco.commands.tune import tune_layers
     from maco.layouts.deploy import compare_end_to_end, plan as plan_layouts
     from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input
 
@@ -231,8 +231,8 @@ def confirm_in_process(chosen: dict[str, dict[str, Any]], target: Target,
     check that the gain survives where the kernel will actually run."""
     import statistics
 
-    from maco.commands.bench import torch_conv
-    from maco.layouts.latency import steady_allocator
+    from maco.kernels.baselines import torch_conv
+    from maco.timing import steady_allocator
     from maco.timing import time_callable
 
     steady_allocator()
@@ -258,25 +258,6 @@ def confirm_in_process(chosen: dict[str, dict[str, Any]], target: Target,
                     per_round.append(t_torch / t_maco)
             ratios.setdefault(text, {})[layout] = statistics.median(per_round)
     return ratios
-
-
-def best_per_layout(records: list, target: Target) -> dict[tuple[ConvSpec, str], Any]:
-    """The fastest successful record per (spec, layout) measured on `target`."""
-    fp = target.fingerprint()
-    best: dict[tuple[ConvSpec, str], Any] = {}
-    for r in records:
-        if r.ok and r.target == fp:
-            key = (r.spec, r.schedule.layout)
-            if key not in best or r.seconds < best[key].seconds:
-                best[key] = r
-    return best
-
-
-def best_in_files(paths: list[str | Path], target: Target) -> dict[tuple[ConvSpec, str], Any]:
-    """best_per_layout over the records of every file in `paths`."""
-    from maco.records import RecordFile
-
-    return best_per_layout([r for path in paths for r in RecordFile(path).load()], target)
 
 
 # -- outputs ---------------------------------------------------------------------------------

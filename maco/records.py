@@ -227,6 +227,24 @@ class RecordFile:
 
     def best(self, spec: ConvSpec, target: Target, layout: str | None = None) -> Record | None:
         """The fastest successful record of `spec` on `target` (optionally in one layout)."""
-        ok = [r for r in self.for_task(spec, target)
-              if r.ok and (layout is None or r.schedule.layout == layout)]
-        return min(ok, key=lambda r: r.seconds, default=None)
+        best = best_per_layout(self.for_task(spec, target), target)
+        return min((r for (_, lay), r in best.items() if layout in (None, lay)),
+                   key=lambda r: r.seconds, default=None)
+
+
+def best_per_layout(records: Iterable[Record], target: Target) -> dict[tuple[ConvSpec, str], Record]:
+    """The fastest successful record per (spec, layout) measured on `target`: records of another
+    machine say nothing of this one's kernels."""
+    fingerprint = target.fingerprint()
+    best: dict[tuple[ConvSpec, str], Record] = {}
+    for r in records:
+        if r.ok and r.target == fingerprint:
+            key = (r.spec, r.schedule.layout)
+            if key not in best or r.seconds < best[key].seconds:
+                best[key] = r
+    return best
+
+
+def best_in_files(paths: Iterable[str | os.PathLike[str]], target: Target) -> dict[tuple[ConvSpec, str], Record]:
+    """best_per_layout over the records of every file in `paths`."""
+    return best_per_layout([r for path in paths for r in RecordFile(path).load()], target)

@@ -3,7 +3,7 @@
 Each round: retrain the cost model on everything measured so far, evolve a population that
 starts from fresh samples of the (pruned or full) space plus the best measured schedules,
 pick the top candidates by predicted fitness with epsilon-greedy exploration, and measure
-them for real. Measuring goes through a `Measurer`, so the search never times anything itself.
+them for real. Measuring goes through a `MeasureFunction` (maco.measure.Measurer in practice), so the search never times anything itself.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from maco.target import Target
 from maco.timing import Timing
 
 
-class Measurer(Protocol):
+class MeasureFunction(Protocol):
     """Times schedules of one conv; returns one (timing, error) pair per schedule, in order."""
 
     def __call__(self, spec: ConvSpec, schedules: Sequence[Schedule],
@@ -228,7 +228,7 @@ def evolve(spec: ConvSpec, target: Target, population: list[Schedule],
 
 
 # -- one task's tuning rounds ------------------------------------------------------------------
-def search_round(state: TaskState, target: Target, model, measurer: Measurer, rng: random.Random,
+def search_round(state: TaskState, target: Target, model, measurer: MeasureFunction, rng: random.Random,
                  config: SearchConfig, n: int | None = None,
                  records: RecordFile | None = None, seeds: Sequence[Schedule] = ()) -> list[Record]:
     """Pick and measure one batch of new schedules for `state.spec` ranked by `model` (already

@@ -9,7 +9,8 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Any, Callable
+from importlib import metadata
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,58 @@ def time_callable(fn: Callable[[], Any], *, repeats: int = 7, min_run_time: floa
     return Timing.from_samples(samples, number)
 
 
+_STEADY: bool | None = None
+
+
+def steady_allocator() -> bool:
+    """Make glibc malloc serve every block from the heap and keep freed memory (no mmap, no
+    trimming), once per process; True where that worked (glibc). Affects the whole process:
+    it is what timing functions call, never plain model code.
+
+    Why: by default a block over the mmap threshold (128 KiB rising to at most 32 MiB as big
+    blocks are freed) is mmap'ed on every allocation and page-faulted in as it is written, so a
+    conv's time depends on its output size against a threshold that depends on what the
+    process did before. Measured here: one conv took 2.7 ms in one process and 18 ms in a fresh
+    one; a 38 MB-output conv took 24.6 ms mmap'ed and 6.4 ms from the heap. Served from the
+    heap, every measurement (data set, re-measurement, plan, end to end) sees the steady state
+    of a long-running process that reuses its memory, and repeats."""
+    global _STEADY
+    if _STEADY is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            m_trim_threshold, m_mmap_max = -1, -4
+            _STEADY = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+        except (OSError, AttributeError):
+            _STEADY = False
+    return _STEADY
+
+
+def pool_timings(timings: list[Timing]) -> Timing:
+    """One Timing from several rounds: the median of the rounds' medians, the extremes of all
+    repeats, the spread of the round medians, and the total repeat count."""
+    meds = [t.median for t in timings]
+    return Timing(median=float(statistics.median(meds)), min=min(t.min for t in timings),
+                  max=max(t.max for t in timings), stdev=float(statistics.pstdev(meds)),
+                  repeats=sum(t.repeats for t in timings), number=max(t.number for t in timings))
+
+
+def interleaved_rounds(runs: Mapping[str, Callable[[], Any]], rounds: int, *, repeats: int = 1,
+                       min_run_time: float = 1e-3, warmup: int = 1,
+                       sync: Callable[[], Any] | None = None) -> dict[str, list[Timing]]:
+    """Each of `runs` timed by the protocol once per round, round after round: the machine's
+    spells (seconds at half speed on these VMs) then hit every candidate of a round alike, so
+    per-round ratios between candidates are steady where each one's times are not."""
+    out: dict[str, list[Timing]] = {label: [] for label in runs}
+    for _ in range(max(rounds, 1)):
+        for label, fn in runs.items():
+            out[label].append(time_callable(fn, repeats=repeats, min_run_time=min_run_time,
+                                            warmup=warmup, sync=sync))
+    return out
+
+
 @lru_cache(maxsize=1)
 def environment() -> dict[str, Any]:
     """What produced a number: CPU, threads, compiler, library versions (GPU when torch sees one)."""
@@ -93,7 +146,8 @@ def environment() -> dict[str, Any]:
             env["cudnn"] = torch.backends.cudnn.version()
     except ImportError:
         env["torch"] = None
-    from maco import __version__
-
-    env["maco"] = __version__
+    try:
+        env["maco"] = metadata.version("maco")
+    except metadata.PackageNotFoundError:
+        env["maco"] = None
     return env

@@ -15,8 +15,7 @@ from maco.errors import MacoError
 from maco.kernels import cpu_build, cuda_codegen
 from maco.kernels.cuda_schedule import default_schedule as cuda_default
 from maco.kernels.source_text import comment
-from maco.optimize import best_in_files
-from maco.records import RecordFile, make_record
+from maco.records import best_in_files, RecordFile, make_record
 from maco.schedule import Schedule
 from maco.timing import Timing
 

@@ -365,7 +365,7 @@ def test_microkernel_ceiling_lies_below_the_fma_peak():
 def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
     """The VM runs in faster and slower spells: the fraction of peak compares the kernel with the
     FMA loop doing the same flops in the same rounds, not with the best peak ever seen."""
-    from maco.commands.bench import bench_layer
+    from maco.benchmark import bench_layer
 
     spec = ConvSpec.parse("n1_c32_h14_w14_k64_r3x3_p1")
     r = bench_layer("x", spec, {"maco": kernels.default_schedule(spec, HOST, "NHWC")}, HOST, repeats=2,
@@ -388,7 +388,7 @@ def test_bench_cli(capsys):
 def test_bench_speedup_compares_within_rounds():
     """The machine's fast and slow spells hit neighbours in a round alike: a kernel 1.2x faster
     than torch's faster layout in every round is 1.2x, whichever spell each round fell in."""
-    from maco.commands.bench import BenchRow
+    from maco.benchmark import BenchRow
 
     spell = [1.0, 1.0, 1.3, 1.3, 1.3]
     row = BenchRow("x", ConvSpec.parse("n1_c8_h10_w10_k16_r3x3_p1"),
@@ -406,8 +406,8 @@ def test_bench_times_torch_with_the_steady_allocator():
     import subprocess
     import sys
 
-    code = ("from maco import ConvSpec, Target, kernels; from maco.commands.bench import bench_layer; "
-            "import maco.layouts.latency as L; s = ConvSpec.parse('n1_c8_h10_w10_k16_r3x3_p1'); "
+    code = ("from maco import ConvSpec, Target, kernels; from maco.benchmark import bench_layer; "
+            "import maco.timing as L; s = ConvSpec.parse('n1_c8_h10_w10_k16_r3x3_p1'); "
             "bench_layer('x', s, {'NCHW': kernels.default_schedule(s, Target.host())}, Target.host(), "
             "repeats=1); print(L._STEADY)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -446,7 +446,7 @@ def test_filter_heavy_default_splits_cores_by_rows_in_nhwc_where_rows_share_out_
 def test_packed_weights_and_outputs_start_on_a_cache_line():
     """numpy promises 16 bytes; misaligned weight vectors straddle two cache lines and made the
     same kernel up to 9% slower in one process than in another."""
-    from maco.layouts.latency import steady_allocator
+    from maco.timing import steady_allocator
 
     steady_allocator()  # the timers' allocator state, where numpy's arrays land 16 bytes apart
     spec = ConvSpec.parse("n1_c8_h6_w7_k32_r3x3_p1")

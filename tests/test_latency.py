@@ -112,7 +112,7 @@ def test_steady_allocator_keeps_big_tensors_on_the_heap():
     import ctypes
     import ctypes.util
 
-    from maco.layouts.latency import steady_allocator
+    from maco.timing import steady_allocator
 
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     if not hasattr(libc, "mallinfo2"):
@@ -134,7 +134,7 @@ def test_steady_allocator_keeps_big_tensors_on_the_heap():
 def test_write_atomic_replaces_whole_and_honours_the_umask(tmp_path):
     import os
 
-    from maco.layouts.latency import write_atomic
+    from maco.files import write_atomic
 
     path = tmp_path / "sub" / "result.csv"
     write_atomic(path, b"a,b\n")

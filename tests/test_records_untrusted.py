@@ -8,12 +8,11 @@ from maco import ConvSpec, Target, space
 from maco.cost_model import CostModel
 from maco.errors import MacoError
 from maco.files import MAX_LINE_BYTES
-from maco.optimize import best_in_files
-from maco.records import Record, RecordFile, TransientError, make_record
+from maco.records import best_in_files, Record, RecordFile, TransientError, make_record
 from maco.schedule import Schedule
 from maco.search import SearchConfig
 from maco.timing import Timing
-from maco.tune import Task, tune
+from maco.tuning import Task, tune
 from tests.targets import AVX2
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)

@@ -10,7 +10,7 @@ from maco.cost_model import CostModel, analytic_seconds, features
 from maco.records import RecordFile, make_record
 from maco.search import SearchConfig, crossover, evolve, mutate_annotation, mutate_tile
 from maco.timing import Timing
-from maco.tune import Task, tune
+from maco.tuning import Task, tune
 from tests.targets import AVX2
 
 SPEC = ConvSpec.parse("n1_c32_h28_w28_k64_r3_p1")

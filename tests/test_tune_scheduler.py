@@ -5,7 +5,7 @@ import random
 from maco import ConvSpec
 from maco.search import _move_factor, crossover, mutate_tile
 from maco.schedule import Schedule
-from maco.tune import Task, TaskScheduler
+from maco.tuning import Task, TaskScheduler
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)
 

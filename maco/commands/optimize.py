@@ -7,7 +7,7 @@ from maco.errors import MacoError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from maco.tune import BUDGETS
+    from maco.tuning import BUDGETS
 
     p = sub.add_parser(
         "optimize", help="tune a model's convs, plan its layouts and measure it end to end (the main job)",

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 from maco.commands.common import (nonnegative_int, positive_float, positive_int, print_table,
                                   resolve_layers)
 from maco.errors import MacoError
 from maco.files import check_writable
-from maco.spec import ConvSpec
-from maco.target import Target, require_memory
+from maco.target import Target
+from maco.tuning import LayerResult, tune_layers
 
 DEFAULT_RECORDS = "maco_records.jsonl"
 
@@ -45,17 +43,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-@dataclass
-class LayerResult:
-    name: str
-    spec: ConvSpec
-    weight: int
-    best: object  # maco.records.Record | None
-    trials: int
-    torch_nchw: float | None  # seconds
-    torch_nhwc: float | None
-
-
 def run(args: argparse.Namespace) -> int:
     layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
     bad = [x for x in layouts if x not in ("NCHW", "NHWC")]
@@ -70,82 +57,6 @@ def run(args: argparse.Namespace) -> int:
     print_results(results, target, f"tuned {args.layer} on {target.name} "
                   f"({'full' if args.no_prune else 'MACO-pruned'} space, records: {args.records})")
     return 0
-
-
-def default_seeds(spec: ConvSpec, target: Target, layouts: tuple[str, ...]) -> tuple:
-    """The bound-derived default schedule of each layout: measured first by every search."""
-    from maco import kernels
-
-    seeds = []
-    for layout in layouts:
-        try:
-            if target.kind == "cuda":
-                from maco.kernels import cuda
-
-                seeds.append(cuda.default_schedule(spec, target, layout))
-            else:
-                seeds.append(kernels.default_schedule(spec, target, layout))
-        except MacoError:
-            pass  # no default for this layout: the search starts from samples alone
-    return tuple(seeds)
-
-
-def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int, *,
-                records: str | Path, pruned: bool = True, seed: int = 0, round_size: int = 16,
-                layouts: tuple[str, ...] = ("NCHW", "NHWC"), timeout: float = 120.0,
-                baselines: bool = True, weights: list[int] | None = None) -> list[LayerResult]:
-    """Tune `layers` with a shared budget of `trials` measurements; returns one result per layer."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from maco.measure import MeasureConfig, Measurer
-    from maco.search import SearchConfig
-    from maco.tune import Task, tune
-
-    weights = weights or [_weight(name) for name, _ in layers]
-    if target.kind == "cpu":
-        for name, spec in layers:
-            require_memory(spec.working_bytes, f"measuring {name} ({spec})")
-    tasks = [Task(name, spec, w, default_seeds(spec, target, layouts))
-             for (name, spec), w in zip(layers, weights)]
-    config = SearchConfig(batch=round_size, pruned=pruned, allowed_layouts=layouts)
-    with Measurer(target, MeasureConfig(timeout=timeout)) as measurer, Progress(
-            TextColumn("[bold]tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.description}"), transient=False) as bar:
-        job = bar.add_task("", total=trials)
-
-        def progress(done: int, total: int, task: Task, state) -> None:
-            best = state.best
-            gf = f"{best.gflops:.1f} GFLOP/s" if best else "no valid kernel yet"
-            bar.update(job, completed=min(done, total), description=f"{task.name}: {gf}")
-
-        result = tune(tasks, target, trials, measurer, records=records, config=config, seed=seed,
-                      progress=progress)
-        bar.update(job, completed=trials)
-        out = []
-        for task, state in zip(tasks, result.states):
-            nchw = nhwc = None
-            if baselines:
-                bar.update(job, description=f"timing torch on {task.name}")
-                nchw = _seconds(measurer.baseline(task.spec, "NCHW"))
-                nhwc = _seconds(measurer.baseline(task.spec, "NHWC"))
-            out.append(LayerResult(task.name, task.spec, task.weight, state.best, len(state.records),
-                                   nchw, nhwc))
-    return out
-
-
-def _weight(name: str) -> int:
-    """'layer3.0.conv2 (+2)' stands for 3 layers."""
-    if name.endswith(")") and "(+" in name:
-        try:
-            return 1 + int(name[name.rindex("(+") + 2:-1])
-        except ValueError:
-            pass
-    return 1
-
-
-def _seconds(result) -> float | None:
-    timing, _ = result
-    return timing.median if timing else None
 
 
 def peak_gflops(target: Target) -> float:

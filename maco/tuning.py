@@ -1,5 +1,6 @@
 """Tuning one conv or a whole network: the task scheduler (Ansor section 6) hands rounds of the
-evolutionary search (maco.search) to the layers that matter most for end-to-end time."""
+evolutionary search (maco.search) to the layers that matter most for end-to-end time, and
+`tune_layers` wires it to the measuring worker, the default seeds and a progress bar."""
 from __future__ import annotations
 
 import math
@@ -8,12 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from maco import kernels
 from maco.cost_model import CostModel
 from maco.errors import MacoError
-from maco.records import RecordFile
-from maco.search import Measurer, SearchConfig, TaskState, search_round
+from maco.measure import MeasureConfig, Measurer
+from maco.records import Record, RecordFile
+from maco.search import MeasureFunction, SearchConfig, TaskState, search_round
 from maco.spec import ConvSpec
-from maco.target import Target
+from maco.target import Target, require_memory
+from maco.timing import Timing
 
 # Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
 BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
@@ -71,7 +75,7 @@ class TuneResult:
         return self.states[index].best
 
 
-def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: Measurer,
+def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFunction,
          records: str | Path | None = None, config: SearchConfig | None = None, seed: int = 0,
          progress: Callable[[int, int, Task, TaskState], None] | None = None) -> TuneResult:
     """Spend `trials` measurements over `tasks`. Records already in the file count towards
@@ -119,3 +123,78 @@ def _round_size(index: int, sched: TaskScheduler, n_tasks: int, batch: int, left
     unvisited = sum(1 for j in range(n_tasks) if j not in sched.history)
     return max(1, min(batch, left // max(unvisited, 1)))
 
+
+@dataclass
+class LayerResult:
+    name: str
+    spec: ConvSpec
+    weight: int
+    best: Record | None
+    trials: int
+    torch_nchw: float | None  # seconds
+    torch_nhwc: float | None
+
+
+def default_seeds(spec: ConvSpec, target: Target, layouts: tuple[str, ...]) -> tuple:
+    """The bound-derived default schedule of each layout: measured first by every search."""
+    seeds = []
+    for layout in layouts:
+        try:
+            seeds.append(kernels.default_schedule(spec, target, layout))
+        except MacoError:
+            pass  # no default for this layout: the search starts from samples alone
+    return tuple(seeds)
+
+
+def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int, *,
+                records: str | Path, pruned: bool = True, seed: int = 0, round_size: int = 16,
+                layouts: tuple[str, ...] = ("NCHW", "NHWC"), timeout: float = 120.0,
+                baselines: bool = True, weights: list[int] | None = None) -> list[LayerResult]:
+    """Tune `layers` with a shared budget of `trials` measurements; returns one result per layer."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    weights = weights or [_weight(name) for name, _ in layers]
+    if target.kind == "cpu":
+        for name, spec in layers:
+            require_memory(spec.working_bytes, f"measuring {name} ({spec})")
+    tasks = [Task(name, spec, w, default_seeds(spec, target, layouts))
+             for (name, spec), w in zip(layers, weights)]
+    config = SearchConfig(batch=round_size, pruned=pruned, allowed_layouts=layouts)
+    with Measurer(target, MeasureConfig(timeout=timeout)) as measurer, Progress(
+            TextColumn("[bold]tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.description}"), transient=False) as bar:
+        job = bar.add_task("", total=trials)
+
+        def progress(done: int, total: int, task: Task, state: TaskState) -> None:
+            best = state.best
+            gf = f"{best.gflops:.1f} GFLOP/s" if best else "no valid kernel yet"
+            bar.update(job, completed=min(done, total), description=f"{task.name}: {gf}")
+
+        result = tune(tasks, target, trials, measurer, records=records, config=config, seed=seed,
+                      progress=progress)
+        bar.update(job, completed=trials)
+        out = []
+        for task, state in zip(tasks, result.states):
+            nchw = nhwc = None
+            if baselines:
+                bar.update(job, description=f"timing torch on {task.name}")
+                nchw = _seconds(measurer.baseline(task.spec, "NCHW"))
+                nhwc = _seconds(measurer.baseline(task.spec, "NHWC"))
+            out.append(LayerResult(task.name, task.spec, task.weight, state.best, len(state.records),
+                                   nchw, nhwc))
+    return out
+
+
+def _weight(name: str) -> int:
+    """'layer3.0.conv2 (+2)' stands for 3 layers."""
+    if name.endswith(")") and "(+" in name:
+        try:
+            return 1 + int(name[name.rindex("(+") + 2:-1])
+        except ValueError:
+            pass
+    return 1
+
+
+def _seconds(result: tuple[Timing | None, str | None]) -> float | None:
+    timing, _ = result
+    return timing.median if timing else None
