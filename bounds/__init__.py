@@ -3,7 +3,7 @@
     derive_conv()                         the paper's derivation in sympy (T, Q_lower, Q_dataflow, conditions)
     conv_io_lower_bound(spec, S)          eq. (7), loads + stores in elements
     best_lower_bound(spec, S)             the largest valid bound (eq. 7, compulsory, GEMM for 1x1)
-    reuse(spec)                           R, the exact maximal reuse of one input element
+    max_reuse(spec)                       R, the exact maximal reuse of one input element
     optimal_tile(spec, S, Np=1)           the I/O-optimal integer tile of the alpha=1 dataflow
     dataflow_io(spec, tile)               that dataflow's exact loads + stores
     tiles_for_target(spec, target)        the tile at every memory level
@@ -11,15 +11,13 @@
 """
 from maco.bounds.conv import (BoundReport, ConvDerivation, best_lower_bound, bound_report,
                               compulsory_io, conv_as_gemm, conv_io_lower_bound, derive_conv,
-                              gemm_io_leading, gemm_io_lower_bound, paper_reuse, pebble_T, reuse,
-                              vertex_count)
+                              gemm_io_leading, gemm_io_lower_bound, max_reuse, pebble_T, vertex_count)
 from maco.bounds.pebble import PebbleBound, Stage, multistage_bound
 from maco.bounds.simulate import IOCounts, schedule_loops, simulate_io, tile_loops
-from maco.bounds.tiles import (Tile, continuous_tile, dataflow_io, dataflow_loads, footprint,
-                               optimal_tile, tiles_for_target)
+from maco.bounds.tiles import Tile, continuous_tile, dataflow_io, dataflow_loads, optimal_tile, tiles_for_target
 
 __all__ = ["BoundReport", "ConvDerivation", "IOCounts", "PebbleBound", "Stage", "Tile", "best_lower_bound",
            "bound_report", "compulsory_io", "continuous_tile", "conv_as_gemm", "conv_io_lower_bound",
-           "dataflow_io", "dataflow_loads", "derive_conv", "footprint", "gemm_io_leading",
-           "gemm_io_lower_bound", "multistage_bound", "optimal_tile", "paper_reuse", "pebble_T",
-           "reuse", "schedule_loops", "simulate_io", "tile_loops", "tiles_for_target", "vertex_count"]
+           "dataflow_io", "dataflow_loads", "derive_conv", "gemm_io_leading",
+           "gemm_io_lower_bound", "max_reuse", "multistage_bound", "optimal_tile", "pebble_T",
+           "schedule_loops", "simulate_io", "tile_loops", "tiles_for_target", "vertex_count"]

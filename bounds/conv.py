@@ -112,17 +112,12 @@ def _check_S(S_value: float) -> float:
     return float(S_value)
 
 
-def reuse(spec: ConvSpec) -> float:
+def max_reuse(spec: ConvSpec) -> float:
     """R: the most outputs of one filter that read one input element, counted exactly over the
     layer (dilation, stride, padding and borders included). For stride 1 it is kh*kw, the paper's
     R; for stride s > 1 it can exceed the paper's average kh*kw/s^2 (3x3, s=2: 4, not 2.25)."""
     rows, cols = spec_axes(spec)
     return float(rows.max_reuse * cols.max_reuse)
-
-
-def paper_reuse(spec: ConvSpec) -> float:
-    """The paper's R = kh*kw/stride^2 (the average reuse of a dense input)."""
-    return spec.kh * spec.kw / (spec.stride[0] * spec.stride[1])
 
 
 def pebble_T(R_value: float, S_value: float) -> float:
@@ -148,7 +143,7 @@ def conv_io_lower_bound(spec: ConvSpec, S: float) -> float:
     Summing per group is sound: the groups share no vertex, and restricting a pebbling of the
     whole conv to one group's vertices is a pebbling of that group with no more red pebbles."""
     s = _check_S(S)
-    r = max(reuse(spec), 1.0)
+    r = max(max_reuse(spec), 1.0)
     per_group = s * (vertex_count(spec, per_group=True) / pebble_T(r, 2 * s) - 1)
     return spec.groups * max(per_group, 0.0)
 
@@ -226,7 +221,7 @@ class BoundReport:
 
 def bound_report(spec: ConvSpec, S: float) -> BoundReport:
     s = _check_S(S)
-    r = max(reuse(spec), 1.0)
+    r = max(max_reuse(spec), 1.0)
     gemm = gemm_leading = None
     shape = conv_as_gemm(spec)
     if shape is not None:

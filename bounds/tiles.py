@@ -20,8 +20,9 @@ from typing import Any, Callable
 import numpy as np
 
 from maco.bounds.axis import spec_axes
-from maco.bounds.conv import _check_S, reuse
+from maco.bounds.conv import _check_S, max_reuse
 from maco.errors import MacoError
+from maco.geometry import footprint, input_extent
 from maco.spec import ConvSpec
 from maco.target import Target
 
@@ -67,13 +68,6 @@ class Tile:
         return f"{self.x}x{self.y}x{self.z}"
 
 
-def footprint(spec: ConvSpec, x: int, y: int, z: int) -> int:
-    """x*y*z + x'*y' + z*kh*kw with x' = (x-1)*stride_w + (kw-1)*dilation_w + 1, y' likewise."""
-    xin = (x - 1) * spec.stride[1] + (spec.kw - 1) * spec.dilation[1] + 1
-    yin = (y - 1) * spec.stride[0] + (spec.kh - 1) * spec.dilation[0] + 1
-    return x * y * z + xin * yin + z * spec.kh * spec.kw
-
-
 def dataflow_loads(spec: ConvSpec, tile: Tile) -> int:
     """Input and weight loads of the dataflow (module docstring), summed over all tiles."""
     t = tile.clipped(spec)
@@ -97,7 +91,7 @@ def dataflow_io(spec: ConvSpec, tile: Tile) -> int:
 def continuous_tile(spec: ConvSpec, S: float, Np: int = 1) -> tuple[float, float, float]:
     """The paper's optimum: z = sqrt(S/(Np*R)), x = y = sqrt(R*z), so x*y = R*z and x*y*z = S/Np."""
     cap = _check_S(S) / Np
-    r = max(reuse(spec), 1.0)
+    r = max(max_reuse(spec), 1.0)
     z = sqrt(cap / r)
     side = sqrt(r * z)
     return (side, side, z)
@@ -125,7 +119,7 @@ def optimal_tile(spec: ConvSpec, S: float, Np: int = 1) -> Tile:
     if y_max < 1:
         return Tile(1, 1, 1, cont, fits=False)
     ys = np.arange(1, y_max + 1, dtype=np.int64)
-    yins = (ys - 1) * sh + eh
+    yins = input_extent(ys, spec.kh, sh, spec.dilation[0])
 
     def x_fits(z: int) -> np.ndarray:  # per y, the largest x beside z filters (0: none)
         return np.clip((cap - z * window - yins * (ew - sw)) // (yins * sw + z * ys), 0, spec.out_w)
@@ -156,12 +150,12 @@ def optimal_tile(spec: ConvSpec, S: float, Np: int = 1) -> Tile:
         count = hi[chunk] - lo[chunk] + 1
         r = np.repeat(row[chunk], count)
         x = np.arange(r.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count - lo[chunk], count)
-        y, yin, xin = ys[r], yins[r], (x - 1) * sw + ew
+        y, yin, xin = ys[r], yins[r], input_extent(x, spec.kw, sw, spec.dilation[1])
         blocks = -(-kg // np.minimum((cap - yin * xin) // (y * x + window), kg))
         loads = blocks * in_rows[r] * in_cols[x] + kg * taps_rows[r] * taps_cols[x]
         pick = np.flatnonzero(loads == loads.min())
         x, y, z = x[pick], y[pick], -(-kg // blocks[pick])  # least z with the same blocks
-        foot = y * x * z + yin[pick] * xin[pick] + z * window
+        foot = footprint(spec, x, y, z)
         pick = np.flatnonzero(foot == foot.min())
         i = pick[np.lexsort((x[pick], y[pick], np.abs(y[pick] - x[pick])))[0]]
         xi, yi = int(x[i]), int(y[i])

@@ -31,6 +31,7 @@ from math import prod
 import numpy as np
 
 from maco.errors import MacoError
+from maco.geometry import input_window
 from maco.kernels.source_text import comment
 from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
 from maco.spec import ConvSpec
@@ -146,10 +147,8 @@ class CpuPlan:
 
     def window_dims(self, level: int) -> tuple[int, int]:
         """Rows and columns of the input that one tile of `level` reads in one R0 step."""
-        s = self.spec
-        rows = (self.tile("oh", level) - 1) * s.stride[0] + (self.f["kh"][1] - 1) * s.dilation[0] + 1
-        cols = (self.tile("ow", level) - 1) * s.stride[1] + (self.f["kw"][1] - 1) * s.dilation[1] + 1
-        return rows, cols
+        return input_window(self.spec, self.tile("oh", level), self.tile("ow", level),
+                            self.f["kh"][1], self.f["kw"][1])
 
     def window_elems(self, level: int) -> int:
         """Input elements of that window: its images, groups and one R0 step's channels."""

@@ -31,13 +31,12 @@ from math import prod
 from typing import Any
 
 from maco.errors import MacoError
-from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
+from maco.geometry import input_window
+from maco.schedule import (GPU_MAX_ACCUMULATORS, GPU_MAX_SMEM_BYTES, GPU_MAX_THREADS, REDUCTION_AXES,
+                           SPATIAL_AXES, Schedule)
 from maco.kernels.source_text import comment
 from maco.spec import ConvSpec
 
-MAX_THREADS = 1024
-MAX_ACCUMULATORS = 128  # register tile outputs per thread; beyond this nvcc spills
-MAX_SMEM_BYTES = 227 << 10  # dynamic shared memory one block may opt into on sm_80/sm_90
 INT32_MAX = 2**31 - 1
 KERNEL_NAME = "maco_conv"
 
@@ -117,9 +116,7 @@ class CudaPlan:
     @property
     def patch(self) -> tuple[int, int]:
         s = self.spec
-        ph = (self.block_tile("oh") - 1) * s.stride[0] + (self.stage_kh - 1) * s.dilation[0] + 1
-        pw = (self.block_tile("ow") - 1) * s.stride[1] + (self.stage_kw - 1) * s.dilation[1] + 1
-        return ph, pw
+        return input_window(s, self.block_tile("oh"), self.block_tile("ow"), self.stage_kh, self.stage_kw)
 
     @property
     def plane(self) -> int:
@@ -215,12 +212,12 @@ class CudaPlan:
                        f"c1 factor {self.f('c')[1]}")
         if s > 1 and not self.stage_out:
             out.append(f"split_c {s} needs stage_out (the thread groups' partial sums meet in shared memory)")
-        if self.threads > MAX_THREADS:
-            out.append(f"{self.threads} threads per block exceed {MAX_THREADS}")
-        if self.accumulators > MAX_ACCUMULATORS:
-            out.append(f"register tile of {self.accumulators} outputs per thread exceeds {MAX_ACCUMULATORS}")
-        if self.smem_bytes > MAX_SMEM_BYTES:
-            out.append(f"shared memory {self.smem_bytes} B per block exceeds {MAX_SMEM_BYTES} B")
+        if self.threads > GPU_MAX_THREADS:
+            out.append(f"{self.threads} threads per block exceed {GPU_MAX_THREADS}")
+        if self.accumulators > GPU_MAX_ACCUMULATORS:
+            out.append(f"register tile of {self.accumulators} outputs per thread exceeds {GPU_MAX_ACCUMULATORS}")
+        if self.smem_bytes > GPU_MAX_SMEM_BYTES:
+            out.append(f"shared memory {self.smem_bytes} B per block exceeds {GPU_MAX_SMEM_BYTES} B")
         if self.blocks > INT32_MAX:
             out.append(f"{self.blocks} blocks exceed the grid limit")
         sp = self.spec

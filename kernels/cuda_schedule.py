@@ -15,8 +15,8 @@ from math import sqrt
 import numpy as np
 
 from maco.errors import MacoError
-from maco.kernels.cuda_codegen import MAX_SMEM_BYTES
-from maco.schedule import Schedule
+from maco.geometry import paper_reuse
+from maco.schedule import Schedule, gpu_max_shared_bytes
 from maco.spec import ConvSpec
 from maco.target import Target
 
@@ -45,7 +45,7 @@ def maco_tile(spec: ConvSpec, target: Target) -> tuple[float, float, float]:
     x*y*z = S/Np. Continuous on purpose: it caps a whole block (all groups and images), so the
     per-group integer tile of maco.bounds.optimal_tile would be too small for depthwise layers."""
     # x*y = R*z and x*y*z = S/Np  =>  R*z^2 = S/Np  =>  z = sqrt(S/(Np R)), x*y = sqrt(R S/Np)
-    r = spec.kh * spec.kw / (spec.stride[0] * spec.stride[1])
+    r = paper_reuse(spec)
     s = target.level("shared").elements_per_processor
     xy = sqrt(r * s)
     return sqrt(xy), sqrt(xy), sqrt(s / r)
@@ -93,7 +93,7 @@ def predict(spec: ConvSpec, target: Target, layout: str, v: dict[str, np.ndarray
     stage = -(-(b["n"] * b["g"] * cc * plane) // 4) * 4 + -(-w_stage // 4) * 4
     smem = 4 * np.maximum(buf * stage, np.where(split > 1, split * tb, 0))
     ok = (nt <= 1024) & (nt >= 32) & (acc <= 64) & (cc % split == 0) & ((split == 1) | (nt <= 512))
-    ok &= smem <= min(MAX_SMEM_BYTES, target.level("shared").capacity)
+    ok &= smem <= gpu_max_shared_bytes(target)
     stages = spec.c_per_group // cc
     blocks = spec.n * spec.groups * spec.k_per_group * spec.out_h * spec.out_w // tb
     row_len = (v["row"] - 1) * sw + (spec.kw - 1) * dw + 1
@@ -160,7 +160,7 @@ def _ranked(spec: ConvSpec, target: Target, layout: str) -> list[tuple[float, tu
     x, y, z = maco_tile(spec, target)
     pre = (acc <= 64) & (nts <= 1024) & (tb >= 64) & (tb <= x * y * z)  # the MACO tile caps the block
     base = {k: a[pre] for k, a in base.items()}
-    r = spec.kh * spec.kw / (spec.stride[0] * spec.stride[1])
+    r = paper_reuse(spec)
     ratio = np.abs(np.log(base["tn"] * base["rn"] * base["toh"] * base["roh"] * base["tow"] * base["row"]
                           / (r * base["tg"] * base["rg"] * base["tk"] * base["rk"])))
     found: list[tuple[np.ndarray, np.ndarray]] = []

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from maco.geometry import footprint
 from maco.records import Record
 from maco.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
                            axis_extents)
@@ -41,13 +42,6 @@ def level_tiles(schedule: Schedule, spec: ConvSpec) -> list[tuple[int, int, int,
     return out
 
 
-def footprint(spec: ConvSpec, x: int, y: int, z: int, c: int) -> int:
-    """Elements live while a tile computes: outputs, the input patch of c channels, weights."""
-    xin = (x - 1) * spec.stride[1] + (spec.kw - 1) * spec.dilation[1] + 1
-    yin = (y - 1) * spec.stride[0] + (spec.kh - 1) * spec.dilation[0] + 1
-    return x * y * z + c * xin * yin + z * c * spec.kh * spec.kw
-
-
 @lru_cache(maxsize=4096)
 def _lower_bound(spec: ConvSpec, elements: int) -> float:
     from maco import bounds
@@ -70,7 +64,7 @@ def features(spec: ConvSpec, target: Target, schedule: Schedule) -> list[float]:
     levels = target.levels
     for i, (x, y, z, c) in enumerate(tiles):
         mem = levels[min(len(levels) - 1, len(tiles) - 1 - i)]  # innermost tile <-> fastest level
-        fp = footprint(spec, x, y, z, c)
+        fp = footprint(spec, x, y, z, channels=c)
         io = _dataflow_io(spec, x, y, z)
         f += [lg(fp), fp / mem.elements_per_processor, lg(io),
               io / _lower_bound(spec, mem.elements_per_processor), lg(x * y), lg(z),

@@ -2,7 +2,7 @@
 
 The bounds (maco.bounds, DESIGN.md) say: at a memory level of S elements shared by Np
 processors, each processor should own an output tile x*y*z (x along ow, y along oh, z along k)
-with x*y = R*z (R: see `reuse`) and footprint x*y*z + x'*y' + z*kh*kw ~ S/Np, sliding over the
+with x*y = R*z (R: maco.geometry.tile_reuse) and footprint x*y*z + x'*y' + z*kh*kw ~ S/Np, sliding over the
 input channels one at a time (alpha = 1). MACO keeps the schedules that satisfy these at every
 level:
 
@@ -35,8 +35,9 @@ level (kh0 = kw0 = 1), and the innermost reduction loops take the channels in th
 the GPU kernels' shared-memory windows), c innermost where channels are the contiguous axis (CPU
 NHWC: a cache line of channels slides by at each tap).
 
-Relaxation, so that a valid conv never gets an empty pruned space: if the conditions of one
-level alone leave nothing, that level is relaxed step by step (tolerance x2, lower fill /2,
+Relaxation (maco.space.prune_plan, which counts the space under each try), so that a valid conv
+never gets an empty pruned space: if the conditions of one level alone leave nothing, that level
+is relaxed step by step (tolerance x2, lower fill /2,
 capacity x2, register lower bounds /2, the warp rule dropped); after `max_relax` steps the level is
 dropped. If all levels together still leave nothing, levels are relaxed the same way from the
 outermost inwards. The plan says what was relaxed (PrunePlan.notes).
@@ -44,13 +45,13 @@ outermost inwards. The plan says what was relaxed (PrunePlan.notes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from math import ceil
 from typing import Any
 
 import numpy as np
 
 from maco.errors import MacoError
+from maco.geometry import footprint, tile_reuse
 from maco.schedule import REGISTER_RESERVE, Schedule, gpu_max_accumulators
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -84,31 +85,6 @@ class PruneConfig:
             raise MacoError(f"PruneConfig.max_relax must be >= 0, got {self.max_relax}")
 
 
-def reuse(spec: ConvSpec) -> float:
-    """R of the tile-shape condition x*y = R*z: taps per input element read, for a large tile.
-
-    Along one axis with k taps, stride s and dilation d, the outputs of a long tile read the inputs
-    whose index mod s is one of {i*d mod s : i < k}, so a tile of x outputs reads ~ x * |that set|
-    inputs for x*k products: R_axis = k / |{i*d mod s}|. For dense windows it is the paper's
-    kh*kw/stride^2; it is 1 for a strided 1x1 conv (no input is read twice, and the skipped ones
-    are not loaded), and dilation counts where it makes a strided window skip inputs.
-    maco.bounds.reuse, the exact *maximal* reuse that the lower bound needs, is not the right R
-    here: with it (4 instead of 2.25 for 3x3 stride 2) maco.bounds.optimal_tile's I/O-optimal
-    tiles fall outside the tolerance band."""
-    def axis(k: int, s: int, d: int) -> float:
-        return k / len({(i * d) % s for i in range(k)})
-
-    return axis(spec.kh, spec.stride[0], spec.dilation[0]) * axis(spec.kw, spec.stride[1], spec.dilation[1])
-
-
-def footprint(spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any) -> Any:
-    """Elements a tile of n*g*k*oh*ow outputs holds with alpha = 1: its outputs, one channel's input
-    patch and that channel's weights, per group (x*y*z + x'*y' + z*kh*kw). Works on numpy arrays."""
-    ih = (oh - 1) * spec.stride[0] + spec.dilated_kh
-    iw = (ow - 1) * spec.stride[1] + spec.dilated_kw
-    return g * (n * k * oh * ow + n * ih * iw + k * spec.kh * spec.kw)
-
-
 @dataclass(frozen=True)
 class CacheRule:
     """The ratio and fill conditions at one cache level, on one tile level of the nest."""
@@ -130,12 +106,12 @@ class CacheRule:
                 & ((ratio <= self.tolerance) | (k >= spec.k_per_group)))
 
     def ok(self, spec: ConvSpec, r: float, n: Any, g: Any, k: Any, oh: Any, ow: Any) -> Any:
-        fp = footprint(spec, n, g, k, oh, ow)
+        fp = footprint(spec, ow, oh, k, images=n, groups=g)
         return self._ratio_ok(spec, r, n, k, oh, ow) & (fp >= self.floor) & (fp <= self.capacity)
 
     def why(self, spec: ConvSpec, r: float, t: dict[str, int]) -> list[str]:
         ratio = t["n"] * t["oh"] * t["ow"] / (r * t["k"])
-        fp = footprint(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"])
+        fp = footprint(spec, t["ow"], t["oh"], t["k"], images=t["n"], groups=t["g"])
         out = []
         if not self._ratio_ok(spec, r, t["n"], t["k"], t["oh"], t["ow"]):
             out.append(f"{self.level}: {self.tile} tile has x*y/(R*z) = {ratio:.3g}, outside "
@@ -191,7 +167,7 @@ class PrunePlan:
 
 
 # -- building the plan -----------------------------------------------------------------------
-def _levels(spec: ConvSpec, target: Target) -> list[tuple[str, str]]:
+def levels(spec: ConvSpec, target: Target) -> list[tuple[str, str]]:
     """(memory level, tile) pairs that pruning uses, innermost first (registers handled apart)."""
     names = [lvl.name for lvl in target.levels if lvl.name != "registers"]
     if target.kind == "cpu":
@@ -199,9 +175,10 @@ def _levels(spec: ConvSpec, target: Target) -> list[tuple[str, str]]:
     return [("shared", "block")] if "shared" in names else []
 
 
-def _rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, int]) -> PrunePlan:
-    r = reuse(spec)
-    layer = footprint(spec, spec.n, spec.groups, spec.k_per_group, spec.out_h, spec.out_w)
+def rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, int]) -> PrunePlan:
+    """The conditions with each level relaxed `steps[level]` times (past max_relax: dropped)."""
+    r = tile_reuse(spec)
+    layer = footprint(spec, spec.out_w, spec.out_h, spec.k_per_group, images=spec.n, groups=spec.groups)
     notes = []
 
     def relax_note(name: str) -> None:
@@ -224,7 +201,7 @@ def _rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str,
             registers = RegisterRule(max(1, lo >> s), min(hard, hi << s),
                                      WARP if (config.warp and s == 0) else 0, s)
     caches = []
-    for name, tile in _levels(spec, target):
+    for name, tile in levels(spec, target):
         s = steps.get(name, 0)
         relax_note(name)
         if s > config.max_relax:
@@ -235,31 +212,6 @@ def _rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str,
         caches.append(CacheRule(name, tile, share * 2.0 ** s, floor / 2.0 ** s,
                                 config.tolerance * 2.0 ** s, s))
     return PrunePlan(registers, tuple(caches), config.alpha_one, r, tuple(notes))
-
-
-@lru_cache(maxsize=512)
-def plan(spec: ConvSpec, target: Target, config: PruneConfig | None = None) -> PrunePlan:
-    """The pruning conditions for `spec` on `target`, relaxed until the pruned space is not empty."""
-    from maco.space import count_with
-
-    config = config or PruneConfig()
-    names = ["registers"] + [name for name, _ in _levels(spec, target)]
-    steps = {name: 0 for name in names}
-    if count_with(spec, target, _rules(spec, target, config, steps)) > 0:
-        return _rules(spec, target, config, steps)
-    for name in names:  # a level that alone leaves nothing is relaxed on its own
-        alone = {other: config.max_relax + 1 for other in names}
-        while steps[name] <= config.max_relax:
-            alone[name] = steps[name]
-            if count_with(spec, target, _rules(spec, target, config, alone)) > 0:
-                break
-            steps[name] += 1
-    for name in reversed(names):  # then the levels together, from the outermost inwards
-        while steps[name] <= config.max_relax:
-            if count_with(spec, target, _rules(spec, target, config, steps)) > 0:
-                return _rules(spec, target, config, steps)
-            steps[name] += 1
-    return _rules(spec, target, config, steps)
 
 
 # -- membership of one schedule --------------------------------------------------------------
@@ -276,10 +228,9 @@ def alpha_order_ok(order: tuple[str, ...], kind: str, layout: str) -> bool:
     return order[alpha_c_index(kind, layout)] == "c"
 
 
-def reasons(schedule: Schedule, spec: ConvSpec, target: Target,
-            config: PruneConfig | None = None) -> list[str]:
-    """Why MACO pruning drops `schedule` (empty if it keeps it). Assumes a valid schedule."""
-    p = plan(spec, target, config)
+def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) -> list[str]:
+    """Why the conditions of `p` (maco.space.prune_plan) drop `schedule` (empty if they keep it).
+    Assumes a valid schedule."""
     out = []
     if p.alpha_one:
         red = {a: schedule.factors(a) for a in ("kh", "kw")}
@@ -307,11 +258,3 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target,
     for rule in p.caches:
         out += rule.why(spec, p.reuse, tiles[rule.tile])
     return out
-
-
-def keeps(schedule: Schedule, spec: ConvSpec, target: Target, config: PruneConfig | None = None) -> bool:
-    """Whether `schedule` is in the pruned space of `spec` on `target`."""
-    from maco.space import contains
-
-    return contains(schedule, spec, target, pruned=True, config=config)
-

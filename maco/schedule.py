@@ -24,6 +24,7 @@ import numpy as np
 
 from maco.errors import MacoError
 from maco.files import load_json, short
+from maco.geometry import input_window
 from maco.spec import ConvSpec
 from maco.target import Target
 
@@ -78,10 +79,9 @@ def _round4(n: Any) -> Any:
 
 def gpu_shared_bytes(spec: ConvSpec, block: dict[str, Any], cc: Any, khc: Any, kwc: Any,
                      layout: str, buffers: int, stage_out: bool, split: int = 1) -> Any:
-    """Shared bytes of one block from its block tile and stage sizes (ints or numpy arrays),
-    mirroring maco.kernels.cuda_codegen.CudaPlan.smem_bytes."""
-    ph = (block["oh"] - 1) * spec.stride[0] + (khc - 1) * spec.dilation[0] + 1
-    pw = (block["ow"] - 1) * spec.stride[1] + (kwc - 1) * spec.dilation[1] + 1
+    """Shared bytes of one block from its block tile and stage sizes (ints or numpy arrays), as
+    maco.kernels.cuda_codegen.CudaPlan lays them out."""
+    ph, pw = input_window(spec, block["oh"], block["ow"], khc, kwc)
     plane = ph * pw
     if layout == "NHWC":
         plane = plane + (plane % 2 == 0)

@@ -12,7 +12,9 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
+from maco import space
 from maco.errors import MacoError
+from maco.prune import alpha_c_index, alpha_order_ok
 from maco.records import Record, RecordFile, make_record
 from maco.schedule import SPATIAL_AXES, UNROLL_STEPS, Schedule
 from maco.spec import ConvSpec
@@ -75,28 +77,16 @@ class TaskState:
 
 
 # -- the space as the search sees it ---------------------------------------------------------
-def _space():
-    from maco import space
-
-    return space
-
-
 def _is_allowed(schedule: Schedule, spec: ConvSpec, target: Target, config: SearchConfig) -> bool:
     if schedule.layout not in config.allowed_layouts or schedule.problems(spec, target):
         return False
-    if config.pruned:
-        from maco import prune
-
-        return prune.keeps(schedule, spec, target)
-    return True
+    return not config.pruned or space.contains(schedule, spec, target, pruned=True)
 
 
 def with_layout(s: Schedule, layout: str) -> Schedule:
     """`s` in another layout; an inner order that slides over channels as alpha = 1 asks in the old
     layout is moved to do so in the new one (c first in NCHW, last in CPU NHWC), so the pruned
     space keeps it."""
-    from maco.prune import alpha_c_index, alpha_order_ok
-
     out = replace(s, layout=layout)
     if alpha_order_ok(s.inner_order, s.kind, s.layout):
         rest = tuple(a for a in s.inner_order if a != "c")
@@ -110,7 +100,7 @@ def _sample(spec: ConvSpec, target: Target, rng: random.Random, n: int,
     tries = 0
     while len(out) < n and tries < 20 * n + 20:
         tries += 1
-        s = _space().sample(spec, target, rng, pruned=config.pruned)
+        s = space.sample(spec, target, rng, pruned=config.pruned)
         if s.layout not in config.allowed_layouts:
             s = with_layout(s, rng.choice(config.allowed_layouts))
             if not _is_allowed(s, spec, target, config):

@@ -36,8 +36,8 @@ from typing import Sequence
 
 import numpy as np
 
+from maco import prune
 from maco.errors import MacoError
-from maco.prune import alpha_order_ok
 from maco.schedule import (GPU_BUFFERS, GPU_MAX_THREADS, LAYOUTS, REDUCTION_AXES, REGISTER_RESERVE,
                            SPATIAL_AXES, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule, axis_extents,
                            gpu_max_accumulators, gpu_max_shared_bytes, gpu_shared_bytes)
@@ -111,16 +111,12 @@ def _check(spec: ConvSpec, target: Target) -> None:
 
 
 def _plan(spec: ConvSpec, target: Target, pruned: bool, config):
-    if not pruned:
-        return None
-    from maco.prune import plan
-
-    return plan(spec, target, config)
+    return prune_plan(spec, target, config) if pruned else None
 
 
 def _orders(rules, kind: str, layout: str) -> tuple[tuple[str, ...], ...]:
     return tuple(o for o in INNER_ORDERS
-                 if rules is None or not rules.alpha_one or alpha_order_ok(o, kind, layout))
+                 if rules is None or not rules.alpha_one or prune.alpha_order_ok(o, kind, layout))
 
 
 def _window(extent: int, rules) -> tuple[int, ...]:
@@ -350,6 +346,30 @@ def _sample_gpu(spec: ConvSpec, target: Target, t: _Gpu, rules, rng: random.Rand
 
 
 # -- public API --------------------------------------------------------------------------------
+@lru_cache(maxsize=512)
+def prune_plan(spec: ConvSpec, target: Target, config: prune.PruneConfig | None = None) -> prune.PrunePlan:
+    """MACO's pruning conditions for `spec` on `target` (maco.prune), relaxed until the pruned
+    space is not empty."""
+    config = config or prune.PruneConfig()
+    names = ["registers"] + [name for name, _ in prune.levels(spec, target)]
+    steps = {name: 0 for name in names}
+    if count_with(spec, target, prune.rules(spec, target, config, steps)) > 0:
+        return prune.rules(spec, target, config, steps)
+    for name in names:  # a level that alone leaves nothing is relaxed on its own
+        alone = {other: config.max_relax + 1 for other in names}
+        while steps[name] <= config.max_relax:
+            alone[name] = steps[name]
+            if count_with(spec, target, prune.rules(spec, target, config, alone)) > 0:
+                break
+            steps[name] += 1
+    for name in reversed(names):  # then the levels together, from the outermost inwards
+        while steps[name] <= config.max_relax:
+            if count_with(spec, target, prune.rules(spec, target, config, steps)) > 0:
+                return prune.rules(spec, target, config, steps)
+            steps[name] += 1
+    return prune.rules(spec, target, config, steps)
+
+
 def count_with(spec: ConvSpec, target: Target, rules=None) -> int:
     """Size of the space under a prune.PrunePlan (None: the full space)."""
     return (_cpu if target.kind == "cpu" else _gpu)(spec, target, rules).size
@@ -430,6 +450,4 @@ def why_not(schedule: Schedule, spec: ConvSpec, target: Target, pruned: bool = F
                        f"{dict(canonical)} (defaults left out)")
     if out or not pruned:
         return out
-    from maco.prune import reasons
-
-    return reasons(schedule, spec, target, config)
+    return prune.reasons(schedule, spec, target, prune_plan(spec, target, config))

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from maco import geometry
 from maco import ConvSpec, MacoError, Target
 from maco import bounds
 from maco.bounds import Tile, tiles
@@ -177,7 +178,7 @@ def shapes(count: int, seed: int, max_hw: int = 40) -> list[ConvSpec]:
 
 def memories(spec: ConvSpec) -> list[tuple[float, int]]:
     """(S, Np): too small for any tile, the usual range, and enough for the whole layer."""
-    whole = bounds.footprint(spec, spec.out_w, spec.out_h, spec.k_per_group)
+    whole = geometry.footprint(spec, spec.out_w, spec.out_h, spec.k_per_group)
     return [(1, 1), (30, 1), (100, 3), (500, 1), (2500.5, 2), (20000, 1), (whole, 1),
             (whole - 1, 1), (3 * whole, 3), (10**9, 1)]
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from maco import geometry
 from maco import ConvSpec, MacoError, Target
 from maco import bounds
 from maco.bounds import Tile
@@ -81,7 +82,7 @@ def test_optimal_tile_is_the_brute_force_best(spec):
         tile = bounds.optimal_tile(spec, S, Np)
         cap = S // Np
         feasible = [Tile(x, y, z) for x in range(1, spec.out_w + 1) for y in range(1, spec.out_h + 1)
-                    for z in range(1, spec.k_per_group + 1) if bounds.footprint(spec, x, y, z) <= cap]
+                    for z in range(1, spec.k_per_group + 1) if geometry.footprint(spec, x, y, z) <= cap]
         if not feasible:
             assert not tile.fits and (tile.x, tile.y, tile.z) == (1, 1, 1)
             continue
@@ -94,7 +95,7 @@ def test_continuous_tile_meets_the_conditions():
     spec = ConvSpec(1, 64, 56, 56, 64, 3, 3, padding=1)
     tile = bounds.optimal_tile(spec, 8192)
     x, y, z = tile.continuous
-    R = bounds.reuse(spec)
+    R = bounds.max_reuse(spec)
     assert x * y == pytest.approx(R * z) and x * y * z == pytest.approx(8192)
     x2, y2, z2 = bounds.optimal_tile(spec, 8192, 2).continuous
     assert x2 * y2 * z2 == pytest.approx(4096) and x2 * y2 == pytest.approx(R * z2)

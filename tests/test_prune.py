@@ -6,6 +6,7 @@ from math import prod
 import pytest
 
 from tests.targets import AVX2
+from maco import geometry
 from maco import prune, space
 from maco.errors import MacoError
 from maco.prune import CacheRule, PruneConfig, RegisterRule
@@ -21,10 +22,10 @@ RESNET_3X3 = ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")
 def test_footprint_by_hand():
     spec = ConvSpec.parse("n1_c8_h10_w10_k16_r3_s2_p1")
     # 2 x 3 outputs (y, x), 4 filters: outputs 24, patch (2-1)*2+3 = 5 by (3-1)*2+3 = 7, weights 4*9
-    assert prune.footprint(spec, 1, 1, 4, 2, 3) == 24 + 35 + 36
+    assert geometry.footprint(spec, 3, 2, 4, images=1, groups=1) == 24 + 35 + 36
     dil = ConvSpec.parse("n2_c8_h10_w10_k16_r3_d2_p2_g2")
     # dilated window 5: patch (2-1)+5 = 6 by (3-1)+5 = 7 per image; two groups double everything
-    assert prune.footprint(dil, 2, 2, 4, 2, 3) == 2 * (2 * 24 + 2 * 42 + 36)
+    assert geometry.footprint(dil, 3, 2, 4, images=2, groups=2) == 2 * (2 * 24 + 2 * 42 + 36)
 
 
 @pytest.mark.parametrize("text,expected", [("n1_c64_h56_w56_k64_r3_p1", 9.0),
@@ -35,14 +36,14 @@ def test_footprint_by_hand():
                                            ("n1_c8_h20_w20_k8_r3x1_s1x3_d2", 3.0)])
 def test_reuse_is_the_asymptotic_taps_per_input(text, expected):
     spec = ConvSpec.parse(text)
-    assert prune.reuse(spec) == pytest.approx(expected)
+    assert geometry.tile_reuse(spec) == pytest.approx(expected)
     # independent check: products over distinct inputs read by a long run of outputs, per axis
     r = 1.0
     for k, s, d in ((spec.kh, spec.stride[0], spec.dilation[0]), (spec.kw, spec.stride[1], spec.dilation[1])):
         x = 3000
         read = {o * s + i * d for o in range(x) for i in range(k)}
         r *= x * k / len(read)
-    assert prune.reuse(spec) == pytest.approx(r, rel=0.01)
+    assert geometry.tile_reuse(spec) == pytest.approx(r, rel=0.01)
 
 
 def test_footprint_matches_the_bounds_convention():
@@ -52,7 +53,7 @@ def test_footprint_matches_the_bounds_convention():
     for spec in (RESNET_3X3, ConvSpec.parse("n1_c3_h224_w224_k64_r11_s4_p2"),
                  ConvSpec.parse("n1_c8_h10_w10_k16_r3_s2_d2_p2")):
         for x, y, z in ((1, 1, 1), (3, 2, 5), (8, 14, 16)):
-            assert prune.footprint(spec, 1, 1, z, y, x) == bounds.footprint(spec, x, y, z)
+            assert geometry.footprint(spec, x, y, z, images=1, groups=1) == geometry.footprint(spec, x, y, z)
 
 
 @pytest.mark.parametrize("text", ["n1_c64_h56_w56_k64_r3_p1", "n1_c128_h28_w28_k128_r3_p1",
@@ -67,7 +68,7 @@ def test_the_bounds_optimal_tiles_pass_the_ratio_condition(text, target):
     if not hasattr(bounds, "optimal_tile"):
         pytest.skip("maco.bounds.optimal_tile not built yet")
     spec = ConvSpec.parse(text)
-    plan = prune.plan(spec, target)
+    plan = space.prune_plan(spec, target)
     for rule in plan.caches:
         level = target.level(rule.level)
         t = bounds.optimal_tile(spec, level.elements, level.processors)
@@ -79,7 +80,7 @@ def test_cache_rule_by_hand():
     spec = RESNET_3X3
     rule = CacheRule("L1", "S2", capacity=8192, floor=2048, tolerance=2.0)
     # x*y = 8*14 = 112, R*z = 9*16 = 144: ratio 0.78 within [0.5, 2]; footprint 1792+160*... in range
-    fp = prune.footprint(spec, 1, 1, 16, 14, 8)
+    fp = geometry.footprint(spec, 8, 14, 16, images=1, groups=1)
     assert 2048 <= fp <= 8192 and rule.ok(spec, 9.0, 1, 1, 16, 14, 8)
     assert not rule.ok(spec, 9.0, 1, 1, 32, 14, 8)  # ratio 112/288 < 1/2
     # one-sided where the tile spans the layer: all 64 filters may take x*y > 2*R*z ...
@@ -126,7 +127,7 @@ def _levels_hold(s: Schedule, spec: ConvSpec, target: Target, plan) -> None:
 @pytest.mark.parametrize("target", [HOST, H100])
 def test_pruned_samples_meet_every_condition(target):
     spec = RESNET_3X3
-    plan = prune.plan(spec, target)
+    plan = space.prune_plan(spec, target)
     assert not plan.relaxed  # the paper's default tolerances are satisfiable on this layer
     names = {c.level for c in plan.caches}
     assert names == ({"L1", "L2"} if target.kind == "cpu" else {"shared"})
@@ -138,8 +139,8 @@ def test_unpruned_samples_mostly_fail_and_reasons_agree_with_keeps():
     rng = random.Random(2)
     dropped = 0
     for s in space.sample_many(RESNET_3X3, HOST, 200, rng):
-        why = prune.reasons(s, RESNET_3X3, HOST)
-        assert prune.keeps(s, RESNET_3X3, HOST) == (not why)
+        why = prune.reasons(s, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST))
+        assert space.contains(s, RESNET_3X3, HOST, pruned=True) == (not why)
         dropped += bool(why)
     assert dropped > 190  # the pruned space is a tiny fraction of the full one
 
@@ -153,9 +154,9 @@ def test_scalar_register_tiles_do_not_fill_the_register_level():
     spatial = tuple((prod(f) // tile[a], 1, 1, tile[a]) for a, f in zip(SPATIAL_AXES, s.spatial))
     scalar = Schedule(**{**s.__dict__, "spatial": spatial, "vector_axis": "k", "vector_width": 1})
     assert scalar.problems(RESNET_3X3, HOST) == [] and scalar.accumulators == 8
-    assert any(w.startswith("registers") and "lanes" in w for w in prune.reasons(scalar, RESNET_3X3, HOST))
+    assert any(w.startswith("registers") and "lanes" in w for w in prune.reasons(scalar, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST)))
     assert not any(w.startswith("registers")
-                   for w in prune.reasons(scalar, RESNET_3X3, HOST, PruneConfig(register_fill=0.0)))
+                   for w in prune.reasons(scalar, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST, PruneConfig(register_fill=0.0))))
     assert all(x.vector_width == HOST.simd_width
                for x in space.sample_many(RESNET_3X3, HOST, 100, random.Random(3), pruned=True))
 
@@ -175,11 +176,11 @@ def test_tolerance_is_a_parameter_and_monotone():
 def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
     s = space.sample(RESNET_3X3, HOST, 4, pruned=True)
     split = Schedule(**{**s.__dict__, "reduction": (s.reduction[0], (3, 1), s.reduction[2])})
-    assert any("kernel window" in w for w in prune.reasons(split, RESNET_3X3, HOST))
+    assert any("kernel window" in w for w in prune.reasons(split, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST)))
     order = Schedule(**{**s.__dict__, "inner_order": ("kh", "c", "kw")})
-    assert any("inner_order" in w for w in prune.reasons(order, RESNET_3X3, HOST))
+    assert any("inner_order" in w for w in prune.reasons(order, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST)))
     no_alpha = PruneConfig(alpha_one=False)
-    assert not prune.reasons(order, RESNET_3X3, HOST, no_alpha)
+    assert not prune.reasons(order, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST, no_alpha))
     assert space.space_size(RESNET_3X3, HOST, True, no_alpha) > space.space_size(RESNET_3X3, HOST, True)
 
 
@@ -192,21 +193,21 @@ def test_even_extreme_tolerances_leave_a_non_empty_pruned_space(text, target):
                          max_relax=2)
     assert space.space_size(spec, target, pruned=True, config=strict) > 0
     s = space.sample(spec, target, 0, pruned=True, config=strict)
-    assert prune.keeps(s, spec, target, strict)
+    assert space.contains(s, spec, target, pruned=True, config=strict)
 
 
 def test_relaxation_widens_by_documented_steps():
     # x*y = 9*z exactly is impossible with divisors of 56 (no factor 3): L1 must widen once to 2
-    plan = prune.plan(RESNET_3X3, HOST, PruneConfig(tolerance=1.0))
+    plan = space.prune_plan(RESNET_3X3, HOST, PruneConfig(tolerance=1.0))
     l1 = next(rule for rule in plan.caches if rule.level == "L1")
     assert l1.relaxed == 1 and l1.tolerance == pytest.approx(2.0) and l1.capacity == 2 * 8192
     assert "L1 conditions relaxed 1 step(s)" in plan.notes
     # 12 accumulators exactly is impossible on 7x7x512 (no factor 3): the register floor halves
     spec = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")
-    plan = prune.plan(spec, HOST, PruneConfig(register_fill=1.0))
+    plan = space.prune_plan(spec, HOST, PruneConfig(register_fill=1.0))
     assert plan.registers.relaxed == 1 and plan.registers.acc_min == 6
     # and with the default tolerances these layers need no relaxation at all
-    assert not prune.plan(spec, HOST).relaxed and not prune.plan(RESNET_3X3, HOST).relaxed
+    assert not space.prune_plan(spec, HOST).relaxed and not space.prune_plan(RESNET_3X3, HOST).relaxed
 
 
 def test_a_level_that_can_never_hold_is_dropped():
@@ -214,7 +215,7 @@ def test_a_level_that_can_never_hold_is_dropped():
     tiny = Target("tiny", "cpu", (HOST.level("registers"), MemoryLevel("L1", 256), MemoryLevel("L2", 1 << 20)),
                   cores=1, simd_width=HOST.simd_width)
     spec = ConvSpec.parse("n1_c3_h64_w64_k64_r11_s4_p2")
-    plan = prune.plan(spec, tiny, PruneConfig(max_relax=1))
+    plan = space.prune_plan(spec, tiny, PruneConfig(max_relax=1))
     assert [c.level for c in plan.caches] == ["L2"] and "L1 conditions dropped" in plan.describe()
     assert space.space_size(spec, tiny, pruned=True, config=PruneConfig(max_relax=1)) > 0
 

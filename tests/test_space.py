@@ -44,7 +44,7 @@ def _prod(xs):
 
 def _brute_cpu(spec, target, pruned):
     points = _valid_cpu(spec, target)
-    return [s for s in points if not pruned or not prune.reasons(s, spec, target)]
+    return [s for s in points if not pruned or not prune.reasons(s, spec, target, space.prune_plan(spec, target))]
 
 
 @lru_cache(maxsize=None)
@@ -102,7 +102,7 @@ def test_register_limit_bites_on_the_tiny_target():
 
 def _brute_gpu(spec, target, pruned):
     points = _valid_gpu(spec, target)
-    return [s for s in points if not pruned or not prune.reasons(s, spec, target)]
+    return [s for s in points if not pruned or not prune.reasons(s, spec, target, space.prune_plan(spec, target))]
 
 
 @lru_cache(maxsize=None)
@@ -206,7 +206,7 @@ def test_samples_are_valid_and_pruned_space_not_empty(text, target):
     rng = random.Random(3)
     for s in space.sample_many(spec, target, 30, rng, pruned=True):
         assert not s.problems(spec, target)
-        assert prune.keeps(s, spec, target)
+        assert space.contains(s, spec, target, pruned=True)
         assert Schedule.from_json(s.to_json()) == s
     for s in space.sample_many(spec, target, 30, rng):
         assert space.contains(s, spec, target) and not s.problems(spec, target)

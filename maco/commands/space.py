@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     for name, spec in layers:
         full = space.space_size(spec, target)
         kept = space.space_size(spec, target, pruned=True, config=config)
-        note = "; ".join(prune.plan(spec, target, config).notes)
+        note = "; ".join(space.prune_plan(spec, target, config).notes)
         rows.append((name, str(spec), full, kept, full / kept, note))
     print_table(f"schedule space on {target.name} ({target.kind} sketch), batch {args.batch}",
                 ["layer", "spec", "unpruned", "pruned", "ratio", "relaxed"], rows)
