@@ -1,9 +1,15 @@
 """Layouts: networks, latency data and predictor, transform costs, planners, deployment."""
 
-# Layout planning and deployment (lazy, so `import maco.layouts.networks` stays light).
+# Layout planning and deployment, by name -> module (lazy, so `import maco.layouts.networks`
+# does not load the planners, the predictor or the records).
 _PLANNING = {"LayoutProblem": "problem", "Solution": "problem", "PlannerTimeout": "problem",
-             "solve": "planners", "plan": "deploy", "LayoutPlan": "deploy", "LayerPlan": "deploy",
-             "trace": "graph", "LayerGraph": "graph"}
+             "solve": "planners", "trace": "graph", "LayerGraph": "graph",
+             "build_problem": "model_problem",
+             "Costs": "latency_sources", "latency_source": "latency_sources",
+             "load_predictor": "latency_sources",
+             "LayoutPlan": "layout_plan", "LayerPlan": "layout_plan",
+             "plan": "deploy",
+             "compare_end_to_end": "end_to_end", "EndToEnd": "end_to_end"}
 
 
 def __getattr__(name: str):
@@ -12,3 +18,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(f"maco.layouts.{_PLANNING[name]}"), name)
     raise AttributeError(f"module 'maco.layouts' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PLANNING])

@@ -40,6 +40,8 @@ _FUNCTION_KINDS: dict[Any, str] = {
 _METHOD_KINDS = {"view": "reshape", "reshape": "reshape", "flatten": "flatten", "size": "meta",
                  "dim": "meta", "relu": "relu", "add": "add", "mean": "reduce", "permute": "permute",
                  "contiguous": "contiguous"}
+# Kinds that read a tensor's metadata (x.size(), x.dim()) or an attribute, never its data.
+META_KINDS = frozenset({"meta", "getattr"})
 
 
 @dataclass
@@ -132,6 +134,12 @@ def node_kind(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str]:
     return _METHOD_KINDS.get(str(node.target), str(node.target)), str(node.target)
 
 
+def reads_data(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` reads its inputs' data: a shape query does not, so it is no consumer whose
+    layout matters."""
+    return node_kind(gm, node)[0] not in META_KINDS
+
+
 def _shape(node: fx.Node) -> tuple[int, ...] | None:
     meta = node.meta.get("tensor_meta")
     shape = getattr(meta, "shape", None)
@@ -182,4 +190,5 @@ def trace(model: nn.Module, example_input: Any) -> LayerGraph:
     return trace_module(model, example_input)[1]
 
 
-__all__ = ["Layer", "LayerGraph", "trace", "trace_module", "graph_of", "symbolic_trace", "node_kind"]
+__all__ = ["Layer", "LayerGraph", "trace", "trace_module", "graph_of", "symbolic_trace", "node_kind",
+           "reads_data", "META_KINDS"]

@@ -59,7 +59,7 @@ def _sync(dev: torch.device):
 
 
 @contextmanager
-def _strict_cudnn(benchmark: bool) -> Iterator[None]:
+def strict_cudnn(benchmark: bool) -> Iterator[None]:
     """fp32 without TF32 (the comparison the paper makes), cuDNN's autotuner on or off."""
     saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
              torch.backends.cuda.matmul.allow_tf32)
@@ -89,7 +89,7 @@ def measure_conv(spec: ConvSpec, layout: str, device: str | torch.device = "cpu"
     """Seconds per call of torch's conv2d for `spec` with input and weights in `layout`."""
     dev = check_device(device)
     run = conv_callable(spec, layout, dev)
-    with _strict_cudnn(cudnn_benchmark):
+    with strict_cudnn(cudnn_benchmark):
         return time_callable(run, repeats=repeats, min_run_time=min_run_time, warmup=warmup,
                              sync=_sync(dev))
 
@@ -101,7 +101,7 @@ def measure_layouts(spec: ConvSpec, layouts: Sequence[str] = LAYOUTS,
     machine hits both layouts alike; each layout's Timing pools its rounds' samples."""
     dev = check_device(device)
     runs = {check_layout(lay): conv_callable(spec, lay, dev) for lay in layouts}
-    with _strict_cudnn(cudnn_benchmark):
+    with strict_cudnn(cudnn_benchmark):
         for run in runs.values():
             run()  # the first call builds oneDNN/cuDNN primitives: off the clock
         per_round = interleaved_rounds(runs, rounds, repeats=repeats, min_run_time=min_run_time,

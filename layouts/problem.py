@@ -18,11 +18,13 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from numbers import Real
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from maco.errors import MacoError
 
 Name = Hashable
+# Seconds to convert a tensor of this shape from one layout to another: (shape, src, dst) -> s.
+ConversionCost = Callable[[tuple[int, ...], str, str], float]
 
 
 def _check_seconds(value: Any, where: str) -> float:
@@ -153,4 +155,4 @@ class PlannerTimeout(MacoError):
         self.best = best
 
 
-__all__ = ["LayoutProblem", "Solution", "PlannerTimeout"]
+__all__ = ["LayoutProblem", "Solution", "PlannerTimeout", "ConversionCost"]

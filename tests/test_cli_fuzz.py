@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from maco.cli import main
 from maco.errors import MacoError
-from maco.layouts.deploy import LayoutPlan
+from maco.layouts import LayoutPlan
 from maco.records import RecordFile
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

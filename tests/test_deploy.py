@@ -2,6 +2,7 @@
 equal the original's, memory formats that follow the plan, JSON round trips, latency sources."""
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
@@ -13,9 +14,8 @@ from torch import nn
 from torch.fx.interpreter import Interpreter
 
 from maco.errors import MacoError
-from maco.layouts import deploy
-from maco.layouts.deploy import LayoutPlan, plan
-from maco.layouts.graph import trace
+from maco.layouts import LayoutPlan, build_problem, plan
+from maco.layouts.graph import trace, trace_module
 from maco.layouts.networks import build, example_input
 from maco.layouts.planners import brute_force
 
@@ -146,9 +146,9 @@ def test_plan_is_optimal_for_its_problem() -> None:
     x = torch.randn(1, 3, 10, 10)
     table = {"0": {"NCHW": 3e-5, "NHWC": 1e-5}, "2": {"NCHW": 1e-5, "NHWC": 2e-5},
              "4": {"NCHW": 2e-5, "NHWC": 1e-5}}
-    gm, graph = deploy.trace_module(model, x)
-    problem, _ = deploy.build_problem(gm, graph, ["NCHW", "NHWC"],
-                                      {f"_{k}": v for k, v in table.items()}, cheap_conversion)
+    gm, graph = trace_module(model, x)
+    problem, _ = build_problem(gm, graph, ["NCHW", "NHWC"],
+                               {f"_{k}": v for k, v in table.items()}, cheap_conversion)
     best = brute_force(problem)
     for method in ("exact", "backtrack", "milp"):
         p = plan(model, x, latency={f"_{k}": v for k, v in table.items()},
@@ -184,20 +184,22 @@ def test_json_round_trip_save_load_and_mismatch(tmp_path) -> None:
 def test_latency_sources_tables_records_and_errors() -> None:
     from maco.records import Record
     from maco.schedule import Schedule
+    from maco.target import Target
     from maco.timing import Timing
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
     x = torch.randn(1, 3, 10, 10)
-    gm, graph = deploy.trace_module(model, x)
+    gm, graph = trace_module(model, x)
     specs = {layer.name: layer.spec for layer in graph.convs()}
     by_spec = {(specs["_0"], "NCHW"): 1e-5, (specs["_0"], "NHWC"): 5e-6,
                (specs["_2"], "NCHW"): 1e-5, (specs["_2"], "NHWC"): 2e-5}
     p = plan(model, x, latency=by_spec, conversion=cheap_conversion)
     assert {layer.name: layer.costs for layer in p.convs} == {
         "_0": {"NCHW": 1e-5, "NHWC": 5e-6}, "_2": {"NCHW": 1e-5, "NHWC": 2e-5}}
-    recs = [Record(spec, {}, Schedule("cpu", (), (), layout=lay), Timing(sec, sec, sec, 0.0, 1, 1))
+    host = Target.host().fingerprint()  # records of this machine: those of others are not used
+    recs = [Record(spec, host, Schedule("cpu", (), (), layout=lay), Timing(sec, sec, sec, 0.0, 1, 1))
             for (spec, lay), sec in by_spec.items()]
-    recs.append(Record(specs["_0"], {}, Schedule("cpu", (), (), layout="NHWC"), Timing(1.0, 1.0, 1.0, 0, 1, 1)))
+    recs.append(Record(specs["_0"], host, Schedule("cpu", (), (), layout="NHWC"), Timing(1.0, 1.0, 1.0, 0, 1, 1)))
     p2 = plan(model, x, latency=recs, conversion=cheap_conversion)
     assert [layer.costs for layer in p2.convs] == [layer.costs for layer in p.convs]
     with pytest.raises(MacoError, match=r"'_2'.*NHWC"):
@@ -240,3 +242,44 @@ def test_measured_and_predicted_latency_on_a_small_model() -> None:
         for target, sec in layer.converts.items():
             assert sec == pytest.approx(conv_model.predict(tuple(layer.shape), layer.layout, target))
     check_applied(model, x, p)
+
+
+def test_records_of_another_machine_are_not_used() -> None:
+    """Tuning records carry the fingerprint of the machine they were measured on: a plan for this
+    host takes this host's records, even where another machine's are faster."""
+    from dataclasses import replace
+
+    from maco.records import Record
+    from maco.schedule import Schedule
+    from maco.target import Target
+    from maco.timing import Timing
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
+    x = torch.randn(1, 3, 10, 10)
+    specs = [layer.spec for layer in trace(model, x).convs()]
+    host = Target.host()
+    other = replace(host, model="another CPU")
+    assert other.fingerprint() != host.fingerprint()
+
+    def records(target: Target, sec: float) -> list[Record]:
+        return [Record(spec, target.fingerprint(), Schedule("cpu", (), (), layout=lay),
+                       Timing(sec, sec, sec, 0.0, 1, 1)) for spec in specs for lay in ("NCHW", "NHWC")]
+
+    mine, theirs = records(host, 1e-5), records(other, 1e-9)
+    p = plan(model, x, latency=theirs + mine, conversion=cheap_conversion)
+    assert all(layer.costs == {"NCHW": 1e-5, "NHWC": 1e-5} for layer in p.convs)
+    p = plan(model, x, latency=theirs + mine, conversion=cheap_conversion, target=other)
+    assert all(layer.costs == {"NCHW": 1e-9, "NHWC": 1e-9} for layer in p.convs)
+    with pytest.raises(MacoError, match="records"):
+        plan(model, x, latency=theirs, conversion=cheap_conversion)
+
+
+def test_the_package_exports_the_planning_api_lazily() -> None:
+    import maco.layouts
+    from maco.layouts import _PLANNING
+
+    for name, module in _PLANNING.items():
+        assert getattr(maco.layouts, name) is getattr(importlib.import_module(f"maco.layouts.{module}"), name)
+    assert set(_PLANNING) <= set(dir(maco.layouts))
+    with pytest.raises(AttributeError, match="nothing"):
+        maco.layouts.nothing  # noqa: B018

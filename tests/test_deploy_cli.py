@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 from maco.cli import main
-from maco.layouts.deploy import LayoutPlan
+from maco.layouts import LayoutPlan
 from maco.layouts.networks import build, example_input
 
 

@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latency", choices=["measure", "predict"], default="measure",
                    help="where conv latencies come from (default measure)")
     p.add_argument("--predictor", default=None,
-                   help="trained predictor directory (default $MACO_PREDICTOR or results/predictor_cpu)")
+                   help="trained predictor directory (default $MACO_PREDICTOR, else the one shipped with MACO)")
     p.add_argument("--method", choices=["exact", "backtrack", "mincut", "milp"], default="exact",
                    help="planner (default exact: min cut for two layouts)")
     p.add_argument("--layouts", default="NCHW,NHWC", help="layouts to choose from (default NCHW,NHWC)")
@@ -43,7 +43,7 @@ def _us(seconds: float | None) -> str:
 def _other_column(args: argparse.Namespace, convs: list[Any], specs: dict[str, Any]) -> dict[str, dict[str, float]]:
     """The latencies the plan was not made from: predicted for a measured plan (when a trained
     predictor is at hand), measured for a predicted one."""
-    from maco.layouts.deploy import load_predictor
+    from maco.layouts import load_predictor
 
     if args.latency == "measure":
         try:
@@ -68,7 +68,7 @@ def _other_column(args: argparse.Namespace, convs: list[Any], specs: dict[str, A
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from maco.layouts.deploy import compare_end_to_end, plan
+    from maco.layouts import compare_end_to_end, plan
     from maco.layouts.graph import trace
     from maco.layouts.networks import build, example_input
 
