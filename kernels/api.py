@@ -5,12 +5,38 @@
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from maco.errors import MacoError
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
+
+
+class BoundKernel(Protocol):
+    """A compiled kernel with its weights packed: what callers run (CpuConv, CudaConv)."""
+
+    def __call__(self, x: Any, residual: Any = None, out: Any = None) -> Any:
+        """relu?(conv(x) + bias? + residual?), torch in torch out, numpy in numpy out."""
+
+    def prepare(self, x: Any, residual: Any = None, out: Any = None) -> Callable[[], None]:
+        """A zero-argument call on these buffers with every check done up front (for timers)."""
+
+
+class CompiledKernel(Protocol):
+    """A built kernel for one spec, schedule and epilogue (CpuKernel, CudaKernel)."""
+
+    @property
+    def spec(self) -> ConvSpec: ...
+
+    @property
+    def schedule(self) -> Schedule: ...
+
+    @property
+    def source(self) -> str: ...
+
+    def bind(self, weight: Any, bias: Any = None) -> BoundKernel:
+        """Pack the weights once for this kernel's layout and blocking."""
 
 
 def resolve_target(target: Any) -> Target:
@@ -24,7 +50,7 @@ def resolve_target(target: Any) -> Target:
 
 
 def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu", *, bias: bool = False,
-            relu: bool = False, residual: bool = False) -> Any:  # noqa: A001 - the public name
+            relu: bool = False, residual: bool = False) -> CompiledKernel:  # noqa: A001 - the public name
     """A built kernel for `spec` with `schedule` (the default schedule when None); call
     .bind(weight, bias) on it. MacoError lists the schedule's problems when it is invalid."""
     tgt = resolve_target(target)
@@ -44,7 +70,7 @@ def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu
 
 
 def build_many(spec: ConvSpec, schedules: list[Schedule], target: Any = None, *,
-               timeout: float = 300.0, **epilogue: bool) -> list[Any]:
+               timeout: float = 300.0, **epilogue: bool) -> list[CompiledKernel | MacoError]:
     """Kernels for many schedules of one spec, compiled in parallel through the disk cache; a
     schedule that is invalid or does not compile (within `timeout` seconds on CPU) gives its
     MacoError in place of the kernel."""
@@ -52,7 +78,7 @@ def build_many(spec: ConvSpec, schedules: list[Schedule], target: Any = None, *,
     if tgt.kind == "cuda":
         from maco.kernels.cuda import compile_cuda
 
-        out: list[Any] = []
+        out: list[CompiledKernel | MacoError] = []
         for schedule in schedules:
             try:
                 out.append(compile_cuda(spec, schedule, **epilogue))

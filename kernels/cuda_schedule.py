@@ -16,7 +16,8 @@ import numpy as np
 
 from maco.errors import MacoError
 from maco.geometry import paper_reuse
-from maco.schedule import Schedule, gpu_max_shared_bytes
+from maco.kernels.cuda_codegen import CudaPlan
+from maco.schedule import REDUCTION_AXES, UNROLL_STEPS, Schedule, axis_extents, gpu_max_shared_bytes
 from maco.spec import ConvSpec
 from maco.target import Target
 
@@ -250,9 +251,6 @@ def random_schedule(spec: ConvSpec, rng: np.random.Generator, layout: str = "NCH
                     tries: int = 1000) -> Schedule:
     """A random valid schedule of the full GPU sketch (every level, vthreads, split_c, unroll,
     inner order, packing): the test set for code generation."""
-    from maco.kernels.cuda_codegen import CudaPlan
-    from maco.schedule import REDUCTION_AXES, UNROLL_STEPS, axis_extents
-
     ext = axis_extents(spec)
     for _ in range(tries):
         spatial = tuple(_random_factors(ext[a], 5, rng) for a in AXES)

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from maco.errors import MacoError
+from maco.files import write_atomic
+from maco.layouts.latency import LAYOUTS, check_device, check_layout, conv_callable, measure_layouts
+from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
 from maco.spec import ConvSpec
 from maco.timing import Timing, environment, time_callable
-
-from maco.layouts.latency import (LAYOUTS, check_device, check_layout, conv_callable,
-                                  measure_layouts, write_atomic)
 
 SPEC_COLUMNS = ["n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h", "pad_w",
                 "dil_h", "dil_w", "groups"]
@@ -274,8 +276,6 @@ def random_specs(count: int, seed: int = 0, **kwargs: Any) -> list[ConvSpec]:
 
 def network_specs(names: Sequence[str], batch: int = 1) -> list[tuple[str, ConvSpec]]:
     """(source, spec) for every distinct conv layer of the named built-in networks."""
-    from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
-
     out = []
     for name in names:
         if name not in NETWORKS:
@@ -348,8 +348,6 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
     `patience` seconds), is timed again, up to `attempts` times, keeping the best attempt. With
     `retime_noisy`, specs whose rows in the file are noisy or loaded are timed again too (new
     rows are appended; load_rows keeps the best). `threads` sets torch's intra-op threads."""
-    import torch
-
     start = time.perf_counter()
     layouts = [check_layout(lay) for lay in layouts]
     dev = str(check_device(device))

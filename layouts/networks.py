@@ -6,8 +6,10 @@ needs shapes and timings, not accuracy.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -225,3 +227,31 @@ def distinct_convs(layers: list[tuple[str, ConvSpec]]) -> list[tuple[ConvSpec, l
     for name, spec in layers:
         groups.setdefault(spec, []).append(name)
     return list(groups.items())
+
+
+def load_model(text: str) -> tuple[str, nn.Module]:
+    """A built-in network name, or `path/to/file.py:ClassName` (built with no arguments)."""
+    if text in NETWORKS:
+        return text, build(text)
+    if ":" not in text:
+        raise MacoError(f"unknown model {text!r}: give a built-in network ({', '.join(NETWORKS)}) "
+                        "or path/to/file.py:ClassName")
+    path, cls_name = text.rsplit(":", 1)
+    if not Path(path).is_file():
+        raise MacoError(f"model file {path!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"maco_user_model_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as exc:
+        raise MacoError(f"importing {path!r} failed: {type(exc).__name__}: {exc}") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise MacoError(f"{path!r} has no {cls_name!r}")
+    try:
+        model = cls()
+    except Exception as exc:
+        raise MacoError(f"building {cls_name}() from {path!r} failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise MacoError(f"{cls_name}() from {path!r} is a {type(model).__name__}, not a torch.nn.Module")
+    return cls_name, model

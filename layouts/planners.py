@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from fractions import Fraction
@@ -257,8 +258,6 @@ def _milp(problem: LayoutProblem, time_limit: float | None) -> dict[Name, str]:
 
 def brute_force(problem: LayoutProblem, limit: int = 1 << 20) -> Solution:
     """Every assignment, cheapest first found: a reference for small problems only."""
-    import itertools
-
     sizes = [len(problem.layer_cost[v]) for v in problem.layers]
     if math.prod(sizes) > limit:
         raise MacoError(f"brute force over {math.prod(sizes)} assignments exceeds the limit {limit}")

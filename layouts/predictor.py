@@ -30,11 +30,10 @@ import torch
 from torch import nn
 
 from maco.errors import MacoError
-from maco.files import load_json_file
+from maco.files import load_json_file, write_atomic
+from maco.layouts.dataset import load_rows
+from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, predict_conversion
 from maco.spec import ConvSpec
-
-from maco.files import write_atomic
-from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout
 
 FEATURES = ["layout", "n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h",
             "pad_w", "dil_h", "dil_w", "groups", "flops", "input_bytes", "weight_bytes",
@@ -191,8 +190,6 @@ class LatencyPredictor:
 
     def predict_conversion(self, shape: Sequence[int], src: str, dst: str) -> float:
         """The fitted conversion model saved with this predictor (calibrated here if none was)."""
-        from maco.layouts.latency import predict_conversion
-
         return predict_conversion(shape, src, dst, self.device, model=self.conversion)
 
     # -- files: <dir>/model.pt (state dicts) and <dir>/predictor.json (config, scalers, checksum)
@@ -441,8 +438,6 @@ def fit_baseline(model: Any, specs: Sequence[ConvSpec], layouts: Sequence[str],
 
 def main(argv: Sequence[str] | None = None) -> int:
     """python -m maco.layouts.predictor DATA.csv OUT_DIR: NAS, retrain, calibrate conversions, save."""
-    from maco.layouts.dataset import load_rows
-
     p = argparse.ArgumentParser(prog="python -m maco.layouts.predictor",
                                 description="Train a layout latency predictor on a `maco collect` data set.")
     p.add_argument("data")

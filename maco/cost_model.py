@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from maco.geometry import footprint
+from maco.kernels.cpu_codegen import intrinsics_isa
 from maco.records import Record
 from maco.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
                            axis_extents)
@@ -44,7 +45,7 @@ def level_tiles(schedule: Schedule, spec: ConvSpec) -> list[tuple[int, int, int,
 
 @lru_cache(maxsize=4096)
 def _lower_bound(spec: ConvSpec, elements: int) -> float:
-    from maco import bounds
+    from maco import bounds  # sympy: 0.7 s to import, paid by the analytic estimate only
 
     return max(bounds.best_lower_bound(spec, elements), 1.0)
 
@@ -91,8 +92,6 @@ def _fast_micro_kernel(spec: ConvSpec, target: Target, schedule: Schedule) -> bo
     which measures 10-40x slower on the same tiles."""
     if schedule.kind != "cpu":
         return True
-    from maco.kernels.cpu_codegen import intrinsics_isa
-
     return intrinsics_isa(spec, schedule, target) is not None
 
 

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
 
+from maco import kernels
 from maco.errors import MacoError
+from maco.kernels.baselines import torch_conv
 from maco.records import TransientError
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
-from maco.timing import Timing
+from maco.timing import Timing, steady_allocator, time_callable
 
 CHECK_RTOL = 1e-3  # max |y - ref| over max |ref|: fp32 sums of up to ~10^4 terms in another order
 
@@ -134,8 +136,6 @@ class Measurer:
 def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target,
               timeout: float) -> list[str | None]:
     """Compile a batch in parallel into the kernel cache; per schedule, its build error or None."""
-    from maco import kernels
-
     if target.kind != "cpu":
         return [None] * len(schedules)  # CUDA kernels are compiled by the worker (NVRTC, cached)
     return [str(k) if isinstance(k, Exception) else None
@@ -144,8 +144,6 @@ def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target,
 
 # -- the worker ------------------------------------------------------------------------------
 def _worker_main(conn: Any, target_dict: dict[str, Any]) -> None:
-    from maco.timing import steady_allocator
-
     steady_allocator()  # torch's outputs come from the heap, as in a long-running model (no mmap faults)
     target = Target.from_dict(target_dict)
     data: dict[tuple[ConvSpec, str], Any] = {}
@@ -207,12 +205,8 @@ def _run_job(job: dict[str, Any], target: Target, cache: dict) -> dict[str, Any]
             xl, wl = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
             fn = CudnnConv(spec, job["layout"], benchmark=True).prepare(xl, wl)
         else:
-            from maco.kernels.baselines import torch_conv
-
             fn = torch_conv(spec, x, w, job["layout"])
     else:
-        from maco import kernels
-
         schedule = Schedule.from_dict(job["schedule"])
         conv = kernels.compile(spec, schedule, target=target).bind(w)
         xl = x.contiguous(memory_format=torch.channels_last) if schedule.layout == "NHWC" else x
@@ -230,8 +224,6 @@ def _run_job(job: dict[str, Any], target: Target, cache: dict) -> dict[str, Any]
     if cuda:
         timing = _gpu_timer().time(fn, repeats=job["repeats"], warmup=job["warmup"])
     else:
-        from maco.timing import time_callable
-
         timing = time_callable(fn, repeats=job["repeats"], min_run_time=job["min_run_time"],
                                warmup=job["warmup"])
     return timing.to_dict()

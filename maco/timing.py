@@ -10,7 +10,9 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from importlib import metadata
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
+
+from maco.target import Target
 
 
 @dataclass(frozen=True)
@@ -110,12 +112,14 @@ def pool_timings(timings: list[Timing]) -> Timing:
 
 def interleaved_rounds(runs: Mapping[str, Callable[[], Any]], rounds: int, *, repeats: int = 1,
                        min_run_time: float = 1e-3, warmup: int = 1,
-                       sync: Callable[[], Any] | None = None) -> dict[str, list[Timing]]:
+                       sync: Callable[[], Any] | None = None,
+                       progress: Callable[[range], Iterable[int]] = iter) -> dict[str, list[Timing]]:
     """Each of `runs` timed by the protocol once per round, round after round: the machine's
     spells (seconds at half speed on these VMs) then hit every candidate of a round alike, so
-    per-round ratios between candidates are steady where each one's times are not."""
+    per-round ratios between candidates are steady where each one's times are not. `progress`
+    wraps the rounds (e.g. in a tqdm bar)."""
     out: dict[str, list[Timing]] = {label: [] for label in runs}
-    for _ in range(max(rounds, 1)):
+    for _ in progress(range(max(rounds, 1))):
         for label, fn in runs.items():
             out[label].append(time_callable(fn, repeats=repeats, min_run_time=min_run_time,
                                             warmup=warmup, sync=sync))
@@ -125,8 +129,6 @@ def interleaved_rounds(runs: Mapping[str, Callable[[], Any]], rounds: int, *, re
 @lru_cache(maxsize=1)
 def environment() -> dict[str, Any]:
     """What produced a number: CPU, threads, compiler, library versions (GPU when torch sees one)."""
-    from maco.target import Target
-
     env: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine()}
     host = Target.host()
     env.update(cpu=host.model, isa=host.isa, cores=host.cores,

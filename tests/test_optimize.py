@@ -7,7 +7,8 @@ import torch
 
 from maco import MacoError
 from maco.cli import main
-from maco.optimize import BUDGETS, load_model
+from maco.layouts.networks import load_model
+from maco.tuning import BUDGETS
 
 MODEL = '''
 import torch
@@ -68,7 +69,7 @@ def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
 
 def test_maco_conv_in_a_model_matches_torch(model_file):
     from maco import ConvSpec, Target, kernels
-    from maco.optimize import MacoConv2d
+    from maco.layouts.maco_modules import MacoConv2d
 
     conv = torch.nn.Conv2d(16, 24, 3, stride=2, padding=1)
     spec = ConvSpec.from_module(conv, (1, 16, 15, 15))
@@ -82,20 +83,20 @@ def test_maco_conv_in_a_model_matches_torch(model_file):
 
 def test_in_process_check_keeps_fast_kernels_and_flags_slow_ones():
     from maco import ConvSpec, Target, kernels, space
-    from maco.optimize import MIN_GAIN, confirm_in_process
+    from maco.kernel_choice import MIN_GAIN, confirm_in_process
 
     spec, target = ConvSpec.parse("n1_c32_h28_w28_k32_r3_p1"), Target.host()
     scalar = next(s for s in space.sample_many(spec, target, 200, 0)
                   if s.layout == "NCHW" and s.vector_width == 1)  # one float at a time: slow
-    ratios = confirm_in_process({str(spec): {"NCHW": scalar,
-                                             "NHWC": kernels.default_schedule(spec, target, "NHWC")}},
-                                target)[str(spec)]
+    ratios = confirm_in_process({spec: {"NCHW": scalar,
+                                        "NHWC": kernels.default_schedule(spec, target, "NHWC")}},
+                                target)[spec]
     assert 0 < ratios["NCHW"] < MIN_GAIN and ratios["NHWC"] > ratios["NCHW"]
 
 
 def test_a_recorded_gain_that_does_not_hold_in_process_is_not_used():
     from maco import ConvSpec, Target, space
-    from maco.optimize import faster_kernels
+    from maco.kernel_choice import faster_kernels
     from maco.records import make_record
     from maco.timing import Timing
 
@@ -106,13 +107,13 @@ def test_a_recorded_gain_that_does_not_hold_in_process_is_not_used():
     best = {(spec, "NCHW"): make_record(spec, target, scalar, claim)}
     torch_seconds = {(spec, "NCHW"): 1e-4, (spec, "NHWC"): 1e-4}
     table, chosen, ratios = faster_kernels(torch_seconds, best, target)
-    assert chosen == {} and ratios[str(spec)]["NCHW"] < 1  # re-timed here, the claim fell
+    assert chosen == {} and ratios[spec]["NCHW"] < 1  # re-timed here, the claim fell
     assert table == torch_seconds  # the planner sees torch's times, not the record's
 
 
 def test_a_kernel_recorded_in_a_slow_spell_is_still_tried_and_timed_on_this_clock():
     from maco import ConvSpec, Target, kernels
-    from maco.optimize import MIN_GAIN, faster_kernels
+    from maco.kernel_choice import MIN_GAIN, faster_kernels
     from maco.records import make_record
     from maco.timing import Timing
 
@@ -122,10 +123,10 @@ def test_a_kernel_recorded_in_a_slow_spell_is_still_tried_and_timed_on_this_cloc
     best = {(spec, "NHWC"): make_record(spec, target, fast, slow_claim)}
     torch_seconds = {(spec, "NHWC"): 1e-4}
     table, chosen, ratios = faster_kernels(torch_seconds, best, target)
-    ratio = ratios[str(spec)]["NHWC"]
+    ratio = ratios[spec]["NHWC"]
     assert ratio > 0
     if ratio >= MIN_GAIN:
-        assert chosen == {str(spec): {"NHWC": fast}}
+        assert chosen == {spec: {"NHWC": fast}}
         assert table[(spec, "NHWC")] == pytest.approx(1e-4 / ratio)
     else:
         assert chosen == {} and table == torch_seconds

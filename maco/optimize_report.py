@@ -1,0 +1,134 @@
+"""What `maco optimize` leaves in its output folder: the per-layer table (CSV), its plot (PNG),
+the end-to-end numbers (JSON) and report.md, each written whole or not at all."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from maco.files import write_atomic
+from maco.kernel_choice import MIN_GAIN
+from maco.layouts import LayoutPlan
+from maco.spec import ConvSpec
+from maco.target import Target
+from maco.timing import environment
+
+
+@dataclass
+class LayerRow:
+    name: str
+    spec: ConvSpec
+    count: int
+    trials: int
+    maco: dict[str, float] = field(default_factory=dict)  # layout -> best seconds
+    torch: dict[str, float] = field(default_factory=dict)
+    planned: str = ""
+    uses_maco: bool = False
+    in_process: dict[str, float] = field(default_factory=dict)  # layout -> torch time / MACO time
+
+
+@dataclass
+class OptimizeResult:
+    model: str
+    out: Path
+    rows: list[LayerRow]
+    plan: LayoutPlan
+    end_to_end: dict[str, Any]
+    seconds: float
+
+
+def write_outputs(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> None:
+    out = result.out
+    gf = lambda spec, s: spec.flops / s / 1e9 if s else None  # noqa: E731
+    header = ["layer", "spec", "layers", "trials", "maco_nchw_gflops", "maco_nhwc_gflops",
+              "torch_nchw_gflops", "torch_nhwc_gflops", "in_process_nchw", "in_process_nhwc",
+              "planned_layout", "uses_maco"]
+    lines = []
+    for r in result.rows:
+        lines.append([r.name, str(r.spec), r.count, r.trials,
+                      *(_fmt(gf(r.spec, d.get(lay))) for d in (r.maco, r.torch) for lay in ("NCHW", "NHWC")),
+                      *(_fmt(r.in_process.get(lay)) for lay in ("NCHW", "NHWC")), r.planned,
+                      int(r.uses_maco)])
+    text = io.StringIO()
+    w = csv.writer(text)
+    w.writerow(header)
+    w.writerows(lines)
+    write_atomic(out / "layers.csv", text.getvalue())
+    _plot(result, out / "layers.png")
+    write_atomic(out / "end_to_end.json", json.dumps(result.end_to_end, indent=2))
+    write_atomic(out / "report.md", report_markdown(result, target, records, swapped))
+
+
+def _ratios(by_layout: dict[str, float]) -> str:
+    return ", ".join(f"{lay} {v:.2f}x" for lay, v in sorted(by_layout.items())) or "-"
+
+
+def _fmt(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f}"
+
+
+def _plot(result: OptimizeResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.rows
+    idx = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
+    bars = [("MACO NCHW", lambda r: r.maco.get("NCHW")), ("MACO NHWC", lambda r: r.maco.get("NHWC")),
+            ("torch NCHW", lambda r: r.torch.get("NCHW")), ("torch NHWC", lambda r: r.torch.get("NHWC"))]
+    for i, (label, get) in enumerate(bars):
+        vals = [r.spec.flops / get(r) / 1e9 if get(r) else 0 for r in rows]
+        ax.bar(idx + (i - 1.5) * 0.2, vals, 0.2, label=label)
+    ax.set_xticks(idx, [r.name.split(" ")[0] for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(f"{result.model}: best kernel per layer and layout")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, png.getvalue())
+
+
+def report_markdown(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> str:
+    env = environment()
+    lines = [f"# MACO optimize: {result.model} on {target.name}", "",
+             f"Machine: {env.get('cpu')} ({env.get('isa')}, {env.get('cores')} cores), torch "
+             f"{env.get('torch')}. Took {result.seconds:.0f} s.", "",
+             "## Per conv layer (GFLOP/s, best measured)", "",
+             "| layer | spec | trials | MACO NCHW | MACO NHWC | torch NCHW | torch NHWC | in process | planned | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    gf = lambda spec, s: f"{spec.flops / s / 1e9:.1f}" if s else "-"  # noqa: E731
+    for r in result.rows:
+        lines.append(f"| {r.name} | `{r.spec}` | {r.trials} | {gf(r.spec, r.maco.get('NCHW'))} | "
+                     f"{gf(r.spec, r.maco.get('NHWC'))} | {gf(r.spec, r.torch.get('NCHW'))} | "
+                     f"{gf(r.spec, r.torch.get('NHWC'))} | {_ratios(r.in_process)} | {r.planned} | "
+                     f"{'MACO' if r.uses_maco else 'torch'} |")
+    plan = result.plan
+    lines += ["", f"GFLOP/s are the tuner's (worker process, preallocated output). *in process*: torch's "
+              f"time over MACO's, re-timed here as the model runs the kernel (interleaved rounds); a "
+              f"kernel replaces torch's conv only above {MIN_GAIN:.2f}x.", "",
+              "## Layout plan", "",
+              f"{sum(1 for c in plan.convs if c.layout == 'NHWC')} of {len(plan.convs)} convs in NHWC, "
+              f"{len(plan.conversions)} conversions; planner ({plan.method}) predicts "
+              f"{plan.cost * 1e3:.2f} ms" + (f" vs {plan.default_cost * 1e3:.2f} ms all-NCHW"
+                                             if plan.default_cost else "") + ".", "",
+              "## End to end (batch 1, measured, interleaved rounds)", ""]
+    for key, label in (("planned_torch", "planned layouts, torch convs"),
+                       ("planned_maco", f"planned layouts, MACO kernels in {len(swapped)} convs")):
+        e = result.end_to_end.get(key)
+        if e:
+            lines.append(f"- {label}: {e['planned_s'] * 1e3:.2f} ms vs default {e['default_s'] * 1e3:.2f} ms "
+                         f"= **{e['speedup']:.2f}x** (max |diff| {e['max_abs_diff']:.2g})")
+    if "planned_maco" not in result.end_to_end:
+        lines.append("- no MACO kernel beat torch in its planned layout: the planned model runs torch convs only")
+    lines += ["", f"Files: `plan.json` (apply with `maco.layouts.LayoutPlan.load(...).apply(model)`), "
+              f"`layers.csv`, `layers.png`, `end_to_end.json`; records: `{records}`.", ""]
+    return "\n".join(lines)
