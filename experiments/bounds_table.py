@@ -9,19 +9,21 @@ paper's eq. (7) alone. Sizes are fp32 elements; each level is taken at one proce
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 
 from maco.bounds.report import analyse_levels
+from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv
 from maco.layouts.networks import network_convs
 from maco.target import Target
+
+FIGURE = Figure(
+    "bounds", "eq. (8): Q >= kh*kw*C*Ho*Wo*K / (4*sqrt(2*R*S)); optimal tiles x*y = R*z, "
+    "x*y*z = S/Np", "exact arithmetic, no measurement: a ratio above 1 is the price of integer, "
+    "edge-clipped tiles against a bound that allows any schedule", csv=("bounds_table.csv",), quick=False)
 
 NETWORKS = ("resnet18", "alexnet", "vgg11")
 COLUMNS = ["network", "layer", "spec", "level", "S", "processors", "R", "bound_eq7", "bound_best",
@@ -50,16 +52,6 @@ def rows(batch: int, level_names: list[str]) -> list[dict[str, object]]:
     return out
 
 
-def write_csv(path: Path, data: list[dict[str, object]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(data)
-    os.replace(tmp, path)
-
-
 def summary(data: list[dict[str, object]], level_names: list[str]) -> list[str]:
     lines = []
     for level in level_names:
@@ -75,11 +67,7 @@ def summary(data: list[dict[str, object]], level_names: list[str]) -> list[str]:
 
 
 def plot(path: Path, data: list[dict[str, object]], level_names: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(len(level_names), 1, figsize=(12, 3.2 * len(level_names)), squeeze=False)
     for ax, level in zip(axes[:, 0], level_names):
         sel = [r for r in data if r["level"] == level]
@@ -94,27 +82,31 @@ def plot(path: Path, data: list[dict[str, object]], level_names: list[str]) -> N
         ax.axhline(1.0, color="gray", lw=0.5)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp.png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_plot(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     ap.add_argument("--levels", nargs="+", default=["L1", "L2"], help="host memory levels (default L1 L2)")
-    ap.add_argument("--out", type=Path, default=Path("results"), help="output folder (default results)")
     args = ap.parse_args(argv)
     data = rows(args.batch, args.levels)
+    out = out_dir(args)
     suffix = "" if args.batch == 1 else f"_n{args.batch}"
-    csv_path = args.out / f"bounds_table{suffix}.csv"
-    write_csv(csv_path, data)
-    plot(args.out / f"bounds_table{suffix}.png", data, args.levels)
+    csv_path = out / f"bounds_table{suffix}.csv"
+    write_csv(csv_path, data, COLUMNS)
+    plot(out / f"bounds_table{suffix}.png", data, args.levels)
     print("\n".join(summary(data, args.levels)))
     print(f"wrote {csv_path} ({len(data)} rows) and {csv_path.with_suffix('.png')}")
     return 0
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: the spread of dataflow I/O over the best bound, per memory level."""
+    ratios = {lvl: sorted(num(r, "ratio_best") for r in rows if r["level"] == lvl) for lvl in ("L1", "L2")}
+    parts = [f"{lvl}: dataflow I/O of the chosen tile / best lower bound min {v[0]:.2f}, median "
+             f"{v[len(v) // 2]:.2f}, max {v[-1]:.2f}" for lvl, v in ratios.items() if v]
+    return f"{len(rows)} (layer, level) pairs; " + "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,19 @@ is kept in the CSV. Writes fig03_layouts_per_layer.csv / .png under --out.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import io
 from pathlib import Path
 
+from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv
 from maco.layouts.dataset import Canary
-from maco.files import write_atomic
 from maco.layouts.latency import measure_conversion, measure_layouts
 from maco.layouts.networks import network_convs
 from maco.timing import environment
+
+FIGURE = Figure(
+    "fig03", "AlexNet: the faster layout differs from layer to layer (no single layout is best)",
+    "the paper timed GPU kernels; on this CPU oneDNN's channels_last path is the faster one on most "
+    "layers, so the per-layer choice matters less than on the paper's GPU",
+    csv=("fig03_layouts_per_layer.csv",))
 
 COLUMNS = ["network", "layer", "spec", "gflop", "nchw_ms", "nhwc_ms", "nchw_gflops", "nhwc_gflops",
            "faster", "nchw_over_nhwc", "convert_in_to_nhwc_ms", "convert_out_to_nchw_ms",
@@ -45,11 +48,9 @@ def measure_network(name: str, batch: int, rounds: int, canary: Canary) -> list[
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    plt = pyplot()
     nets = list(dict.fromkeys(r["network"] for r in rows))
     fig, axes = plt.subplots(len(nets), 1, figsize=(max(6, 0.7 * max(
         sum(r["network"] == n for r in rows) for n in nets) + 2), 3.6 * len(nets)), squeeze=False)
@@ -65,33 +66,22 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{net}: conv layers in two layouts (torch/oneDNN, batch {sub[0]['spec'].split('_')[0][1:]})")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_plot(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, quick="fewer timing rounds")
     ap.add_argument("--networks", default="alexnet")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds per layer (default 5, quick 2)")
-    ap.add_argument("--quick", action="store_true", help="fewer timing rounds")
-    ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
     rounds = args.rounds or (2 if args.quick else 5)
     canary = Canary()
     rows = [r for net in args.networks.split(",") if net.strip() for r in
             measure_network(net.strip(), args.batch, rounds, canary)]
     csv_path = out / "fig03_layouts_per_layer.csv"
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, COLUMNS)
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (f"{v:.5g}" if isinstance(v, float) else v) for k, v in r.items()})
-    write_atomic(csv_path, buf.getvalue().encode())
+    write_csv(csv_path, rows, COLUMNS, floats=".5g")
     plot(rows, out / "fig03_layouts_per_layer.png")
     env = environment()
     print(f"{csv_path} ({env['cpu']}, torch {env['torch']}, {env['torch_threads']} threads)")
@@ -100,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
               f"NHWC {r['nhwc_ms']:8.3f} ms  faster {r['faster']} ({max(r['nchw_over_nhwc'], 1 / r['nchw_over_nhwc']):.2f}x)"
               f"  to-NHWC {r['convert_in_to_nhwc_ms']:.3f} ms  load {r['load']:.2f}")
     return 0
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: on how many layers each layout wins, and by how much."""
+    nhwc = sum(r["faster"] == "NHWC" for r in rows)
+    ratio = [num(r, "nchw_over_nhwc") for r in rows]
+    return (f"{rows[0]['network']}: NHWC faster on {nhwc} of {len(rows)} conv layers; NCHW time / "
+            f"NHWC time from {min(ratio):.2f} to {max(ratio):.2f}")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,15 @@ relaxed says so in the `relaxed` column. Writes fig06_space_size.csv and .png un
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import io
 import math
-import os
-import tempfile
 from pathlib import Path
+
+from maco.experiments.common import Figure, geomean, num, out_dir, parser, pyplot, save_plot, write_csv
+
+FIGURE = Figure(
+    "fig06", "AlexNet's schedule spaces reach tens of millions; pruning keeps a small fraction",
+    "counts of our own sketch (SSRSRS on CPU, SSSRRSRS on GPU) with its annotations, not TVM's, so "
+    "absolute sizes differ; the reduction is what to compare", csv=("fig06_space_size.csv",), quick=False)
 
 NETWORKS = ("alexnet", "resnet18", "vgg11")
 COLUMNS = ["network", "layer", "spec", "target", "sketch", "unpruned", "pruned", "ratio", "relaxed"]
@@ -40,36 +42,12 @@ def measure(batch: int, tolerance: float) -> list[dict]:
             rows.append(dict(network=net, layer="+".join(names), spec=str(spec), target=target.name,
                              sketch=SKETCHES[target.kind], unpruned=full, pruned=kept,
                              ratio=f"{full / kept:.4g}",
-                             relaxed="; ".join(prune.plan(spec, target, config).notes)))
+                             relaxed="; ".join(space.prune_plan(spec, target, config).notes)))
     return rows
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(path, buf.getvalue().encode())
-
-
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     targets = list(dict.fromkeys(r["target"] for r in rows))
     fig, axes = plt.subplots(len(NETWORKS), len(targets), figsize=(7 * len(targets), 3.2 * len(NETWORKS)),
                              squeeze=False)
@@ -90,22 +68,17 @@ def plot(rows: list[dict], path: Path) -> None:
                 ax.legend(fontsize=8)
     fig.suptitle("Fig. 6: schedule-space size per distinct conv layer (exact counts, log scale)")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=130)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_plot(fig, path, dpi=130)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results", help="output folder (default results)")
-    parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    parser.add_argument("--tolerance", type=float, default=2.0, help="pruning tolerance on x*y/(R*z)")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    ap = parser(__doc__)
+    ap.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    ap.add_argument("--tolerance", type=float, default=2.0, help="pruning tolerance on x*y/(R*z)")
+    args = ap.parse_args(argv)
+    out = out_dir(args)
     rows = measure(args.batch, args.tolerance)
-    write_csv(rows, out / "fig06_space_size.csv")
+    write_csv(out / "fig06_space_size.csv", rows, COLUMNS)
     plot(rows, out / "fig06_space_size.png")
     for target in dict.fromkeys(r["target"] for r in rows):
         sel = [r for r in rows if r["target"] == target]
@@ -115,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{max(r['pruned'] for r in sel):.3g}, geometric-mean reduction {gm:.3g}x")
     print(f"wrote {out / 'fig06_space_size.csv'} and {out / 'fig06_space_size.png'}")
     return 0
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: per target, the geomean reduction and the largest space."""
+    parts = []
+    for tgt in sorted({r["target"] for r in rows}):
+        sub = [r for r in rows if r["target"] == tgt]
+        biggest = max(sub, key=lambda r: int(r["unpruned"]))
+        parts.append(f"{tgt}: geomean reduction {geomean([num(r, 'ratio') for r in sub]):,.0f}x over "
+                     f"{len(sub)} layers; largest space {int(biggest['unpruned']):.3g} "
+                     f"({biggest['network']} {biggest['layer']}) -> {int(biggest['pruned']):,}")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ NCHW/NHWC layout, for ResNet-18, AlexNet and VGG-11 at batch 1 on this machine: 
 predicted time of both, and both measured end to end with torch in interleaved rounds.
 
 Plans are made twice, from measured conv latencies (latency="measure") and from the trained
-predictor (latency="predict", results/predictor_cpu; skipped with a note where none is saved);
+predictor (latency="predict", OUT/predictor_cpu or the shipped one; skipped with a note where none is saved);
 the policy "every flexible layer NHWC" is timed beside them as a reference. Every planned
 model's output is checked against the original's. Writes fig12_layout_plan.csv / .png.
 
@@ -11,12 +11,17 @@ model's output is checked against the original's. Writes fig12_layout_plan.csv /
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import io
 from pathlib import Path
 
 import torch
+
+from maco.experiments.common import (Figure, num, out_dir, outputs_equal, parser, pyplot, quiet, save_plot,
+                                     write_csv)
+
+FIGURE = Figure(
+    "fig12", "planned hybrid layouts 1.28x / 1.32x / 1.29x over the default (ResNet-18 / AlexNet / VGG-11)",
+    "oneDNN's NHWC convs win almost every layer here, so the plan is nearly all-NHWC with conversions "
+    "at the ends; the paper's GPU made more layers prefer NCHW", csv=("fig12_layout_plan.csv",))
 
 NETWORKS = "resnet18,alexnet,vgg11"
 COLUMNS = ["network", "latency", "convs", "nhwc_convs", "conversions", "predicted_default_ms",
@@ -30,22 +35,9 @@ def all_nhwc(spec, layout: str) -> float:
     return 1e-6 if layout == "NHWC" else 1.0
 
 
-_CANARY = None
-
-
-def _quiet() -> float:
-    """Wait (up to 30 s) for the shared cores to be quiet; the canary's load before timing."""
-    global _CANARY
-    from maco.layouts.dataset import Canary
-
-    if _CANARY is None:
-        _CANARY = Canary()
-    return round(_CANARY.wait_quiet(patience=30), 2)
-
-
 def run_network(name: str, sources: list[str], rounds: int, predictor: str | None) -> list[dict]:
     from maco.errors import MacoError
-    from maco.layouts.deploy import compare_end_to_end, load_predictor, plan
+    from maco.layouts import compare_end_to_end, load_predictor, plan
     from maco.layouts.networks import build, example_input
 
     model, x = build(name), example_input(1)
@@ -63,11 +55,8 @@ def run_network(name: str, sources: list[str], rounds: int, predictor: str | Non
             latency = all_nhwc
         p = plan(model, x, latency=latency, conversion="measure" if source == "all-NHWC" else None)
         planned = p.apply(model)
-        load = _quiet()
+        load = quiet()
         e2e = compare_end_to_end(model, planned, x, rounds=rounds)
-        with torch.inference_mode():
-            want, got = model(x), planned(x)
-        equal = torch.allclose(want, got, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
         predicted = source != "all-NHWC"  # the policy's "costs" are not seconds
         rows.append(dict(
             row, convs=len(p.convs), nhwc_convs=sum(c.layout == "NHWC" for c in p.convs),
@@ -77,30 +66,15 @@ def run_network(name: str, sources: list[str], rounds: int, predictor: str | Non
             predicted_speedup=p.speedup if predicted and p.speedup else "",
             measured_default_ms=e2e.default.median * 1e3, measured_planned_ms=e2e.planned.median * 1e3,
             measured_speedup=e2e.speedup, speedup_low=min(e2e.ratios), speedup_high=max(e2e.ratios),
-            max_abs_diff=e2e.max_abs_diff, outputs_equal=bool(equal),
+            max_abs_diff=e2e.max_abs_diff, outputs_equal=outputs_equal(model, planned, x),
             planner_ms=p.planner_seconds * 1e3, load=load, note=p.latency))
     return rows
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    from maco.files import write_atomic
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, COLUMNS, restval="")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (f"{v:.5g}" if isinstance(v, float) else v) for k, v in r.items()})
-    write_atomic(path, buf.getvalue().encode())
-
-
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    from maco.files import write_atomic
-
+    plt = pyplot()
     nets = list(dict.fromkeys(r["network"] for r in rows))
     sources = list(dict.fromkeys(r["latency"] for r in rows))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -137,32 +111,29 @@ def plot(rows: list[dict], path: Path) -> None:
     a2.set_title("Planner estimate vs the whole model")
     a2.legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_plot(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, quick="fewer end-to-end rounds")
     ap.add_argument("--networks", default=NETWORKS)
     ap.add_argument("--latency", default="measure,predict,all-NHWC",
                     help="plans to make: measure, predict, all-NHWC (comma-separated)")
-    ap.add_argument("--predictor", default=None, help="predictor folder (default results/predictor_cpu)")
+    ap.add_argument("--predictor", default=None, help="predictor folder (default OUT/predictor_cpu, the "
+                    "one fig13 trains, else the one shipped with MACO)")
     ap.add_argument("--rounds", type=int, default=None, help="end-to-end rounds (default 7, quick 3)")
-    ap.add_argument("--quick", action="store_true", help="fewer end-to-end rounds")
-    ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 7)
     sources = [s.strip() for s in args.latency.split(",") if s.strip()]
     unknown = set(sources) - {"measure", "predict", "all-NHWC"}
     if unknown:
         ap.error(f"unknown latency source(s) {', '.join(sorted(unknown))}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
+    trained = out / "predictor_cpu"
+    predictor = args.predictor or (str(trained) if (trained / "predictor.json").exists() else None)
     rows = [r for net in args.networks.split(",") if net.strip()
-            for r in run_network(net.strip(), sources, rounds, args.predictor)]
-    write_csv(rows, out / "fig12_layout_plan.csv")
+            for r in run_network(net.strip(), sources, rounds, predictor)]
+    write_csv(out / "fig12_layout_plan.csv", rows, COLUMNS, floats=".5g")
     plot(rows, out / "fig12_layout_plan.png")
     print(f"wrote {out / 'fig12_layout_plan.csv'} and .png (torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {rounds} interleaved rounds)")
@@ -176,6 +147,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['measured_planned_ms']:.2f} ms = {r['measured_speedup']:.2f}x "
               f"({r['speedup_low']:.2f}-{r['speedup_high']:.2f}); outputs equal {r['outputs_equal']}")
     return 0 if all(r.get("outputs_equal", True) for r in rows) else 1
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: the measured speedup of each plan, and how many convs it puts in NHWC."""
+    parts = [f"{r['network']} {num(r, 'measured_speedup'):.2f}x ({r['nhwc_convs']}/{r['convs']} convs NHWC)"
+             for r in rows if r["latency"] == "measure"]
+    pred = [f"{r['network']} {num(r, 'measured_speedup'):.2f}x" for r in rows if r["latency"] == "predict"]
+    return ("planned from measured latencies: " + ", ".join(parts) +
+            ("; planned from the predictor: " + ", ".join(pred) if pred else "") + " (measured end to end)")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,17 @@ Writes fig14_error_threshold.csv / .png.
 """
 from __future__ import annotations
 
-import argparse
 import csv
-import io
 from pathlib import Path
 
 import numpy as np
+
+from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_table
+
+FIGURE = Figure(
+    "fig14", "few wrong-layout picks, at small cost", "pairs whose layouts differ by under 5% are coin "
+    "flips under this machine's noise; the columns by gap show the picks that matter",
+    csv=("fig14_error_threshold.csv",))
 
 THRESHOLDS = [0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]
 GAPS = [0.0, 0.02, 0.05, 0.1, 0.2, 0.5]  # measured slower/faster - 1 of a conv's two layouts
@@ -64,10 +69,8 @@ def pick_stats(specs: list[str], measured: np.ndarray, predicted: np.ndarray
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, quick="accepted for `maco reproduce --quick` (this figure is cheap)")
     ap.add_argument("--predictions", default=None, help="default OUT/fig13_test_predictions.csv")
-    ap.add_argument("--out", default="results")
-    ap.add_argument("--quick", action="store_true", help="accepted for `maco reproduce --quick` (this figure is cheap)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     path = Path(args.predictions) if args.predictions else out / "fig13_test_predictions.csv"
@@ -76,20 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     specs, _, measured, preds = read_predictions(path)
     errors = {m: np.abs(p - measured) / measured for m, p in preds.items()}
     picks = {m: pick_stats(specs, measured, p) for m, p in preds.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(["model", *[f"within_{t:g}" for t in THRESHOLDS], "median_rel_error", "p90_rel_error",
-                "rows", *[f"wrong_picks_gap_{g:g}" for g in GAPS], *[f"pick_cost_gap_{g:g}" for g in GAPS],
-                *[f"convs_gap_{g:g}" for g in GAPS]])
-    for m, e in errors.items():
-        st = picks[m]
-        w.writerow([m, *[f"{np.mean(e <= t):.4f}" for t in THRESHOLDS], f"{np.median(e):.4g}",
-                    f"{np.quantile(e, 0.9):.4g}", len(e), *[f"{st[g][0]:.4f}" for g in GAPS],
-                    *[f"{st[g][1]:.5f}" for g in GAPS], *[st[g][2] for g in GAPS]])
-    from maco.files import write_atomic
-
-    write_atomic(out / "fig14_error_threshold.csv", buf.getvalue().encode())
+    out = out_dir(args)
+    header = ["model", *[f"within_{t:g}" for t in THRESHOLDS], "median_rel_error", "p90_rel_error", "rows",
+              *[f"wrong_picks_gap_{g:g}" for g in GAPS], *[f"pick_cost_gap_{g:g}" for g in GAPS],
+              *[f"convs_gap_{g:g}" for g in GAPS]]
+    write_table(out / "fig14_error_threshold.csv", header, [
+        [m, *[f"{np.mean(e <= t):.4f}" for t in THRESHOLDS], f"{np.median(e):.4g}", f"{np.quantile(e, 0.9):.4g}",
+         len(e), *[f"{picks[m][g][0]:.4f}" for g in GAPS], *[f"{picks[m][g][1]:.5f}" for g in GAPS],
+         *[picks[m][g][2] for g in GAPS]] for m, e in errors.items()])
     print(f"{'model':12s} " + " ".join(f"<={t:<5g}" for t in THRESHOLDS))
     for m, e in errors.items():
         print(f"{m:12s} " + " ".join(f"{np.mean(e <= t):6.3f}" for t in THRESHOLDS))
@@ -103,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(errors: dict[str, np.ndarray], picks: dict[str, dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from maco.files import write_atomic
-
+    plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
     grid = np.logspace(-3, 1, 200)
     for m, e in errors.items():
@@ -137,10 +129,19 @@ def plot(errors: dict[str, np.ndarray], picks: dict[str, dict], path: Path) -> N
     bx.set_title("How often the slower layout is picked")
     bx.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_plot(fig, path)
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: the NAS MLP's error spread and its wrong picks by how far apart the layouts are."""
+    by = {r["model"]: r for r in rows}
+    nas = by.get("NAS-MLP_log") or by.get("NAS-MLP")
+    if not nas:
+        return f"{len(rows)} models"
+    return (f"NAS-MLP: {100 * num(nas, 'within_0.1'):.0f}% of test convs within 10%, median error "
+            f"{100 * num(nas, 'median_rel_error'):.0f}%; wrong picks {100 * num(nas, 'wrong_picks_gap_0'):.0f}% "
+            f"of all pairs, {100 * num(nas, 'wrong_picks_gap_0.05'):.0f}% where the layouts differ by >5%, "
+            f"{100 * num(nas, 'wrong_picks_gap_0.2'):.0f}% where they differ by >20%")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ columns flush L2 before each launch. Writes fig15_kernels_gpu_<gpu>.csv / .png u
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import re
 import statistics
@@ -23,11 +22,17 @@ from pathlib import Path
 import torch
 
 from maco import ConvSpec, Target
+from maco.experiments.common import Figure, geomean, num, out_dir, parser, pyplot, save_plot, write_csv
 from maco.gpu_measure import CudnnConv, GpuTimer, cudnn_version
 from maco.kernels import cuda_build
 from maco.kernels.cuda import CudaKernel, candidates, prebuild
 from maco.kernels.cuda_codegen import CudaPlan
 from maco.layouts.networks import distinct_convs, network_convs
+
+FIGURE = Figure(
+    "fig15", "MACO kernels 2.24x faster than cuDNN on average", "strict fp32 on an H100 against cuDNN's "
+    "best algorithm (benchmark mode); the paper's GPU and cuDNN version differ",
+    csv=("fig15_summary*.csv",), gpu=True, quick=False)
 
 
 def gpu_tag(name: str) -> str:
@@ -35,14 +40,8 @@ def gpu_tag(name: str) -> str:
     return (m.group(1) if m else name).lower().replace(" ", "")
 
 
-def geomean(xs: list[float]) -> float:
-    xs = [x for x in xs if x > 0 and math.isfinite(x)]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results")
+    ap = parser(__doc__)
     ap.add_argument("--networks", default="resnet18,alexnet,vgg11")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--layouts", default="NCHW,NHWC")
@@ -51,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="runs per contender per round")
     ap.add_argument("--cubin-dir", default=None, help="nvcc build cache (parallel prebuild)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     timer = GpuTimer()
@@ -118,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                   cudnn_best_us=med["cudnn_best"] * 1e6, blocks=p.blocks, threads=p.threads,
                                   registers=b.registers if b else "", spill=b.spill_bytes if b else "",
                                   schedule=p.schedule.to_json()))
-        with open(out / f"fig15_candidates_{tag}.csv", "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(cand_rows[0]))
-            wr.writeheader()
-            wr.writerows(cand_rows)
+        write_csv(out / f"fig15_candidates_{tag}.csv", cand_rows)
         maco = {k: v for k, v in med.items() if k.startswith("maco_")}
         best_key = min(maco, key=maco.get) if maco else None
         cold = {}
@@ -148,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             row[f"peak_frac_{key}"] = spec.flops / (row[base] * 1e-6) / peak
         row["peak_frac_cudnn_best"] = spec.flops / (row["cudnn_best_us"] * 1e-6) / peak
         rows.append(row)
-        with open(out / f"fig15_configs_{tag}.csv", "w", newline="") as f:  # progress, per config
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+        write_csv(out / f"fig15_configs_{tag}.csv", rows)  # progress, per config
         print(f"[{ci + 1}/{len(configs)}] {spec} {layout}: cuDNN def {row['cudnn_default_us']:.1f} "
               f"best {row['cudnn_best_us']:.1f} | MACO def {row['maco_default_us']:.1f} "
               f"search {row['maco_search_us']:.1f} us ({row['speedup_search_vs_cudnn_best']:.2f}x, "
@@ -165,11 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             for layout in args.layouts.split(","):
                 r = by_cfg[(str(spec), layout)]
                 layer_rows.append({"gpu": timer.name, "network": net, "layer": name, **r})
-    path = out / f"fig15_kernels_gpu_{tag}.csv"
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(layer_rows[0]))
-        wr.writeheader()
-        wr.writerows(layer_rows)
+    write_csv(out / f"fig15_kernels_gpu_{tag}.csv", layer_rows)
     summary = []
     for net in args.networks.split(","):
         for batch in map(int, args.batches.split(",")):
@@ -190,10 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                             search_vs_default=geomean([r["speedup_search_vs_cudnn_default"] for r in sel]),
                             peak_search=statistics.mean(r["peak_frac_search"] for r in sel),
                             peak_cudnn=statistics.mean(r["peak_frac_cudnn_best"] for r in sel)))
-    with open(out / f"fig15_summary_{tag}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(summary[0]))
-        wr.writeheader()
-        wr.writerows(summary)
+    write_csv(out / f"fig15_summary_{tag}.csv", summary)
     plot(layer_rows, args, out / f"fig15_kernels_gpu_{tag}.png", timer.name)
     print("\nGeomean speedup over cuDNN (strict fp32), per conv layer:")
     print(f"{'network':10s} {'batch':>5s} {'layout':6s} {'layers':>6s} {'def/best':>9s} "
@@ -206,11 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows: list[dict], args: argparse.Namespace, path: Path, gpu: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     nets, batches = args.networks.split(","), [int(b) for b in args.batches.split(",")]
     fig, axes = plt.subplots(len(batches), len(nets), figsize=(6 * len(nets), 3.6 * len(batches)),
                              squeeze=False)
@@ -231,7 +212,17 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path, gpu: str) -> No
             ax.legend(fontsize=7)
     fig.suptitle(f"MACO CUDA kernels vs cuDNN (strict fp32), {gpu}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: per batch, the geomean speedup over cuDNN's best over every layer and layout."""
+    parts = []
+    for r in rows:
+        if r["network"] == "all":  # the geomean over every layer and layout of that batch
+            parts.append(f"batch {r['batch']} ({r['layers']} (layer, layout) pairs): geomean over cuDNN's best "
+                         f"{num(r, 'search_vs_best'):.2f}x (default schedule {num(r, 'default_vs_best'):.2f}x)")
+    return "; ".join(parts) + " (strict fp32)"
 
 
 if __name__ == "__main__":

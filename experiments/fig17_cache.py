@@ -11,7 +11,6 @@ kernel list back to (layer, contender), whatever number of kernels cuDNN launche
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import re
@@ -19,6 +18,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from maco.experiments.common import Figure, geomean, num, out_dir, parser, pyplot, save_plot, write_csv
+
+FIGURE = Figure(
+    "fig17", "MACO kernels hit L1 more often than cuDNN's", "MACO's CUDA kernels stage tiles through "
+    "shared memory with cp.async, which bypasses L1: their reuse happens in shared memory and never "
+    "counts as an L1 hit, while cuDNN's kernels read through L1", csv=("fig17_cache_*.csv",), gpu=True,
+    quick=False)
 
 LAYERS = ["n1_c64_h56_w56_k64_r3x3_p1", "n1_c128_h28_w28_k128_r3x3_p1", "n1_c256_h14_w14_k256_r3x3_p1",
           "n1_c512_h7_w7_k512_r3x3_p1", "n1_c256_h13_w13_k256_r3x3_p1", "n1_c3_h224_w224_k64_r3x3_p1",
@@ -89,8 +96,7 @@ def parse_raw(path: Path) -> list[dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results")
+    ap = parser(__doc__)
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args(argv)
@@ -102,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if ncu is None:
         print("ncu (Nsight Compute) not found: fig17 needs it", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
     import torch
 
     name = torch.cuda.get_device_name(0)
@@ -152,11 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     row[metric] = wavg(metric)
         rows.append(row)
     keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k))
-    path = out / f"fig17_cache_{tag}.csv"
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=keys)
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out / f"fig17_cache_{tag}.csv", rows, keys)
     print(f"{'layer':37s} {'impl':6s} {'us':>7s} {'L1 hit%':>8s} {'L2 hit%':>8s} {'SM%':>6s} {'issue%':>7s} {'fma%':>6s}")
     for r in rows:
         print(f"{r['layer'] + ' ' + r['layout']:37s} {r['impl']:6s} {r['duration_us']:7.1f} "
@@ -176,11 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows: list[dict], path: Path, tag: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     layers = list(dict.fromkeys(f"{r['layer']}@{r['layout']}" for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(layers)), 3.8))
     for j, impl in enumerate(("maco", "cudnn")):
@@ -195,7 +192,20 @@ def plot(rows: list[dict], path: Path, tag: str) -> None:
     ax.set_title(f"L1 hit rate, strict fp32 ({tag}; ncu locks clocks to base)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: mean L1 hit rates of both, and MACO's kernel time over cuDNN's."""
+    hit = {impl: [num(r, "l1tex__t_sector_hit_rate.pct") for r in rows if r["impl"] == impl]
+           for impl in ("maco", "cudnn")}
+    time_ = {impl: [num(r, "duration_us") for r in rows if r["impl"] == impl] for impl in ("maco", "cudnn")}
+    if not hit["maco"] or not hit["cudnn"]:
+        return f"{len(rows)} profiles"
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    return (f"{len(hit['maco'])} layers: L1 hit rate MACO {mean(hit['maco']):.0f}% vs cuDNN "
+            f"{mean(hit['cudnn']):.0f}% (mean); kernel time MACO/cuDNN geomean "
+            f"{geomean([a / b for a, b in zip(time_['maco'], time_['cudnn'])]):.2f}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ The last column needs tuning records (`maco optimize NET --records R`, or `maco 
 them with --records R (repeatable). Without records that column is left empty and the CSV's
 note says so. With records, the plan is remade from the per-layer best of torch and MACO in each
 layout (torch measured here, each layout's best MACO record re-timed beside it in this process,
-maco.optimize.faster_kernels) and the convs whose MACO kernel wins are swapped for MacoConv2d
+maco.kernel_choice.faster_kernels) and the convs whose MACO kernel wins are swapped for MacoConv2d
 modules. Each planned model is timed against
 the default in interleaved rounds and its output checked against the original's.
 Writes fig18_end_to_end.csv / .png.
@@ -15,12 +15,16 @@ Writes fig18_end_to_end.csv / .png.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import io
 from pathlib import Path
 
 import torch
+
+from maco.experiments.common import (Figure, num, out_dir, outputs_equal, parser, pyplot, quiet, save_plot,
+                                     write_csv)
+
+FIGURE = Figure(
+    "fig18", "end to end 1.07x / 1.62x / 1.34x (ResNet-18 / AlexNet / VGG-11)", "batch 1 on a 2-core CPU "
+    "with oneDNN as the baseline; the paper ran its GPU kernels", csv=("fig18_end_to_end.csv",), records=True)
 
 NETWORKS = "resnet18,alexnet,vgg11"
 PAPER = {"resnet18": 1.07, "alexnet": 1.62, "vgg11": 1.34}
@@ -28,41 +32,23 @@ COLUMNS = ["network", "convs", "default_ms", "planned_torch_ms", "speedup_torch"
            "speedup_maco", "maco_convs", "max_abs_diff", "outputs_equal", "paper_speedup", "load", "note"]
 
 
-def _equal(model, planned, x) -> bool:
-    with torch.inference_mode():
-        want, got = model(x), planned(x)
-    return bool(torch.allclose(want, got, rtol=1e-4, atol=1e-5 * float(want.abs().max())))
-
-
-_CANARY = None
-
-
-def _quiet() -> float:
-    """Wait (up to 30 s) for the shared cores to be quiet; the canary's load before timing."""
-    global _CANARY
-    from maco.layouts.dataset import Canary
-
-    if _CANARY is None:
-        _CANARY = Canary()
-    return round(_CANARY.wait_quiet(patience=30), 2)
-
-
 def run_network(name: str, rounds: int, records: dict | None) -> dict:
-    from maco.layouts.deploy import compare_end_to_end, plan
+    from maco.layouts import compare_end_to_end, plan
     from maco.layouts.networks import build, example_input
-    from maco.optimize import faster_kernels, use_maco_kernels
+    from maco.kernel_choice import faster_kernels
+    from maco.layouts.maco_modules import use_maco_kernels
     from maco.spec import ConvSpec
     from maco.target import Target
 
     model, x = build(name), example_input(1)
     p = plan(model, x, latency="measure")
     planned = p.apply(model)
-    load = _quiet()
+    load = quiet()
     e = compare_end_to_end(model, planned, x, rounds=rounds)
     row = dict(network=name, convs=len(p.convs), default_ms=e.default.median * 1e3,
                planned_torch_ms=e.planned.median * 1e3, speedup_torch=e.speedup, planned_maco_ms="",
                speedup_maco="", maco_convs="", max_abs_diff=e.max_abs_diff,
-               outputs_equal=_equal(model, planned, x), paper_speedup=PAPER.get(name, ""),
+               outputs_equal=outputs_equal(model, planned, x), paper_speedup=PAPER.get(name, ""),
                load=load)
     if records is None:
         row["note"] = "MACO column empty: no tuning records given (--records)"
@@ -80,35 +66,20 @@ def run_network(name: str, rounds: int, records: dict | None) -> dict:
         row["note"] = ("MACO column empty: the plan puts no conv in a layout where a MACO kernel "
                        "beat torch")
         return row
-    load = _quiet()
+    load = quiet()
     em = compare_end_to_end(model, gm, x, rounds=rounds)
     row.update(planned_maco_ms=em.planned.median * 1e3, speedup_maco=em.speedup,
                maco_convs=len(swapped), max_abs_diff=max(e.max_abs_diff, em.max_abs_diff),
-               outputs_equal=row["outputs_equal"] and _equal(model, gm, x),
+               outputs_equal=row["outputs_equal"] and outputs_equal(model, gm, x),
                load=max(row["load"], load),
                note=f"MACO kernels in {len(swapped)} of {len(pm.convs)} convs")
     return row
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    from maco.files import write_atomic
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, COLUMNS, restval="")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (f"{v:.5g}" if isinstance(v, float) else v) for k, v in r.items()})
-    write_atomic(path, buf.getvalue().encode())
-
-
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    from maco.files import write_atomic
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = np.arange(len(rows))
     bars = [("default (NCHW, torch)", [1.0] * len(rows)),
@@ -127,20 +98,15 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, max([2.0] + [v * 1.15 for _, vals in bars for v in vals if v]))
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_plot(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, quick="fewer end-to-end rounds")
     ap.add_argument("--networks", default=NETWORKS)
     ap.add_argument("--records", action="append", default=[],
                     help="tuning records (JSON lines) for the MACO column; repeatable")
     ap.add_argument("--rounds", type=int, default=None, help="end-to-end rounds (default 7, quick 3)")
-    ap.add_argument("--quick", action="store_true", help="fewer end-to-end rounds")
-    ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 7)
     missing = [p for p in args.records if not Path(p).is_file()]
@@ -152,10 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         from maco.target import Target
 
         records = best_in_files(args.records, Target.host())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
     rows = [run_network(n.strip(), rounds, records) for n in args.networks.split(",") if n.strip()]
-    write_csv(rows, out / "fig18_end_to_end.csv")
+    write_csv(out / "fig18_end_to_end.csv", rows, COLUMNS, floats=".5g")
     plot(rows, out / "fig18_end_to_end.png")
     print(f"wrote {out / 'fig18_end_to_end.csv'} and .png ({rounds} interleaved rounds)")
     for r in rows:
@@ -164,6 +129,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup_torch']:.2f}x; planned MACO {maco}; paper {r['paper_speedup']}x; "
               f"outputs equal {r['outputs_equal']}; {r['note']}")
     return 0 if all(r["outputs_equal"] for r in rows) else 1
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: per network, the planned model's speedup with torch's convs and with MACO's."""
+    parts = []
+    for r in rows:
+        maco = (f", with MACO kernels in {r['maco_convs']} conv(s) {num(r, 'speedup_maco'):.2f}x"
+                if r.get("speedup_maco") else f" ({r.get('note', '')})")
+        parts.append(f"{r['network']}: planned torch {num(r, 'speedup_torch'):.2f}x{maco}")
+    return "; ".join(parts) + " (outputs equal: " + ", ".join(r["outputs_equal"] for r in rows) + ")"
 
 
 if __name__ == "__main__":

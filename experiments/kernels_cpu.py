@@ -14,25 +14,26 @@ faster one), a .png and an .env.json under --out, and prints the geometric means
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import json
 import math
-import os
 import sys
 from pathlib import Path
 
 from maco import Target, kernels
 from maco.benchmark import bench_layer
+from maco.experiments.common import (Figure, geomean, num, out_dir, parser, pyplot, save_plot, write_csv,
+                                     write_env)
 from maco.layouts.networks import distinct_convs, network_convs
-from maco.timing import environment
+
+FIGURE = Figure(
+    "kernels_cpu", "(CPU) MACO kernels vs oneDNN; the paper reports GPU kernels only",
+    "a 2-core CPU VM that runs in faster and slower spells of seconds: the FMA peak and the "
+    "register-tile ceiling are timed on each layer's flops in the same rounds as the kernels, and "
+    "fractions and speedups are medians of per-round ratios (the best peak ever seen here is kept "
+    "beside them); the 1x1 stride-2 layers, where oneDNN is slow at batch 1, lift the mean",
+    csv=("kernels_cpu_tuned.csv", "kernels_cpu_tuned_quick.csv", "kernels_cpu.csv", "kernels_cpu_quick.csv"),
+    records=True)
 
 QUICK_LAYERS = {"resnet18": 3, "alexnet": 1, "vgg11": 1}  # --quick: the first layers of each
-
-
-def geomean(xs: list[float]) -> float:
-    xs = [x for x in xs if x > 0 and math.isfinite(x)]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
 def layers(networks: list[str], quick: bool) -> list[tuple[str, str, object]]:
@@ -48,22 +49,10 @@ def layers(networks: list[str], quick: bool) -> list[tuple[str, str, object]]:
     return out
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
-
-
 def plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    plt = pyplot()
     labels = [f"{r['network']}:{r['layer']}" for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 4.5))
@@ -81,17 +70,12 @@ def plot(path: Path, rows: list[dict]) -> None:
                  f"{geomean([r['speedup'] for r in rows]):.2f}x")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_plot(fig, path, dpi=130)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results")
+    ap = parser(__doc__, quick="a few 3x3 layers, fewer rounds")
     ap.add_argument("--networks", default="resnet18,alexnet,vgg11")
-    ap.add_argument("--quick", action="store_true", help="a few 3x3 layers, fewer rounds")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7, quick 3)")
     ap.add_argument("--records", action="append", default=[],
                     help="tuning records (repeatable): each layout's best tuned schedule is timed beside "
@@ -100,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [p for p in args.records if not Path(p).is_file()]
     if missing:
         ap.error(f"records file(s) not found: {', '.join(missing)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args)
     repeats = args.repeats or (3 if args.quick else 7)
     target = Target.host()
     best_peak = kernels.measure_peak(target, fresh=True)
@@ -149,11 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "kernels_cpu" + ("_tuned" if tuned else "") + ("_quick" if args.quick else "")
     write_csv(out / f"{stem}.csv", rows)
     plot(out / f"{stem}.png", rows)
-    env = dict(environment(), best_peak_gflops=best_peak, threads=target.cores,
-               repeats=repeats, records=args.records)
-    tmp = out / f"{stem}.env.json.tmp"
-    tmp.write_text(json.dumps(env, indent=1, default=str))
-    os.replace(tmp, out / f"{stem}.env.json")
+    write_env(out / f"{stem}.csv", best_peak_gflops=best_peak, threads=target.cores, repeats=repeats,
+              records=args.records)
     three = [r for r in rows if r["kernel"] == "3x3"]
     worst = sorted(rows, key=lambda r: r["speedup"])[:3]
     print(f"\ngeomean speedup over torch's faster layout: {geomean([r['speedup'] for r in rows]):.2f}x "
@@ -163,6 +143,25 @@ def main(argv: list[str] | None = None) -> int:
           f"peak measured here ({best_peak:.0f} GFLOP/s) (geomeans); slowest vs torch: "
           + ", ".join(f"{r['network']}:{r['layer']} {r['speedup']:.2f}x" for r in worst))
     return 0
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: the geomean speedup over torch, and the 3x3 layers' fractions of peak."""
+    tuned = sum(r.get("schedule") == "tuned" for r in rows)
+    text = (f"{len(rows)} layers (the faster of the default and the best record: {tuned} tuned, "
+            f"{len(rows) - tuned} default schedules): geomean "
+            f"{geomean([num(r, 'speedup') for r in rows]):.2f}x over torch's faster layout")
+    three = [r for r in rows if r["kernel"] == "3x3"]
+    if three:
+        text += (f"; 3x3 layers at {100 * geomean([num(r, 'fraction_of_peak') for r in three]):.0f}% of the FMA "
+                 "peak timed in the same rounds")
+        ceiling = geomean([num(r, "fraction_of_ceiling") for r in three])
+        if math.isfinite(ceiling):  # no register-tile ceiling on hosts without intrinsics
+            text += f", {100 * ceiling:.0f}% of the register-tile ceiling"
+        if "fraction_of_best_peak" in three[0]:
+            text += (f", {100 * geomean([num(r, 'fraction_of_best_peak') for r in three]):.0f}% of the best peak "
+                     f"measured here ({num(three[0], 'best_peak_gflops'):.0f} GFLOP/s) (geomeans)")
+    return text
 
 
 if __name__ == "__main__":

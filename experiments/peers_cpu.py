@@ -29,8 +29,6 @@ Writes <out>/peers_cpu.csv, <out>/peers_cpu.png and <out>/peers_cpu.env.json.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import os
 import shutil
@@ -39,6 +37,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from maco.experiments.common import (Figure, num, parser, print_table, pyplot, read_rows, save_plot, write_csv,
+                                     write_env)
+
+FIGURE = Figure(
+    "peers", "(not in the paper) the tuners a user would pick instead: Halide's autoschedulers and TVM "
+    "MetaSchedule", "needs `pip install -e .[peers]`; TVM tunes for about two minutes a layer",
+    csv=("peers_cpu.csv",), in_all=False)
 
 DEFAULT_LAYERS = [
     "n1_c64_h56_w56_k64_r3_p1",
@@ -377,28 +383,8 @@ def finish_rows(rows: list[dict]) -> None:
         r["speedup_vs_torch_best"] = f"{float(g) / b:.2f}" if g not in ("", None) and b else ""
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=COLUMNS)
-        wr.writeheader()
-        for r in rows:
-            wr.writerow({c: r.get(c, "") for c in COLUMNS})
-
-
-def read_csv(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
-
-
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     layers = list(dict.fromkeys(r["layer"] for r in rows))
     tuners = [t for t in TUNERS if any(r["tuner"] == t for r in rows)]
     width = 0.8 / max(len(tuners), 1)
@@ -429,36 +415,19 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_title("Conv tuners on this CPU (label: tuning wall time)", fontsize=10)
     ax.legend(fontsize=7, ncol=2, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=140)
-    plt.close(fig)
-
-
-def print_table(rows: list[dict]) -> None:
-    try:
-        from maco.commands.common import print_table as table
-
-        table("peers on this CPU", ["layer", "tuner", "trials", "tuning s", "GFLOP/s",
-                                    "vs torch best", "note"],
-              [[r["layer"], r["tuner"], r["trials"], r["tuning_seconds"], r["gflops"],
-                r["speedup_vs_torch_best"], (r["note"] or "")[:60]] for r in rows])
-    except Exception:  # noqa: BLE001
-        for r in rows:
-            print(",".join(str(r.get(c, "")) for c in COLUMNS))
+    save_plot(fig, path, dpi=140)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return worker(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="one layer, tiny budgets (8 trials), short timing: < 5 min")
+    p = parser(__doc__, quick="one layer, tiny budgets (8 trials), short timing: < 5 min")
     p.add_argument("--trials", type=int, default=None,
                    help="measured candidates per layer for tvm-ms and maco (default 64; quick 8)")
     p.add_argument("--layers", default=None,
                    help=f"comma-separated layer specs (default {','.join(DEFAULT_LAYERS)})")
     p.add_argument("--tuners", default=",".join(TUNERS), help="comma-separated subset of tuners")
-    p.add_argument("--out", default="results", help="output directory (default results)")
     p.add_argument("--lock", default=LOCK,
                    help=f"flock file taken around each (layer, tuner) run (default {LOCK}; "
                         "'' for none)")
@@ -482,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = {layer: ConvSpec.parse(layer) for layer in layers}  # fails early on a bad spec
     out = Path(args.out)
     csv_path = out / "peers_cpu.csv"
-    rows = read_csv(csv_path) if args.merge else []
+    rows = read_rows(csv_path) if args.merge and csv_path.exists() else []
     todo = {(layer, t) for layer in layers for t in tuners}
     rows = [r for r in rows if (r["layer"], r["tuner"]) not in todo]
 
@@ -499,27 +468,42 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[peers_cpu]   -> {row['gflops'] or 'FAILED'} GFLOP/s, tuning "
                   f"{row['tuning_seconds'] or '-'} s; {row['note'][:120]}", flush=True)
             finish_rows(rows)
-            write_csv(rows, csv_path)  # after every row: a killed run keeps what it measured
+            write_csv(csv_path, rows, COLUMNS)  # after every row: a killed run keeps what it measured
 
     order = {t: i for i, t in enumerate(TUNERS)}
     layer_order = list(dict.fromkeys([r["layer"] for r in rows]))
     rows.sort(key=lambda r: (layer_order.index(r["layer"]), order.get(r["tuner"], 99)))
     finish_rows(rows)
-    write_csv(rows, csv_path)
+    write_csv(csv_path, rows, COLUMNS)
     try:
-        from maco.timing import environment
-
-        (out / "peers_cpu.env.json").write_text(json.dumps(
-            dict(environment(), trials=trials, quick=args.quick), indent=1, default=str))
+        write_env(csv_path, trials=trials, quick=args.quick)
     except Exception as exc:  # noqa: BLE001
         print(f"[peers_cpu] environment not recorded: {exc}", file=sys.stderr)
     try:
         plot(rows, out / "peers_cpu.png")
     except Exception as exc:  # noqa: BLE001
         print(f"[peers_cpu] plot failed: {exc}", file=sys.stderr)
-    print_table(rows)
+    print_table("peers on this CPU", ["layer", "tuner", "trials", "tuning s", "GFLOP/s", "vs torch best", "note"],
+                [[r["layer"], r["tuner"], r["trials"], r["tuning_seconds"], r["gflops"],
+                  r["speedup_vs_torch_best"], (r["note"] or "")[:60]] for r in rows], width=200)
     print(f"[peers_cpu] wrote {csv_path} and {out / 'peers_cpu.png'}")
     return 0
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: per layer, MACO's and TVM's GFLOP/s and tuning time beside Halide's best."""
+    parts = []
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+        sub = {r["tuner"]: r for r in rows if r["layer"] == layer}
+        halide = max((r for t, r in sub.items() if t.startswith("halide")), key=lambda r: num(r, "gflops"),
+                     default=None)
+        bits = [f"{t} {num(sub[t], 'gflops'):.0f}" + (f" in {num(sub[t], 'tuning_seconds'):.0f} s"
+                                                     if num(sub[t], "tuning_seconds") else "")
+                for t in ("maco", "tvm-ms") if t in sub]
+        if halide:
+            bits.append(f"best Halide {num(halide, 'gflops'):.0f}")
+        parts.append(f"{layer}: " + ", ".join(bits) + " GFLOP/s")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

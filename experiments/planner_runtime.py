@@ -12,14 +12,18 @@ Writes planner_runtime.csv and planner_runtime.png under --out.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import io
 import math
 import random
 import time
 from pathlib import Path
 from typing import Any
+
+from maco.experiments.common import Figure, num, out_dir, parser, print_table, pyplot, save_plot, write_csv
+
+FIGURE = Figure(
+    "planners", "(not in the paper) Algorithm 1's backtracking against the exact planners",
+    "backtracking is exponential in the free layers; the exact planners stay in milliseconds",
+    csv=("planner_runtime.csv",))
 
 NETWORKS = ("resnet18", "alexnet", "vgg11")
 COLUMNS = ["graph", "depth", "layers", "free", "edges", "layouts", "method", "seconds", "status",
@@ -31,7 +35,7 @@ def conversion_seconds(shape: tuple[int, ...], src: str, dst: str) -> float:
 
 
 def network_problem(name: str, dataset: dict[tuple[str, str], float]):
-    from maco.layouts.deploy import build_problem
+    from maco.layouts import build_problem
     from maco.layouts.graph import trace_module
     from maco.layouts.networks import build, example_input
 
@@ -143,26 +147,8 @@ def measure(time_limit: float, max_depth: int) -> list[dict]:
     return rows
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    from maco.files import write_atomic as write
-
-    write(path, data)
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_atomic(path, buf.getvalue().encode())
-
-
 def plot(rows: list[dict], path: Path, time_limit: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     styles = {"mincut": "o-", "milp": "s-", "backtrack": "^-"}
     for k, dash in ((2, "-"), (3, ":")):
@@ -203,15 +189,11 @@ def plot(rows: list[dict], path: Path, time_limit: float) -> None:
     bx.set_title("traced network graphs, 2 layouts")
     bx.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    write_atomic(path, buf.getvalue())
+    save_plot(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="results")
-    p.add_argument("--quick", action="store_true", help="graphs up to 64 convs, 2 s cap")
+    p = parser(__doc__, quick="graphs up to 64 convs, 2 s cap")
     p.add_argument("--time-limit", type=float, default=None, help="cap per planner run (s; default 20, quick 2)")
     p.add_argument("--max-depth", type=int, default=None, help="deepest random graph (default 1024, quick 64)")
     args = p.parse_args(argv)
@@ -220,22 +202,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_depth is None:
         args.max_depth = 64 if args.quick else 1024
     rows = measure(args.time_limit, args.max_depth)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out / "planner_runtime.csv")
+    out = out_dir(args)
+    write_csv(out / "planner_runtime.csv", rows, COLUMNS)
     plot(rows, out / "planner_runtime.png", args.time_limit)
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="planner run time (s)")
-    for col in ("graph", "depth", "layers", "free", "layouts", "method", "seconds", "status", "agrees"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(*[str(r[c]) for c in ("graph", "depth", "layers", "free", "layouts", "method",
-                                             "seconds", "status", "agrees")])
-    Console(width=160).print(table)
+    shown = ("graph", "depth", "layers", "free", "layouts", "method", "seconds", "status", "agrees")
+    print_table("planner run time (s)", shown, [[r[c] for c in shown] for r in rows])
     print(f"wrote {out / 'planner_runtime.csv'} and {out / 'planner_runtime.png'}")
     return 0
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: the exact planner's time per network, and where backtracking gives up."""
+    nets = [f"{g} {1e3 * num(r, 'seconds'):.0f} ms" for g in ("resnet18", "alexnet", "vgg11")
+            for r in rows if r["graph"] == g and r["method"] == "mincut"]
+    text = "exact min cut on " + ", ".join(nets)
+    back = {r["graph"]: r for r in rows if r["graph"] == "resnet18" and r["method"] == "backtrack"}
+    if back:
+        text += f" (backtracking on resnet18: {back['resnet18']['status']})"
+    for graph in sorted({r["graph"] for r in rows if r["depth"]}):
+        runs = [r for r in rows if r["graph"] == graph and r["method"] == "backtrack"]
+        solved = [int(r["depth"]) for r in runs if r["status"] == "optimal"]
+        timeout = [int(r["depth"]) for r in runs if r["status"] == "timeout"]
+        text += (f"; {graph}: backtracking solves depth <= {max(solved, default=0)}" +
+                 (f", times out at {min(timeout)}" if timeout else ""))
+    agree = all(r["agrees"] == "True" for r in rows)
+    return text + ("; every finished method agrees" if agree else "; METHODS DISAGREE")
 
 
 if __name__ == "__main__":

@@ -3,20 +3,15 @@ quick run (real torch timing, outputs checked), and the saved predictor's size c
 from __future__ import annotations
 
 import csv
-import importlib.util
+import importlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"maco_exp_{name}", ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"maco.experiments.{name}")
 
 
 def rows(path: Path) -> list[dict[str, str]]:

@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("peers_cpu", ROOT / "experiments" / "peers_cpu.py")
-peers = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peers)
+from maco.experiments import peers_cpu as peers
 
 TINY = "n1_c8_h9_w9_k16_r3_p1_s2"
 

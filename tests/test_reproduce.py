@@ -1,10 +1,22 @@
 """maco reproduce: figure selection, GPU figures skipped without a GPU, a real figure run as a
-subprocess, and the report beside the paper's numbers."""
+subprocess, the report beside the paper's numbers, and the experiments found, not written in."""
+import importlib
+import pkgutil
+import re
+import sys
+import types
+from pathlib import Path
+
 import pytest
 
+import maco.experiments
+import maco.reproduce
 from maco import MacoError
 from maco.cli import main
-from maco.reproduce import FIGURES, run_figures, select, write_report
+from maco.experiments.common import Figure
+from maco.reproduce import experiments, figures, names, run_figures, select, write_report
+
+FIGURES = figures()
 
 
 def test_select_names_unknown_figures():
@@ -52,3 +64,45 @@ def test_report_summarises_every_figure_from_its_csv(tmp_path):
     assert "pruned reaches 95% of its best in 17 trials, full never within the budget" in text
     assert "NAS-MLP R2 0.938 (log 0.989)" in text and "re-timing 60 test convs: R2 0.931" in text
     assert "| fig18 |" in text and "| ok |" in text
+
+
+def test_every_experiment_declares_its_figure_and_reproduce_finds_exactly_those():
+    """Each experiment module owns its report row; reproduce discovers them, in the listed order."""
+    modules = [m.name for m in pkgutil.iter_modules(maco.experiments.__path__) if m.name != "common"]
+    found = {m: importlib.import_module(f"maco.experiments.{m}") for m in modules}
+    assert all(isinstance(mod.FIGURE, Figure) and callable(mod.summarise) for mod in found.values())
+    assert sorted(mod.__name__ for mod in experiments().values()) == sorted(
+        f"maco.experiments.{m}" for m in modules)
+    assert names() == [f.name for f in FIGURES] == [mod.FIGURE.name for mod in experiments().values()]
+    assert all(f.csv for f in FIGURES)  # the report knows which file to read
+
+
+def test_the_library_holds_no_figure_specific_code():
+    source = Path(maco.reproduce.__file__).read_text()
+    for fig in FIGURES:
+        assert f'"{fig.name}"' not in source and fig.paper not in source
+        assert not any(pattern in source for pattern in fig.csv)
+    assert not re.search(r"^\s*(from|import) maco\.experiments", source, re.M)  # found at run time only
+
+
+def test_a_discovered_experiment_lands_in_the_report(tmp_path, monkeypatch):
+    """A figure reproduce has never heard of: its FIGURE and summarise are all the report needs."""
+    fake = types.ModuleType("maco.experiments.fake_figure")
+    fake.FIGURE = Figure("fig99", "the paper's 9.9x", "a made-up figure", csv=("fig99_*.csv",))
+    fake.summarise = lambda rows: f"{len(rows)} rows, best {max(float(r['speedup']) for r in rows):.1f}x"
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(maco.reproduce, "experiments", lambda: {"fig99": fake})
+    (tmp_path / "fig99_gpu.csv").write_text("layer,speedup\na,1.5\nb,3.25\n")
+    text = write_report(tmp_path, {"fig99": "ok"}).read_text()
+    assert "| fig99 | the paper's 9.9x | 2 rows, best 3.2x<br>`fig99_gpu.csv` | a made-up figure | ok |" in text
+
+
+def test_fig06_summary_from_a_hand_made_csv(tmp_path):
+    (tmp_path / "fig06_space_size.csv").write_text(
+        "network,layer,spec,target,sketch,unpruned,pruned,ratio,relaxed\n"
+        "alexnet,features.0,s,host,SSRSRS,1000000,100,10000,\n"
+        "alexnet,features.3,s,host,SSRSRS,40000,400,100,\n")
+    text = write_report(tmp_path, {}).read_text()
+    assert ("host: geomean reduction 1,000x over 2 layers; largest space 1e+06 (alexnet features.0) -> 100"
+            "<br>`fig06_space_size.csv`") in text
+    assert "| fig06 |" in text and "| not run now |" in text

@@ -2,17 +2,23 @@
 from __future__ import annotations
 
 import argparse
+
+from maco.errors import MacoError
 from maco.files import check_writable
+from maco.reproduce import names, run_figures, select, write_report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from maco.reproduce import NAMES
-
+    try:
+        figures = "Figures: " + ", ".join(names()) + "."
+    except MacoError as exc:  # the CLI's other commands work without the experiments
+        figures = str(exc)
     p = sub.add_parser(
         "reproduce", help="run the experiments behind the paper's figures and write REPORT.md",
-        description="Run experiments/<figure>.py for each figure named (GPU figures only where a "
-        "GPU is usable), each into --out with a log, then write --out/REPORT.md: every figure's "
-        "measured summary beside the paper's number. Figures: " + ", ".join(NAMES) + ".")
+        description="Run the experiment (maco.experiments, experiments/ in a checkout) of each figure "
+        "named (GPU figures only where a GPU is usable), each into --out with a log, then write "
+        "--out/REPORT.md: every figure's measured summary beside the paper's number; tuning records "
+        "in --out/records_cpu.jsonl are passed to the figures that use them. " + figures)
     p.add_argument("figures", nargs="*", default=["all"], metavar="FIGURE",
                    help="figures to run (default all)")
     p.add_argument("--quick", action="store_true", help="smaller, faster runs (minutes, not hours)")
@@ -23,8 +29,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from maco.reproduce import run_figures, select, write_report
-
     figures = select(args.figures)
     out = check_writable(args.out, "--out", folder=True)
     status = {} if args.report_only else run_figures(figures, out, args.quick)
