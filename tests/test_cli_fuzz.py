@@ -107,3 +107,27 @@ def test_a_model_whose_forward_fails_is_one_line(tmp_path, capsys, monkeypatch):
                      "    def forward(self, x):\n        return self.c(x).view(7, -1)\n")
     code, err = _run(["optimize", f"{model}:M"], capsys)
     assert code == 2 and "forward failed on an input of shape (1, 3, 224, 224)" in err
+
+
+def test_nonsense_arguments_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, words in ((["tune", "n1_c4_h6_w6_k8_r3_p1", "--timeout", "-1"], "--timeout: must be > 0"),
+                        (["tune", "n1_c4_h6_w6_k8_r3_p1", "--trials", "-5"], "--trials: must be >= 0"),
+                        (["bench", "n1_c4_h6_w6_k8_r3_p1", "--repeats", "0"], "--repeats: must be >= 1"),
+                        (["collect", "--max-gflop", "nan"], "--max-gflop: must be > 0")):
+        code, err = _run(argv, capsys)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "maco_records.jsonl").exists()
+
+
+def test_plans_and_records_have_a_size_cap(tmp_path):
+    from maco.files import MAX_JSON_BYTES
+    from maco.records import Record
+
+    huge = tmp_path / "plan.json"
+    with open(huge, "wb") as fh:
+        fh.truncate(MAX_JSON_BYTES + 1)  # sparse: no time or disk spent
+    with pytest.raises(MacoError, match="byte limit"):
+        LayoutPlan.load(huge)
+    with pytest.raises(MacoError, match="byte limit"):
+        Record.from_json("[" + " " * (2 << 20) + "]")
