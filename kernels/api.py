@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from maco.errors import MacoError
+from maco.kernels.epilogue import activation_of
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -17,7 +18,7 @@ class BoundKernel(Protocol):
     """A compiled kernel with its weights packed: what callers run (CpuConv, CudaConv)."""
 
     def __call__(self, x: Any, residual: Any = None, out: Any = None) -> Any:
-        """relu?(conv(x) + bias? + residual?), torch in torch out, numpy in numpy out."""
+        """act(conv(x) + bias? + residual?), torch in torch out, numpy in numpy out."""
 
     def prepare(self, x: Any, residual: Any = None, out: Any = None) -> Callable[[], None]:
         """A zero-argument call on these buffers with every check done up front (for timers)."""
@@ -50,44 +51,51 @@ def resolve_target(target: Any) -> Target:
 
 
 def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu", *, bias: bool = False,
-            relu: bool = False, residual: bool = False) -> CompiledKernel:  # noqa: A001 - the public name
+            relu: bool = False, residual: bool = False,
+            activation: str | None = None) -> CompiledKernel:  # noqa: A001 - the public name
     """A built kernel for `spec` with `schedule` (the default schedule when None); call
-    .bind(weight, bias) on it. MacoError lists the schedule's problems when it is invalid."""
+    .bind(weight, bias) on it. The epilogue adds the bias, then the residual, then applies the
+    activation ("relu", "relu6"; relu=True is "relu"). MacoError lists the schedule's problems
+    when it is invalid."""
     tgt = resolve_target(target)
     if not isinstance(spec, ConvSpec):
         raise MacoError(f"spec must be a maco.ConvSpec, got {type(spec).__name__}")
+    act = activation_of(relu, activation)
     if tgt.kind == "cuda":
         from maco.kernels.cuda import compile_cuda
 
-        return compile_cuda(spec, schedule, bias=bias, relu=relu, residual=residual)
+        if act not in ("none", "relu"):
+            raise MacoError(f"the CUDA backend fuses relu only, not {act!r}")
+        return compile_cuda(spec, schedule, bias=bias, relu=act == "relu", residual=residual)
     from maco.kernels.cpu import compile_cpu
 
     if schedule is None:
         schedule = default_schedule(spec, tgt)
     if not isinstance(schedule, Schedule):
         raise MacoError(f"schedule must be a maco.Schedule, got {type(schedule).__name__}")
-    return compile_cpu(spec, schedule, tgt, bias=bias, relu=relu, residual=residual)
+    return compile_cpu(spec, schedule, tgt, bias=bias, activation=act, residual=residual)
 
 
 def build_many(spec: ConvSpec, schedules: list[Schedule], target: Any = None, *,
-               timeout: float = 300.0, **epilogue: bool) -> list[CompiledKernel | MacoError]:
+               timeout: float = 300.0, **epilogue: Any) -> list[CompiledKernel | MacoError]:
     """Kernels for many schedules of one spec, compiled in parallel through the disk cache; a
     schedule that is invalid or does not compile (within `timeout` seconds on CPU) gives its
     MacoError in place of the kernel."""
     tgt = resolve_target(target)
+    epilogue = dict(epilogue)
+    act = activation_of(epilogue.pop("relu", False), epilogue.pop("activation", None))
     if tgt.kind == "cuda":
-        from maco.kernels.cuda import compile_cuda
 
         out: list[CompiledKernel | MacoError] = []
         for schedule in schedules:
             try:
-                out.append(compile_cuda(spec, schedule, **epilogue))
+                out.append(compile(spec, schedule, tgt, activation=act, **epilogue))
             except MacoError as exc:
                 out.append(exc)
         return out
     from maco.kernels.cpu import build_many_cpu
 
-    return build_many_cpu(spec, list(schedules), tgt, timeout=timeout, **epilogue)
+    return build_many_cpu(spec, list(schedules), tgt, timeout=timeout, activation=act, **epilogue)
 
 
 def default_schedule(spec: ConvSpec, target: Any = None, layout: str = "NCHW") -> Schedule:

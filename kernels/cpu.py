@@ -1,6 +1,6 @@
 """CPU backend of maco.kernels: generated C (OpenMP + SIMD) built by gcc, called through ctypes.
 
-    kernel = compile_cpu(spec, schedule, bias=True, relu=True)
+    kernel = compile_cpu(spec, schedule, bias=True, activation="relu")
     conv = kernel.bind(weight, bias)     # torch layout (K, C/groups, kh, kw), packed once
     y = conv(x)                          # numpy or CPU torch, in the schedule's layout
     fn = conv.prepare(x, out=y)          # zero-argument call for timing loops
@@ -37,7 +37,7 @@ class CpuKernel:
     target = property(lambda self: self.plan.target)
     layout = property(lambda self: self.plan.schedule.layout)
     has_bias = property(lambda self: self.plan.bias)
-    relu = property(lambda self: self.plan.relu)
+    activation = property(lambda self: self.plan.activation)
     residual = property(lambda self: self.plan.residual)
 
     @property
@@ -91,24 +91,31 @@ class CpuConv:
         self.bias = bias
 
     def __call__(self, x: Any, residual: Any = None, out: Any = None) -> Any:
-        """y = relu?(conv(x) + bias? + residual?). NCHW kernels: (N, C, H, W) arrays or contiguous
+        """y = act(conv(x) + bias? + residual?). NCHW kernels: (N, C, H, W) arrays or contiguous
         tensors; NHWC kernels: (N, H, W, C) arrays or channels_last tensors of logical shape
         (N, C, H, W). Returns the same kind as x (torch in, torch out)."""
         run, y = self._prepare(x, residual, out, convert=True)
         run()
         return y
 
-    def run_tensor(self, x: Any) -> Any:
-        """conv(x) for a CPU float32 tensor already of the spec's shape and in the kernel's memory
-        format, into a new tensor: a model's per-call path (MacoConv2d checks x first), without
-        __call__'s checks, which cost ~12 us of Python a call, 2-5% of a 0.6 ms layer."""
+    def run_tensor(self, x: Any, residual: Any = None, out: Any = None) -> Any:
+        """The kernel on CPU float32 tensors already of the spec's shapes and in the kernel's memory
+        format, into `out` (a new tensor when None): a model's per-call path (MacoConv2d checks
+        its tensors first), without __call__'s checks, which cost ~12 us of Python a call, 2-5%
+        of a 0.6 ms layer."""
         k = self.kernel
-        if k.residual:
-            raise MacoError("run_tensor runs kernels without a residual; call the kernel instead")
-        out = _torch_output(k.spec, k.layout == "NHWC")
+        if k.residual != (residual is not None):
+            raise MacoError(f"the kernel for {k.spec} was compiled with residual={k.residual}")
+        if out is None:
+            out = _torch_output(k.spec, k.layout == "NHWC")
         k.function()(x.data_ptr(), self.weight.ctypes.data,
-                     None if self.bias is None else self.bias.ctypes.data, None, out.data_ptr())
+                     None if self.bias is None else self.bias.ctypes.data,
+                     None if residual is None else residual.data_ptr(), out.data_ptr())
         return out
+
+    def output(self) -> Any:
+        """A new output tensor for this kernel (the logical shape, the kernel's memory format)."""
+        return _torch_output(self.kernel.spec, self.kernel.layout == "NHWC")
 
     def prepare(self, x: Any, residual: Any = None, out: Any = None) -> Callable[[], None]:
         """A zero-argument call on these buffers, every check done up front (for timers)."""
@@ -144,23 +151,23 @@ class CpuConv:
 
 
 def compile_cpu(spec: ConvSpec, schedule: Schedule, target: Target, *, bias: bool = False,
-                relu: bool = False, residual: bool = False) -> CpuKernel:
+                activation: str = "none", residual: bool = False) -> CpuKernel:
     """Generate and build (or fetch from the cache) the kernel; MacoError on an invalid schedule
     (its problems listed) or a compiler error (gcc's message)."""
-    kernel = CpuKernel(CpuPlan(spec, schedule, target, bias, relu, residual))
+    kernel = CpuKernel(CpuPlan(spec, schedule, target, bias, activation, residual))
     kernel.build()
     return kernel
 
 
 def build_many_cpu(spec: ConvSpec, schedules: list[Schedule], target: Target, *, bias: bool = False,
-                   relu: bool = False, residual: bool = False,
+                   activation: str = "none", residual: bool = False,
                    timeout: float = 300.0) -> list[CpuKernel | MacoError]:
     """Kernels for many schedules, gcc running in parallel (each for at most `timeout` seconds);
     a failure is its MacoError in place."""
     out: list[CpuKernel | MacoError] = []
     for schedule in schedules:
         try:
-            out.append(CpuKernel(CpuPlan(spec, schedule, target, bias, relu, residual)))
+            out.append(CpuKernel(CpuPlan(spec, schedule, target, bias, activation, residual)))
         except MacoError as exc:
             out.append(exc)
     todo = [k for k in out if isinstance(k, CpuKernel)]

@@ -6,7 +6,7 @@ Loop nest (every bound a compile-time constant):
 
 The part after `|` is the micro-kernel: the S3 register tile stays in accumulators for its
 whole R1 reduction (MACO's alpha = 1); between R0 steps the partial sums live in the output
-(initialised on the first step, epilogue bias + residual + ReLU on the last).
+(initialised on the first step, epilogue bias + residual + activation on the last).
 
 Every operand is addressed as base + sum(index * stride), so one micro-kernel body serves two
 call sites: interior tiles read the input tensor directly, border tiles (padding) first copy
@@ -32,6 +32,7 @@ import numpy as np
 
 from maco.errors import MacoError
 from maco.geometry import input_window
+from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.source_text import comment
 from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
 from maco.spec import ConvSpec
@@ -54,6 +55,8 @@ ISA = {
     "avx2": ("__m256", 8, "_mm256_setzero_ps()", "_mm256_loadu_ps", "_mm256_set1_ps",
              "_mm256_fmadd_ps", "_mm256_storeu_ps", "_mm256_max_ps", "_mm256_add_ps"),
 }
+
+VMIN = {"avx512": "_mm512_min_ps", "avx2": "_mm256_min_ps"}
 
 
 def _expr(terms: list[tuple[int, str]]) -> str:
@@ -97,10 +100,12 @@ class CpuPlan:
     schedule: Schedule
     target: Target
     bias: bool = False
-    relu: bool = False
+    activation: str = "none"  # one of kernels.epilogue.ACTIVATIONS, after bias and residual
     residual: bool = False
 
     def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise MacoError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
         if self.schedule.kind != "cpu":
             raise MacoError(f"the CPU backend needs a cpu schedule, got kind {self.schedule.kind!r}")
         problems = self.schedule.problems(self.spec, self.target)
@@ -285,7 +290,8 @@ class _Generator:
         p = self.p
         isa = p.intrinsics
         head = [comment(f"MACO CPU kernel: {p.spec}  schedule {self.sch.describe()}"),
-                comment(f"flavour: {isa or 'portable'}, bias={p.bias}, relu={p.relu}, residual={p.residual}"),
+                comment(f"flavour: {isa or 'portable'}, bias={p.bias}, activation={p.activation}, "
+                        f"residual={p.residual}"),
                 "#include <stdlib.h>", "#include <string.h>"]
         if isa:
             head.append("#include <immintrin.h>")
@@ -409,8 +415,10 @@ class _Generator:
                     emit(f"  {v} = {vadd}({v}, {b});")
                 if p.residual:
                     emit(f"  {v} = {vadd}({v}, {loadu}(res + {off}));")
-                if p.relu:
+                if p.activation != "none":
                     emit(f"  {v} = {vmax}({v}, zero);")
+                if p.activation == "relu6":
+                    emit(f"  {v} = {VMIN[isa]}({v}, {set1}(6.f));")
                 emit(f"  {storeu}(out + {off}, {v});")
                 continue
             src = "t[l]" if isa else f"a{i}[l]"
@@ -422,8 +430,10 @@ class _Generator:
                 line += f" v += bias[{boff} + l*{lane_bias}];"
             if p.residual:
                 line += f" v += res[{off} + l*{lane_out}];"
-            if p.relu:
+            if p.activation != "none":
                 line += " v = v > 0.f ? v : 0.f;"
+            if p.activation == "relu6":
+                line += " v = v < 6.f ? v : 6.f;"
             line += f" out[{off} + l*{lane_out}] = v; }} }}"
             emit(line)
         emit("}")

@@ -9,7 +9,10 @@ _PLANNING = {"LayoutProblem": "problem", "Solution": "problem", "PlannerTimeout"
              "load_predictor": "latency_sources",
              "LayoutPlan": "layout_plan", "LayerPlan": "layout_plan",
              "plan": "deploy",
-             "compare_end_to_end": "end_to_end", "EndToEnd": "end_to_end"}
+             "compare_end_to_end": "end_to_end", "EndToEnd": "end_to_end",
+             "time_models": "end_to_end", "ModelTimes": "end_to_end", "conv_share": "end_to_end",
+             "ConvShare": "end_to_end", "fuse": "fusion", "FusedConv2d": "fusion",
+             "MacoConv2d": "maco_modules", "use_maco_kernels": "maco_modules"}
 
 
 def __getattr__(name: str):

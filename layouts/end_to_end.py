@@ -1,19 +1,24 @@
-"""A planned model against the default one, timed end to end in interleaved rounds.
+"""Whole models timed against each other in interleaved rounds, and a model's time set against the
+sum of its conv kernels timed in the same rounds (what runs outside the kernels is the gap a
+deployment can still close).
 
     e2e = compare_end_to_end(model, plan.apply(model), example_input)
     e2e.speedup, e2e.max_abs_diff
+    times = time_models({"default": model, "fused": fused}, example_input)
+    share = conv_share(fused, example_input)      # share.model_s, share.convs_s, share.outside
 """
 from __future__ import annotations
 
 import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 from torch import nn
 
 from maco.layouts.latency import strict_cudnn
+from maco.layouts.maco_modules import MacoConv2d
 from maco.timing import Timing, interleaved_rounds, pool_timings, steady_allocator
 
 
@@ -33,21 +38,50 @@ class EndToEnd:
         return float(statistics.median(self.ratios))
 
 
-def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any, *, rounds: int = 5,
-                       repeats: int = 3, min_run_time: float = 0.02, warmup: int = 3,
-                       progress: bool = False) -> EndToEnd:
-    """Time `model` (the default layout) against `planned` (e.g. plan.apply(model)) on
-    `example_input`, interleaved by rounds, with torch.inference_mode."""
+@dataclass
+class ModelTimes:
+    """Several models timed in the same interleaved rounds; the first is the reference that the
+    others' outputs and times are compared with."""
+
+    rounds: dict[str, list[Timing]]
+    max_abs_diff: dict[str, float]  # vs the reference's output
+    max_rel_diff: dict[str, float]  # max_abs_diff / max |reference output|
+
+    @property
+    def reference(self) -> str:
+        return next(iter(self.rounds))
+
+    def timing(self, label: str) -> Timing:
+        return pool_timings(self.rounds[label])
+
+    def speedup(self, label: str) -> float:
+        """Median over rounds of reference time / `label`'s time in that round."""
+        ref = self.rounds[self.reference]
+        return float(statistics.median(r.median / t.median for r, t in zip(ref, self.rounds[label])))
+
+    def fastest(self, rel_tolerance: float = 1e-4) -> str:
+        """The label with the highest speedup among those whose output matches the reference."""
+        ok = [label for label in self.rounds if self.max_rel_diff[label] <= rel_tolerance]
+        return max(ok, key=self.speedup)
+
+
+def time_models(models: Mapping[str, Callable[..., Any]], example_input: Any, *, rounds: int = 5,
+                repeats: int = 3, min_run_time: float = 0.02, warmup: int = 3,
+                progress: bool = False) -> ModelTimes:
+    """Time every model on `example_input` in interleaved rounds with torch.inference_mode, after
+    checking each one's output against the first's."""
     from tqdm import tqdm  # only for a progress bar
 
     steady_allocator()  # the allocator's steady state, as the per-layer latencies were measured
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     cuda = any(t.is_cuda for t in inputs if isinstance(t, torch.Tensor))
+    runs = {label: (lambda m=m: m(*inputs)) for label, m in models.items()}
     with torch.inference_mode(), _strict_fp32(cuda):
-        want, got = model(*inputs), planned(*inputs)
-        diff = max((float((a - b).abs().max()) for a, b in zip(_tensors(want), _tensors(got))), default=0.0)
-    runs = {"default": lambda: model(*inputs), "planned": lambda: planned(*inputs)}
-    with torch.inference_mode(), _strict_fp32(cuda):
+        outputs = {label: [t.clone() for t in _tensors(fn())] for label, fn in runs.items()}
+        want = outputs[next(iter(outputs))]
+        scale = max((float(t.abs().max()) for t in want), default=0.0) or 1.0
+        diff = {label: max((float((a - b).abs().max()) for a, b in zip(want, got)), default=0.0)
+                if len(got) == len(want) else float("inf") for label, got in outputs.items()}
         for _ in range(warmup):  # first calls build oneDNN/cuDNN primitives: keep them off the clock
             for fn in runs.values():
                 fn()
@@ -55,8 +89,114 @@ def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any,
             runs, rounds, repeats=repeats, min_run_time=min_run_time,
             sync=torch.cuda.synchronize if cuda else None,
             progress=lambda r: tqdm(r, desc="end to end", unit="round", disable=not progress, leave=False))
-    ratios = [d.median / p.median for d, p in zip(per_round["default"], per_round["planned"])]
-    return EndToEnd(pool_timings(per_round["default"]), pool_timings(per_round["planned"]), ratios, diff)
+    return ModelTimes(per_round, diff, {label: d / scale for label, d in diff.items()})
+
+
+def compare_end_to_end(model: nn.Module, planned: nn.Module, example_input: Any, *, rounds: int = 5,
+                       repeats: int = 3, min_run_time: float = 0.02, warmup: int = 3,
+                       progress: bool = False) -> EndToEnd:
+    """Time `model` (the default layout) against `planned` (e.g. plan.apply(model)) on
+    `example_input`, interleaved by rounds, with torch.inference_mode."""
+    t = time_models({"default": model, "planned": planned}, example_input, rounds=rounds, repeats=repeats,
+                    min_run_time=min_run_time, warmup=warmup, progress=progress)
+    ratios = [d.median / p.median for d, p in zip(t.rounds["default"], t.rounds["planned"])]
+    return EndToEnd(t.timing("default"), t.timing("planned"), ratios, t.max_abs_diff["planned"])
+
+
+@dataclass
+class ConvShare:
+    """A model's time beside the sum of its conv kernels alone, and beside the model with its MACO
+    kernels skipped (everything else it runs: torch ops, conversions, Python), timed in the same
+    rounds."""
+
+    model_s: float
+    convs_s: float
+    per_conv: dict[str, float]  # module path -> seconds of its kernel alone
+    rest_s: float = 0.0  # the model with every MACO kernel call skipped
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_s": self.model_s, "convs_s": self.convs_s, "rest_s": self.rest_s,
+                "outside": self.outside, "ratio": self.ratio, "per_conv_s": self.per_conv}
+
+    @property
+    def outside(self) -> float:
+        """The share of the model's time spent outside its conv kernels."""
+        return 1.0 - self.convs_s / self.model_s
+
+    @property
+    def ratio(self) -> float:
+        """Model time over the conv kernels' sum (1.0: nothing but the kernels runs)."""
+        return self.model_s / self.convs_s
+
+
+def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run_time: float = 5e-3) -> ConvShare:
+    """Time `model` and, in the same interleaved rounds, each of its convs alone on the tensors it
+    sees in the model (a MACO kernel by its prepared call on its own buffers: the kernel and
+    nothing else; a torch conv by its module call), and the model with its MACO kernels skipped."""
+    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+    seen: dict[str, tuple[nn.Module, tuple]] = {}
+    def keep(name: str) -> Callable[[nn.Module, tuple], None]:
+        def hook(mod: nn.Module, args: tuple) -> None:  # returns None: the call's args stay as they are
+            seen.setdefault(name, (mod, args))
+        return hook
+
+    hooks = [mod.register_forward_pre_hook(keep(name))
+             for name, mod in model.named_modules() if isinstance(mod, (nn.Conv2d, MacoConv2d))
+             and not any(isinstance(p, MacoConv2d) for p in _parents(model, name))]
+    steady_allocator()
+    with torch.inference_mode():
+        try:
+            model(*inputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        skipped = _Skipping(model)
+        runs: dict[str, Callable[[], Any]] = {"model": lambda: model(*inputs), "rest": skipped.run(inputs)}
+        for name, (mod, args) in seen.items():
+            args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+            if isinstance(mod, MacoConv2d):
+                x = args[0].contiguous(memory_format=mod._format)
+                res = args[1].contiguous(memory_format=mod._format) if len(args) > 1 else None
+                runs[name] = mod._conv.prepare(x, res, mod._conv.output())
+            else:
+                runs[name] = lambda mod=mod, args=args: mod(*args)
+        for fn in runs.values():
+            fn()
+        per_round = interleaved_rounds(runs, rounds, repeats=3, min_run_time=min_run_time, warmup=1)
+    medians = {name: pool_timings(ts).median for name, ts in per_round.items()}
+    model_s, rest_s = medians.pop("model"), medians.pop("rest")
+    return ConvShare(model_s, sum(medians.values()), medians, rest_s)
+
+
+class _Skipping:
+    """Runs a model with every MACO kernel call replaced by handing back its output buffer: what
+    the model costs besides its MACO kernels (its outputs are then meaningless)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.convs = [m for m in model.modules() if isinstance(m, MacoConv2d)]
+
+    def run(self, inputs: tuple) -> Callable[[], Any]:
+        def skip(conv: MacoConv2d) -> Callable[..., Any]:
+            out = conv._out if conv._out is not None else conv._conv.output()
+            return lambda x, residual=None, buffer=None: out
+
+        skips = [skip(c) for c in self.convs]
+
+        def call() -> Any:
+            for c, fn in zip(self.convs, skips):
+                c._conv.run_tensor = fn  # an instance attribute hides the method
+            try:
+                return self.model(*inputs)
+            finally:
+                for c in self.convs:
+                    del c._conv.run_tensor
+        return call
+
+
+def _parents(model: nn.Module, name: str) -> list[nn.Module]:
+    parts = name.split(".")
+    return [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
 
 
 def _strict_fp32(cuda: bool) -> ContextManager[None]:
@@ -74,4 +214,4 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-__all__ = ["EndToEnd", "compare_end_to_end"]
+__all__ = ["ConvShare", "EndToEnd", "ModelTimes", "compare_end_to_end", "conv_share", "time_models"]

@@ -98,14 +98,24 @@ class LayerGraph:
         return len(self.layers)
 
 
+class _Tracer(fx.Tracer):
+    """fx's tracer, which also keeps MACO's own ops (modules with `maco_leaf`, such as a fused
+    conv) as one node each: a traced-through fused conv would be a conv again, unfused."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return getattr(m, "maco_leaf", False) or super().is_leaf_module(m, qualname)
+
+
 def symbolic_trace(model: nn.Module) -> fx.GraphModule:
     """torch.fx's trace, with a MacoError naming the model when it cannot be traced."""
     if not isinstance(model, nn.Module):
         raise MacoError(f"expected a torch.nn.Module, got {type(model).__name__}")
     try:
-        return fx.symbolic_trace(model)
+        graph = _Tracer().trace(model)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         raise MacoError(f"torch.fx cannot trace {type(model).__name__}: {exc}") from None
+    name = model.__class__.__name__ if isinstance(model, nn.Module) else "GraphModule"
+    return fx.GraphModule(model, graph, name)
 
 
 def _as_tuple(example: Any) -> tuple[torch.Tensor, ...]:

@@ -1,57 +1,125 @@
-"""MACO kernels inside a torch model: a Conv2d that runs a compiled kernel, and the swap of a
-planned model's convs for them where a tuned schedule won."""
+"""MACO kernels inside a torch model: a conv (with its fused bias, residual and activation) that runs
+a compiled kernel, and the swap of a planned model's convs for them where a tuned schedule won.
+
+A swapped conv whose output stays inside the model writes into a buffer it owns, reused every
+call: no allocation per call, one memory plan per graph and input shape. Such a model runs one
+call at a time (as the tensors it hands back never alias those buffers, its outputs stay valid).
+"""
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.fx as fx
 from torch import nn
+from torch.nn import functional as F
 
 from maco import kernels
+from maco.kernels.epilogue import ACTIVATIONS
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
 
+from maco.layouts.fusion import FusedConv2d
+
 if TYPE_CHECKING:
     from maco.layouts import LayoutPlan
 
+# Ops whose output is a new tensor, never a view of (or the same tensor as) an input.
+FRESH_MODULES = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
+                 nn.AdaptiveMaxPool2d)
+FRESH_FUNCTIONS = {operator.add, torch.add, torch.cat, F.linear, F.conv2d, F.adaptive_avg_pool2d,
+                   F.max_pool2d, F.avg_pool2d}
+
+
+def epilogue_of(conv: nn.Conv2d) -> tuple[str, str]:
+    """(activation, residual) a conv module carries: a FusedConv2d's, else none."""
+    return (conv.activation, conv.residual) if isinstance(conv, FusedConv2d) else ("none", "none")
+
+
+def kernel_can_run(conv: nn.Conv2d) -> bool:
+    """Whether a generated kernel computes this module's epilogue (bias, a residual added before
+    the activation, an activation of kernels.epilogue.ACTIVATIONS)."""
+    activation, residual = epilogue_of(conv)
+    return activation in ACTIVATIONS and residual in ("none", "before") and conv.padding_mode == "zeros"
+
 
 class MacoConv2d(nn.Module):
-    """A Conv2d whose forward runs a compiled MACO kernel for the one input shape it was tuned
-    for (any other shape falls back to torch's conv, with the same weights)."""
+    """`conv` (a Conv2d or FusedConv2d) run by a compiled MACO kernel for the one input shape it
+    was tuned for; any other input runs `conv` itself, with the same weights."""
 
-    def __init__(self, conv: nn.Conv2d, spec: ConvSpec, schedule: Schedule, target: Target):
+    maco_leaf = True
+
+    def __init__(self, conv: nn.Conv2d, spec: ConvSpec, schedule: Schedule, target: Target,
+                 preallocate: bool = False):
         super().__init__()
-        self.spec, self.layout = spec, schedule.layout
-        self.weight, self.bias = conv.weight, conv.bias
-        self._kernel = kernels.compile(spec, schedule, target=target, bias=conv.bias is not None)
+        activation, residual = epilogue_of(conv)
+        self.spec, self.layout, self.torch_conv = spec, schedule.layout, conv
+        self._kernel = kernels.compile(spec, schedule, target=target, bias=conv.bias is not None,
+                                       activation=activation, residual=residual == "before")
         self._conv = self._kernel.bind(conv.weight.detach(), None if conv.bias is None else conv.bias.detach())
         self._format = torch.channels_last if self.layout == "NHWC" else torch.contiguous_format
+        self._out = self._conv.output() if preallocate else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def preallocated(self) -> bool:
+        return self._out is not None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        if tuple(x.shape) != (s.n, s.c, s.h, s.w) or x.dtype != torch.float32 or x.device.type != "cpu":
-            return torch.nn.functional.conv2d(x, self.weight, self.bias, s.stride, s.padding,
-                                              s.dilation, s.groups)
-        return self._conv.run_tensor(x.contiguous(memory_format=self._format))
+        if (tuple(x.shape) != s.input_shape or x.dtype != torch.float32 or x.device.type != "cpu"
+                or (residual is not None and (tuple(residual.shape) != s.output_shape
+                                              or residual.dtype != torch.float32))):
+            return self.torch_conv(x) if residual is None else self.torch_conv(x, residual)
+        if residual is not None:
+            residual = residual.contiguous(memory_format=self._format)
+        return self._conv.run_tensor(x.contiguous(memory_format=self._format), residual, self._out)
 
     def extra_repr(self) -> str:
-        return f"{self.spec}, layout={self.layout}"
+        activation, residual = epilogue_of(self.torch_conv)
+        return (f"{self.spec}, layout={self.layout}, activation={activation}, residual={residual}, "
+                f"preallocated={self.preallocated}")
 
 
-def use_maco_kernels(gm: nn.Module, plan: LayoutPlan, chosen: dict[ConvSpec, dict[str, Schedule]],
+def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether the tensor `node` produces can reach the model's output, itself or as a view (through
+    ops that may return their input: reshapes, in-place ops, dropout, unknown ones)."""
+    todo, seen = [node], {node}
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                return True
+            fresh = ((user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)),
+                                                              FRESH_MODULES + (MacoConv2d,)))
+                     or (user.op == "call_function" and user.target in FRESH_FUNCTIONS))
+            if not fresh and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def use_maco_kernels(gm: fx.GraphModule, plan: LayoutPlan, chosen: dict[ConvSpec, dict[str, Schedule]],
                      target: Target) -> list[str]:
-    """Swap the planned convs whose layer has a chosen MACO schedule in the plan's layout for
-    MacoConv2d modules (in place); returns the module paths swapped."""
+    """Swap the planned convs whose layer has a chosen MACO schedule in the plan's layout, and
+    whose epilogue a kernel computes, for MacoConv2d modules (in place); a conv module called
+    once whose output stays inside the model gets a preallocated output. Returns the module
+    paths swapped."""
+    calls: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(str(node.target), []).append(node)
     swapped = []
     for layer in plan.convs:
         spec = ConvSpec.parse(layer.spec)
         schedule = chosen.get(spec, {}).get(layer.layout)
-        if schedule is None or layer.target in swapped:
-            continue
         conv = gm.get_submodule(layer.target)
+        if schedule is None or layer.target in swapped or not kernel_can_run(conv):
+            continue
+        sites = calls.get(layer.target, [])
+        preallocate = len(sites) == 1 and not escapes(gm, sites[0])
         parent_name, _, child = layer.target.rpartition(".")
         parent = gm.get_submodule(parent_name) if parent_name else gm
-        setattr(parent, child, MacoConv2d(conv, spec, schedule, target))
+        setattr(parent, child, MacoConv2d(conv, spec, schedule, target, preallocate))
         swapped.append(layer.target)
     return swapped

@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from maco.errors import MacoError
 from maco.files import check_writable
 from maco.kernel_choice import faster_kernels
-from maco.layouts import compare_end_to_end, plan as plan_layouts
+from maco.layouts.deploy import plan as plan_layouts
+from maco.layouts.end_to_end import conv_share, time_models
+from maco.layouts.fusion import fuse
 from maco.layouts.maco_modules import use_maco_kernels
 from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input, load_model
 from maco.optimize_report import LayerRow, OptimizeResult, write_outputs
@@ -22,6 +25,7 @@ from maco.target import Target, require_memory
 from maco.tuning import BUDGETS, tune_layers
 
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
+OUTPUT_RTOL = 1e-4  # a variant is handed back only if its output equals the model's to this
 
 
 def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str = "quick",
@@ -67,26 +71,30 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     table, chosen, ratios = faster_kernels(torch_seconds, best, tgt)
     for row in rows:
         row.in_process = ratios.get(row.spec, {})
-    log("[2/4] planning layouts with the tuned latencies (conversions measured)")
-    plan = plan_layouts(model, x, latency=table, device=device)
+    log("[2/4] folding BatchNorm and fusing epilogues, then planning layouts with the tuned latencies")
+    fused = fuse(model, x)
+    plan = plan_layouts(fused, x, latency=table, device=device)
     plan.save(out / "plan.json")
+    log("[3/4] applying the plan (torch convs) and swapping in MACO kernels where they are faster")
+    variants: dict[str, nn.Module] = {"default": model, "fused": fused, "planned_torch": plan.apply(fused)}
+    planned_maco = plan.apply(fused)
+    swapped = use_maco_kernels(planned_maco, plan, chosen, tgt) if tgt.kind == "cpu" else []
+    if swapped:
+        variants["planned_maco"] = planned_maco
+    log(f"      {len(swapped)} of {len(plan.convs)} convs run MACO kernels")
     for row in rows:
         layouts = {lp.layout for lp in plan.convs if lp.spec == str(row.spec)}
         row.planned = "/".join(sorted(layouts))
-        row.uses_maco = any(lay in chosen.get(row.spec, {}) for lay in layouts)
-    log("[3/4] applying the plan (torch convs) and swapping in MACO kernels where they are faster")
-    planned_torch = plan.apply(model)
-    planned_maco = plan.apply(model)
-    swapped = use_maco_kernels(planned_maco, plan, chosen, tgt) if tgt.kind == "cpu" else []
-    log(f"      {len(swapped)} of {len(plan.convs)} convs run MACO kernels")
-    log("[4/4] timing end to end against the default model (interleaved rounds)")
-    e2e: dict[str, Any] = {}
-    for key, planned in (("planned_torch", planned_torch), ("planned_maco", planned_maco)):
-        if key == "planned_maco" and not swapped:
-            continue
-        res = compare_end_to_end(model, planned, x, rounds=3)
-        e2e[key] = {"default_s": res.default.median, "planned_s": res.planned.median,
-                    "speedup": res.speedup, "max_abs_diff": res.max_abs_diff}
-    result = OptimizeResult(name, out, rows, plan, e2e, time.perf_counter() - start)
+        row.uses_maco = bool(swapped) and any(lay in chosen.get(row.spec, {}) for lay in layouts)
+    log(f"[4/4] timing {', '.join(variants)} end to end in the same rounds; the fastest is handed back")
+    times = time_models(variants, x, rounds=3)
+    pick = times.fastest(OUTPUT_RTOL)
+    e2e = {label: {"default_s": times.timing("default").median, "planned_s": times.timing(label).median,
+                   "speedup": times.speedup(label), "max_abs_diff": times.max_abs_diff[label],
+                   "chosen": label == pick}
+           for label in variants if label != "default"}
+    share = conv_share(variants[pick], x) if pick != "default" else None
+    result = OptimizeResult(name, out, rows, plan, e2e, time.perf_counter() - start, variants[pick], pick,
+                            x, share)
     write_outputs(result, tgt, records, swapped)
     return result

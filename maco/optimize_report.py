@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch import nn
 
 from maco.files import write_atomic
 from maco.kernel_choice import MIN_GAIN
 from maco.layouts import LayoutPlan
+from maco.layouts.end_to_end import ConvShare
 from maco.spec import ConvSpec
 from maco.target import Target
 from maco.timing import environment
@@ -34,12 +36,18 @@ class LayerRow:
 
 @dataclass
 class OptimizeResult:
-    model: str
+    """What the job found and the model it hands back: the fastest of the variants it timed."""
+
+    model_name: str
     out: Path
     rows: list[LayerRow]
     plan: LayoutPlan
-    end_to_end: dict[str, Any]
+    end_to_end: dict[str, Any]  # variant -> its time, speedup over the default, output difference
     seconds: float
+    model: nn.Module | None = None  # the variant handed back
+    chosen: str = "default"
+    example: Any = None  # the input it was planned and timed on
+    share: ConvShare | None = None  # the chosen model's time beside its conv kernels'
 
 
 def write_outputs(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> None:
@@ -61,6 +69,8 @@ def write_outputs(result: OptimizeResult, target: Target, records: Path, swapped
     write_atomic(out / "layers.csv", text.getvalue())
     _plot(result, out / "layers.png")
     write_atomic(out / "end_to_end.json", json.dumps(result.end_to_end, indent=2))
+    if result.share is not None:
+        write_atomic(out / "time_split.json", json.dumps(result.share.to_dict(), indent=2))
     write_atomic(out / "report.md", report_markdown(result, target, records, swapped))
 
 
@@ -88,7 +98,7 @@ def _plot(result: OptimizeResult, path: Path) -> None:
         ax.bar(idx + (i - 1.5) * 0.2, vals, 0.2, label=label)
     ax.set_xticks(idx, [r.name.split(" ")[0] for r in rows], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("GFLOP/s")
-    ax.set_title(f"{result.model}: best kernel per layer and layout")
+    ax.set_title(f"{result.model_name}: best kernel per layer and layout")
     ax.legend(fontsize=7)
     fig.tight_layout()
     png = io.BytesIO()
@@ -99,7 +109,7 @@ def _plot(result: OptimizeResult, path: Path) -> None:
 
 def report_markdown(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> str:
     env = environment()
-    lines = [f"# MACO optimize: {result.model} on {target.name}", "",
+    lines = [f"# MACO optimize: {result.model_name} on {target.name}", "",
              f"Machine: {env.get('cpu')} ({env.get('isa')}, {env.get('cores')} cores), torch "
              f"{env.get('torch')}. Took {result.seconds:.0f} s.", "",
              "## Per conv layer (GFLOP/s, best measured)", "",
@@ -120,15 +130,37 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
               f"{len(plan.conversions)} conversions; planner ({plan.method}) predicts "
               f"{plan.cost * 1e3:.2f} ms" + (f" vs {plan.default_cost * 1e3:.2f} ms all-NCHW"
                                              if plan.default_cost else "") + ".", "",
-              "## End to end (batch 1, measured, interleaved rounds)", ""]
-    for key, label in (("planned_torch", "planned layouts, torch convs"),
-                       ("planned_maco", f"planned layouts, MACO kernels in {len(swapped)} convs")):
-        e = result.end_to_end.get(key)
-        if e:
-            lines.append(f"- {label}: {e['planned_s'] * 1e3:.2f} ms vs default {e['default_s'] * 1e3:.2f} ms "
-                         f"= **{e['speedup']:.2f}x** (max |diff| {e['max_abs_diff']:.2g})")
+              "## End to end (measured: every variant in the same interleaved rounds)", "",
+              "Speedup: the median over rounds of the default model's time over the variant's in that "
+              "round; times: medians over rounds. The model handed back is the fastest variant whose "
+              "output equals the default's.", ""]
+    default_s = next(iter(result.end_to_end.values()), {}).get("default_s")
+    if default_s:
+        lines.append(f"- default (the model as given, torch eager): {default_s * 1e3:.2f} ms")
+    for key, e in result.end_to_end.items():
+        label = VARIANTS.get(key, key).format(swapped=len(swapped))
+        lines.append(f"- {label}: {e['planned_s'] * 1e3:.2f} ms = **{e['speedup']:.2f}x** "
+                     f"(max |diff| {e['max_abs_diff']:.2g})" + (" <- handed back" if e.get("chosen") else ""))
     if "planned_maco" not in result.end_to_end:
-        lines.append("- no MACO kernel beat torch in its planned layout: the planned model runs torch convs only")
-    lines += ["", f"Files: `plan.json` (apply with `maco.layouts.LayoutPlan.load(...).apply(model)`), "
-              f"`layers.csv`, `layers.png`, `end_to_end.json`; records: `{records}`.", ""]
+        lines.append("- no MACO kernel beat torch in its planned layout: no variant runs MACO kernels")
+    lines += ["", f"Handed back: **{result.chosen}**" + (
+        " (no variant was faster than the model as given)" if result.chosen == "default" else
+        f", {result.end_to_end[result.chosen]['speedup']:.2f}x the default in the same rounds") + "."]
+    if result.share is not None:
+        s = result.share
+        lines += ["", "## Where the time goes (the handed-back model, its convs timed alone in the same rounds)", "",
+                  f"Model {s.model_s * 1e3:.2f} ms; its {len(s.per_conv)} conv kernels alone add up to "
+                  f"{s.convs_s * 1e3:.2f} ms, so **{100 * s.outside:.0f}%** of the model's time is spent "
+                  f"outside them (model / kernels = {s.ratio:.2f}). With its MACO kernels skipped the model "
+                  f"takes {s.rest_s * 1e3:.2f} ms (pooling, the classifier, unfused ops, conversions, "
+                  "Python); the rest of the difference is the kernels running slower in the model than "
+                  "alone (weights and activations no longer in cache)."]
+    lines += ["", "Files: `plan.json` (the plan of the fused graph: "
+              "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
+              f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`; records: `{records}`.", ""]
     return "\n".join(lines)
+
+
+VARIANTS = {"fused": "BatchNorm folded, epilogues fused, torch convs (NCHW)",
+            "planned_torch": "fused, planned layouts, torch convs",
+            "planned_maco": "fused, planned layouts, MACO kernels in {swapped} convs"}

@@ -12,14 +12,11 @@ import torch
 
 from maco import ConvSpec, MacoError, MemoryLevel, Schedule, Target, kernels
 from maco.space import sample
-from tests.targets import AVX2
+from tests.targets import AVX2, GENERIC
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 HOST = Target.host()
-GENERIC = Target("generic-sse", "cpu", (MemoryLevel("registers", 16 * 4 * 4, 1, 4),
-                                        MemoryLevel("L1", 32 << 10, 1, 4), MemoryLevel("L2", 1 << 20, 1, 4)),
-                 cores=2, simd_width=4, isa="generic")
 AVX512 = Target("avx512-test", "cpu", (MemoryLevel("registers", 32 * 16 * 4, 1, 16),
                                        MemoryLevel("L1", 48 << 10, 1, 16), MemoryLevel("L2", 2 << 20, 1, 16)),
                 cores=2, simd_width=16, isa="avx512")

@@ -45,11 +45,16 @@ def run(args: argparse.Namespace) -> int:
             raise MacoError(f"--input-shape must be positive ints, got {args.input_shape!r}")
     result = optimize(args.model, target=args.target, budget=args.budget, out=args.out,
                       records=args.records, seed=args.seed, input_shape=shape)
-    for key, label in (("planned_torch", "planned layouts, torch convs"),
-                       ("planned_maco", "planned layouts + MACO kernels")):
+    for key, label in (("fused", "fused (BatchNorm folded, epilogues in the conv)"),
+                       ("planned_torch", "fused + planned layouts, torch convs"),
+                       ("planned_maco", "fused + planned layouts + MACO kernels")):
         e = result.end_to_end.get(key)
         if e:
-            print(f"{label}: {e['speedup']:.2f}x over the default model "
-                  f"({e['planned_s'] * 1e3:.2f} ms vs {e['default_s'] * 1e3:.2f} ms)")
+            print(f"{label}: {e['speedup']:.2f}x over the default model, median of per-round ratios "
+                  f"(medians {e['planned_s'] * 1e3:.2f} ms vs {e['default_s'] * 1e3:.2f} ms)"
+                  + ("  <- handed back" if e["chosen"] else ""))
+    if result.share is not None:
+        print(f"the handed-back model spends {100 * result.share.outside:.0f}% of its time outside its conv "
+              f"kernels ({result.share.model_s * 1e3:.2f} ms vs {result.share.convs_s * 1e3:.2f} ms)")
     print(f"report: {result.out / 'report.md'}  ({result.seconds:.0f} s)")
     return 0

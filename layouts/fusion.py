@@ -1,0 +1,187 @@
+"""The inference graph pass: fold each BatchNorm into the conv before it, and fuse into that conv the
+elementwise chain only it feeds (a residual add and an activation, in either order), so that a
+network's conv -> bn -> (+ identity) -> relu runs as one op.
+
+Detection follows MegEngine's JIT fusion: nodes are visited in reverse topological order, and from
+each conv the chain grows through single consumers for as long as the next op is one the fused op
+can hold; every value a fused op reads (its input, the residual) is computed before the chain's
+last op, where the fused op takes its place. Visiting later convs first gives a residual add to the
+conv of the main path (whose activation follows) rather than to the conv of the shortcut. A value
+with other consumers ends the chain there: the fused op's output is that value, so every consumer
+still sees what it saw before.
+
+    fused = fuse(traced_model, example_input)   # outputs equal the model's (eval mode)
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.nn import functional as F
+
+from maco.layouts.graph import trace_module
+
+ACTIVATION_MODULES: list[tuple[type, str]] = [(nn.ReLU, "relu"), (nn.ReLU6, "relu6"), (nn.SiLU, "silu"),
+                                              (nn.Hardswish, "hardswish")]
+ACTIVATION_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", F.relu6: "relu6", F.silu: "silu",
+                        F.hardswish: "hardswish"}
+ACTIVATION_METHODS = {"relu": "relu", "relu_": "relu"}
+ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
+ADD_METHODS = {"add", "add_"}
+_APPLY = {"none": lambda y: y, "relu": lambda y: F.relu(y, inplace=True),
+          "relu6": lambda y: F.hardtanh(y, 0.0, 6.0, inplace=True), "silu": lambda y: F.silu(y, inplace=True),
+          "hardswish": lambda y: F.hardswish(y, inplace=True)}
+RESIDUAL = ("none", "before", "after")  # no residual, added before the activation, or after it
+
+
+class FusedConv2d(nn.Conv2d):
+    """act(conv(x) + residual) or act(conv(x)) + residual, with any BatchNorm folded into the
+    weight and bias. A Conv2d, so planners and ConvSpec.from_module see the conv it is."""
+
+    maco_leaf = True  # traced as one op (maco.layouts.graph.symbolic_trace)
+
+    def __init__(self, conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor | None,
+                 activation: str = "none", residual: str = "none"):
+        super().__init__(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                         conv.dilation, conv.groups, bias is not None, conv.padding_mode,
+                         device=weight.device, dtype=weight.dtype)
+        if activation not in _APPLY or residual not in RESIDUAL:
+            raise ValueError(f"activation {activation!r} / residual {residual!r}")
+        with torch.no_grad():
+            self.weight.copy_(weight)
+            if bias is not None:
+                self.bias.copy_(bias)
+        self.activation, self.residual = activation, residual
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = self._conv_forward(x, self.weight, self.bias)
+        if self.residual == "before":
+            y = y + residual
+        y = _APPLY[self.activation](y)
+        return y + residual if self.residual == "after" else y
+
+    def extra_repr(self) -> str:
+        parts = [super().extra_repr()]
+        if self.residual != "none":
+            parts.append(f"residual={self.residual}")
+        if self.activation != "none":
+            parts.append(f"activation={self.activation}")
+        return ", ".join(parts)
+
+
+def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, bias) of the conv with the eval-mode BatchNorm after it folded in:
+    w' = w * g / sqrt(var + eps) per output channel, b' = (b - mean) * g / sqrt(var + eps) + beta."""
+    with torch.no_grad():
+        scale = bn.running_var.add(bn.eps).rsqrt()
+        if bn.weight is not None:
+            scale = scale * bn.weight
+        bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
+        bias = (bias - bn.running_mean) * scale
+        if bn.bias is not None:
+            bias = bias + bn.bias
+        return conv.weight * scale.reshape(-1, 1, 1, 1), bias
+
+
+def fuse(model: nn.Module, example_input: Any) -> fx.GraphModule:
+    """A copy of `model` (in eval mode) as a GraphModule in which every conv -> bn -> add -> act
+    chain is one FusedConv2d (see the module docstring). Outputs equal the model's in eval mode."""
+    import copy
+
+    gm, _ = trace_module(copy.deepcopy(model).eval(), example_input)
+    modules = dict(gm.named_modules())
+    done: set[fx.Node] = set()
+    count = 0
+    for node in reversed(list(gm.graph.nodes)):
+        if node in done or node.op != "call_module" or type(modules.get(node.target)) is not nn.Conv2d:
+            continue
+        chain, bn, residual_arg, where, act = _grow(gm, modules, node)
+        if len(chain) == 1:
+            continue
+        conv = modules[node.target]
+        weight, bias = fold_batchnorm(conv, bn) if bn is not None else (conv.weight, conv.bias)
+        count += 1
+        name = f"fused_{count}_{str(node.target).replace('.', '_')}"
+        gm.add_submodule(name, FusedConv2d(conv, weight.detach(), None if bias is None else bias.detach(),
+                                           act, where))
+        last = chain[-1]
+        args = (node.args[0],) + ((residual_arg,) if residual_arg is not None else ())
+        with gm.graph.inserting_after(last):
+            fused = gm.graph.call_module(name, args)
+        fused.meta = dict(last.meta)
+        last.replace_all_uses_with(fused)
+        for old in reversed(chain):
+            gm.graph.erase_node(old)
+        done.update(chain)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _grow(gm: fx.GraphModule, modules: dict[str, nn.Module],
+          conv: fx.Node) -> tuple[list[fx.Node], nn.BatchNorm2d | None, fx.Node | None, str, str]:
+    """The longest chain conv [-> bn] [-> add] [-> act] [-> add] through single consumers:
+    (nodes, the bn, the residual operand, where it is added, the activation)."""
+    chain, bn, residual, where, act = [conv], None, None, "none", "none"
+    shape = _shape(conv)
+    while len(chain[-1].users) == 1:
+        user = next(iter(chain[-1].users))
+        if bn is None and where == act == "none" and _is_bn(modules, user) and user.args[0] is chain[-1]:
+            bn = modules[user.target]
+        elif where == "none" and (other := _residual_operand(user, chain[-1], shape)) is not None:
+            residual, where = other, "before" if act == "none" else "after"
+        elif act == "none" and where != "after" and (kind := _activation(modules, user, chain[-1])):
+            act = kind
+        else:
+            break
+        chain.append(user)
+    return chain, bn, residual, where, act
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if getattr(meta, "shape", None) is not None else None
+
+
+def _is_bn(modules: dict[str, nn.Module], node: fx.Node) -> bool:
+    mod = modules.get(node.target) if node.op == "call_module" else None
+    return (isinstance(mod, nn.BatchNorm2d) and mod.track_running_stats and mod.running_mean is not None
+            and len(node.args) == 1 and not node.kwargs)
+
+
+def _residual_operand(node: fx.Node, value: fx.Node, shape: tuple[int, ...] | None) -> fx.Node | None:
+    """The other operand of `value + other` when it is a tensor of the conv's output shape."""
+    is_add = ((node.op == "call_function" and node.target in ADD_FUNCTIONS)
+              or (node.op == "call_method" and node.target in ADD_METHODS))
+    if not is_add or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if node.target in ("add_", operator.iadd) and a is not value:
+        return None  # in place into the other operand: that tensor is the result
+    other = b if a is value else a if b is value else None
+    if not isinstance(other, fx.Node) or other is value or shape is None or _shape(other) != shape:
+        return None
+    meta = other.meta.get("tensor_meta")
+    return other if getattr(meta, "dtype", None) == torch.float32 else None
+
+
+def _activation(modules: dict[str, nn.Module], node: fx.Node, value: fx.Node) -> str:
+    """The name of the activation `node` applies to `value` alone ("" when it is none we fuse)."""
+    if tuple(node.args) != (value,):
+        return ""
+    if node.op == "call_module":
+        mod = modules.get(node.target)
+        if type(mod) is nn.Hardtanh:
+            return "relu6" if (mod.min_val, mod.max_val) == (0.0, 6.0) else ""
+        return next((k for t, k in ACTIVATION_MODULES if isinstance(mod, t)), "")
+    if node.op == "call_function":
+        if set(node.kwargs) - {"inplace"}:
+            return ""
+        return ACTIVATION_FUNCTIONS.get(node.target, "")
+    if node.op == "call_method" and not node.kwargs:
+        return ACTIVATION_METHODS.get(node.target, "")
+    return ""
