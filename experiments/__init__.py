@@ -20,6 +20,7 @@ FIGURES: dict[str, str] = {
     "fig16": "fig16_search",
     "fig17": "fig17_cache",
     "fig18": "fig18_end_to_end",
+    "engines": "engines_cpu",
     "planners": "planner_runtime",
     "peers": "peers_cpu",
 }

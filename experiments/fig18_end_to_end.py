@@ -1,6 +1,8 @@
 """Figure 18: end to end at batch 1 on this machine, for ResNet-18, AlexNet and VGG-11: the model
 as torch runs it by default (every layer NCHW), the planned hybrid layout with torch's convs,
 and the planned layout with MACO's tuned kernels where tuning records hold one faster than torch.
+Both planned variants run the fused graph (maco.layouts.fuse: BatchNorm folded, each conv's
+residual add and activation in its epilogue), as `maco optimize` does.
 
 The last column needs tuning records (`maco optimize NET --records R`, or `maco tune`): pass
 them with --records R (repeatable). Without records that column is left empty and the CSV's
@@ -33,16 +35,17 @@ COLUMNS = ["network", "convs", "default_ms", "planned_torch_ms", "speedup_torch"
 
 
 def run_network(name: str, rounds: int, records: dict | None) -> dict:
-    from maco.layouts import compare_end_to_end, plan
+    from maco.layouts import compare_end_to_end, fuse, plan
     from maco.layouts.networks import build, example_input
     from maco.kernel_choice import faster_kernels
     from maco.layouts.maco_modules import use_maco_kernels
     from maco.spec import ConvSpec
     from maco.target import Target
 
-    model, x = build(name), example_input(1)
-    p = plan(model, x, latency="measure")
-    planned = p.apply(model)
+    model, x = build(name).eval(), example_input(1)
+    fused = fuse(model, x)
+    p = plan(fused, x, latency="measure")
+    planned = p.apply(fused)
     load = quiet()
     e = compare_end_to_end(model, planned, x, rounds=rounds)
     row = dict(network=name, convs=len(p.convs), default_ms=e.default.median * 1e3,
@@ -59,8 +62,8 @@ def run_network(name: str, rounds: int, records: dict | None) -> dict:
     if not chosen:
         row["note"] = "MACO column empty: no recorded kernel beat torch when re-timed beside it here"
         return row
-    pm = plan(model, x, latency=table, conversion="measure")
-    gm = pm.apply(model)
+    pm = plan(fused, x, latency=table, conversion="measure")
+    gm = pm.apply(fused)
     swapped = use_maco_kernels(gm, pm, chosen, Target.host())
     if not swapped:
         row["note"] = ("MACO column empty: the plan puts no conv in a layout where a MACO kernel "
