@@ -1,6 +1,7 @@
 """The inference graph pass: fold each BatchNorm into the conv before it, and fuse into that conv the
 elementwise chain only it feeds (a residual add and an activation, in either order), so that a
-network's conv -> bn -> (+ identity) -> relu runs as one op.
+network's conv -> bn -> (+ identity) -> relu runs as one op; a Linear takes the ReLU or ReLU6 only
+it feeds the same way.
 
 Detection follows MegEngine's JIT fusion: nodes are visited in reverse topological order, and from
 each conv the chain grows through single consumers for as long as the next op is one the fused op
@@ -72,6 +73,29 @@ class FusedConv2d(nn.Conv2d):
         return ", ".join(parts)
 
 
+class FusedLinear(nn.Linear):
+    """act(linear(x)): a Linear with the activation only it feeds."""
+
+    maco_leaf = True
+
+    def __init__(self, linear: nn.Linear, activation: str):
+        super().__init__(linear.in_features, linear.out_features, linear.bias is not None,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        if activation not in _APPLY:
+            raise ValueError(f"activation {activation!r}")
+        with torch.no_grad():
+            self.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                self.bias.copy_(linear.bias)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _APPLY[self.activation](F.linear(x, self.weight, self.bias))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation}"
+
+
 def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, bias) of the conv with the eval-mode BatchNorm after it folded in:
     w' = w * g / sqrt(var + eps) per output channel, b' = (b - mean) * g / sqrt(var + eps) + beta."""
@@ -96,6 +120,13 @@ def fuse(model: nn.Module, example_input: Any) -> fx.GraphModule:
     done: set[fx.Node] = set()
     count = 0
     for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_module" and type(modules.get(node.target)) is nn.Linear and len(node.users) == 1:
+            user = next(iter(node.users))
+            if (kind := _activation(modules, user, node)) in ("relu", "relu6"):
+                count += 1
+                _replace(gm, [node, user], f"fused_{count}_{str(node.target).replace('.', '_')}",
+                         FusedLinear(modules[node.target], kind), (node.args[0],))
+            continue
         if node in done or node.op != "call_module" or type(modules.get(node.target)) is not nn.Conv2d:
             continue
         chain, bn, residual_arg, where, act = _grow(gm, modules, node)
@@ -104,22 +135,26 @@ def fuse(model: nn.Module, example_input: Any) -> fx.GraphModule:
         conv = modules[node.target]
         weight, bias = fold_batchnorm(conv, bn) if bn is not None else (conv.weight, conv.bias)
         count += 1
-        name = f"fused_{count}_{str(node.target).replace('.', '_')}"
-        gm.add_submodule(name, FusedConv2d(conv, weight.detach(), None if bias is None else bias.detach(),
-                                           act, where))
-        last = chain[-1]
+        module = FusedConv2d(conv, weight.detach(), None if bias is None else bias.detach(), act, where)
         args = (node.args[0],) + ((residual_arg,) if residual_arg is not None else ())
-        with gm.graph.inserting_after(last):
-            fused = gm.graph.call_module(name, args)
-        fused.meta = dict(last.meta)
-        last.replace_all_uses_with(fused)
-        for old in reversed(chain):
-            gm.graph.erase_node(old)
+        _replace(gm, chain, f"fused_{count}_{str(node.target).replace('.', '_')}", module, args)
         done.update(chain)
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _replace(gm: fx.GraphModule, chain: list[fx.Node], name: str, module: nn.Module, args: tuple) -> None:
+    """Put `module`, called on `args`, where the chain's last node was, and drop the chain."""
+    gm.add_submodule(name, module)
+    last = chain[-1]
+    with gm.graph.inserting_after(last):
+        fused = gm.graph.call_module(name, args)
+    fused.meta = dict(last.meta)
+    last.replace_all_uses_with(fused)
+    for old in reversed(chain):
+        gm.graph.erase_node(old)
 
 
 def _grow(gm: fx.GraphModule, modules: dict[str, nn.Module],

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from maco import kernels
 from maco.kernels.epilogue import ACTIVATIONS
+from maco.kernels.linear import compile_linear
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -82,6 +83,38 @@ class MacoConv2d(nn.Module):
                 f"preallocated={self.preallocated}")
 
 
+class MacoLinear(nn.Module):
+    """`linear` (a Linear or FusedLinear) run by a generated memory-speed kernel for the one input
+    shape it was built for (kernels.linear); any other input runs `linear` itself."""
+
+    maco_leaf = True
+
+    def __init__(self, linear: nn.Linear, batch: int, target: Target, preallocate: bool = False):
+        super().__init__()
+        self.torch_linear, self.batch = linear, batch
+        self._kernel = compile_linear(batch, linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                      activation=getattr(linear, "activation", "none"), target=target)
+        self._weight = linear.weight.detach().contiguous()
+        self._bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self._shape = (batch, linear.in_features)
+        self._out = torch.empty(batch, linear.out_features) if preallocate else None
+
+    @property
+    def preallocated(self) -> bool:
+        return self._out is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape) != self._shape or x.dtype != torch.float32 or x.device.type != "cpu":
+            return self.torch_linear(x)
+        out = self._out if self._out is not None else torch.empty(self.batch, self.torch_linear.out_features)
+        self._kernel(x.contiguous(), self._weight, self._bias, out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"batch {self.batch}, {self.torch_linear.in_features} -> {self.torch_linear.out_features}, "
+                f"activation={getattr(self.torch_linear, 'activation', 'none')}, preallocated={self.preallocated}")
+
+
 def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether the tensor `node` produces can reach the model's output, itself or as a view (through
     ops that may return their input: reshapes, in-place ops, dropout, unknown ones)."""
@@ -91,12 +124,26 @@ def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
             if user.op == "output":
                 return True
             fresh = ((user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)),
-                                                              FRESH_MODULES + (MacoConv2d,)))
+                                                              FRESH_MODULES + (MacoConv2d, MacoLinear)))
                      or (user.op == "call_function" and user.target in FRESH_FUNCTIONS))
             if not fresh and user not in seen:
                 seen.add(user)
                 todo.append(user)
     return False
+
+
+def call_sites(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Module path -> the nodes that call it."""
+    calls: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(str(node.target), []).append(node)
+    return calls
+
+
+def swap_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
+    parent_name, _, child = path.rpartition(".")
+    setattr(gm.get_submodule(parent_name) if parent_name else gm, child, module)
 
 
 def use_maco_kernels(gm: fx.GraphModule, plan: LayoutPlan, chosen: dict[ConvSpec, dict[str, Schedule]],
@@ -105,10 +152,7 @@ def use_maco_kernels(gm: fx.GraphModule, plan: LayoutPlan, chosen: dict[ConvSpec
     whose epilogue a kernel computes, for MacoConv2d modules (in place); a conv module called
     once whose output stays inside the model gets a preallocated output. Returns the module
     paths swapped."""
-    calls: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            calls.setdefault(str(node.target), []).append(node)
+    calls = call_sites(gm)
     swapped = []
     for layer in plan.convs:
         spec = ConvSpec.parse(layer.spec)
@@ -118,8 +162,6 @@ def use_maco_kernels(gm: fx.GraphModule, plan: LayoutPlan, chosen: dict[ConvSpec
             continue
         sites = calls.get(layer.target, [])
         preallocate = len(sites) == 1 and not escapes(gm, sites[0])
-        parent_name, _, child = layer.target.rpartition(".")
-        parent = gm.get_submodule(parent_name) if parent_name else gm
-        setattr(parent, child, MacoConv2d(conv, spec, schedule, target, preallocate))
+        swap_module(gm, layer.target, MacoConv2d(conv, spec, schedule, target, preallocate))
         swapped.append(layer.target)
     return swapped

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any, Callable
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from maco.kernels.baselines import torch_conv
-from maco.layouts.maco_modules import MacoConv2d
+from maco.kernels.linear import MAX_BATCH
+from maco.layouts.maco_modules import MacoConv2d, MacoLinear, call_sites, escapes, swap_module
 from maco.records import Record
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -19,6 +22,7 @@ from maco.timing import interleaved_rounds, steady_allocator
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
 Chosen = dict[ConvSpec, dict[str, Schedule]]  # spec -> layout -> schedule
 Ratios = dict[ConvSpec, dict[str, float]]  # spec -> layout -> torch's time over MACO's
+LinearRatios = dict[str, float]  # module path -> torch's time over MACO's
 
 
 def faster_kernels(torch_seconds: dict[tuple[ConvSpec, str], float], best: dict[tuple[ConvSpec, str], Record],
@@ -72,4 +76,44 @@ def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratio
             # the fastest repeat of each: the least disturbed by anything else running
             ratios.setdefault(spec, {})[layout] = statistics.median(
                 t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
+    return ratios
+
+
+def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> LinearRatios:
+    """Swap (in place) each Linear of `gm` that a generated kernel (kernels.linear) runs at least
+    MIN_GAIN faster than torch's, both timed here on the input the layer sees in the model, in
+    interleaved rounds; returns module path -> torch's time over MACO's for every linear tried."""
+    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+    seen: dict[str, tuple[nn.Linear, torch.Tensor]] = {}
+
+    def keep(path: str) -> Callable[[nn.Module, tuple], None]:
+        def hook(mod: nn.Module, args: tuple) -> None:
+            seen.setdefault(path, (mod, args[0].detach().clone()))
+        return hook
+
+    calls = call_sites(gm)
+    hooks = [gm.get_submodule(path).register_forward_pre_hook(keep(path)) for path in calls
+             if isinstance(gm.get_submodule(path), nn.Linear)]
+    try:
+        with torch.inference_mode():
+            gm(*inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    steady_allocator()
+    ratios: LinearRatios = {}
+    for path, (linear, x) in seen.items():
+        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] > MAX_BATCH:
+            continue
+        maco = MacoLinear(linear, x.shape[0], target)
+        runs = {"torch": lambda linear=linear, x=x: linear(x), "maco": lambda maco=maco, x=x: maco(x)}
+        with torch.inference_mode():
+            for fn in runs.values():
+                fn()
+            timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
+        ratios[path] = statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
+        if ratios[path] >= MIN_GAIN:
+            sites = calls[path]
+            swap_module(gm, path, MacoLinear(linear, x.shape[0], target,
+                                             preallocate=len(sites) == 1 and not escapes(gm, sites[0])))
     return ratios

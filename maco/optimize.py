@@ -13,7 +13,7 @@ from torch import nn
 
 from maco.errors import MacoError
 from maco.files import check_writable
-from maco.kernel_choice import faster_kernels
+from maco.kernel_choice import MIN_GAIN, faster_kernels, faster_linears
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import conv_share, time_models
 from maco.layouts.fusion import fuse
@@ -79,9 +79,12 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     variants: dict[str, nn.Module] = {"default": model, "fused": fused, "planned_torch": plan.apply(fused)}
     planned_maco = plan.apply(fused)
     swapped = use_maco_kernels(planned_maco, plan, chosen, tgt) if tgt.kind == "cpu" else []
-    if swapped:
+    linears = faster_linears(planned_maco, x, tgt) if tgt.kind == "cpu" else {}
+    faster = [path for path, ratio in linears.items() if ratio >= MIN_GAIN]
+    if swapped or faster:
         variants["planned_maco"] = planned_maco
-    log(f"      {len(swapped)} of {len(plan.convs)} convs run MACO kernels")
+    log(f"      {len(swapped)} of {len(plan.convs)} convs and {len(faster)} of {len(linears)} linear layers "
+        "run MACO kernels")
     for row in rows:
         layouts = {lp.layout for lp in plan.convs if lp.spec == str(row.spec)}
         row.planned = "/".join(sorted(layouts))

@@ -226,3 +226,58 @@ def test_relu6_epilogue_in_generated_kernels(layout, target):
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(Exception, match="unknown activation"):
         kernels.compile(spec, sch, activation="gelu")
+
+
+@pytest.mark.parametrize("batch,inp,out,act", [(1, 9216, 64, "relu"), (3, 37, 1001, "relu6"), (2, 512, 7, "none")])
+def test_generated_linear_kernels_match_torch(batch, inp, out, act):
+    from maco.kernels.linear import compile_linear
+
+    g = torch.Generator().manual_seed(2)
+    x, w, b = (torch.randn(batch, inp, generator=g) * 3, torch.randn(out, inp, generator=g),
+               torch.randn(out, generator=g))
+    y = torch.empty(batch, out)
+    compile_linear(batch, inp, out, activation=act)(x, w, b, y)
+    want = {"none": lambda t: t, "relu": torch.relu, "relu6": lambda t: F.hardtanh(t, 0.0, 6.0)}[act](F.linear(x, w, b))
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)
+
+
+def test_linears_take_the_activation_only_they_feed():
+    from maco.layouts.fusion import FusedLinear
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            g = self.b(h)            # read by the relu and by the sum: not fused
+            return self.c(F.relu(g)) + g.sum()
+
+    model = Head().eval()
+    x = torch.randn(2, 16)
+    gm = fuse(model, x)
+    fused = [m for m in gm.modules() if isinstance(m, FusedLinear)]
+    assert len(fused) == 1 and fused[0].activation == "relu" and fused[0].out_features == 32
+    with torch.no_grad():
+        assert _rel(model(x), gm(x)) < 1e-6
+
+
+def test_maco_linears_in_a_network_match_eager_and_keep_outputs_their_own():
+    from maco.layouts.maco_modules import MacoLinear, call_sites, escapes, swap_module
+
+    model = build("alexnet")
+    x = example_input(1)
+    gm = fuse(model, x)
+    calls = call_sites(gm)
+    linears = [p for p in calls if isinstance(gm.get_submodule(p), nn.Linear)]
+    for path in linears:
+        swap_module(gm, path, MacoLinear(gm.get_submodule(path), 1, HOST,
+                                         preallocate=not escapes(gm, calls[path][0])))
+    macos = {p: gm.get_submodule(p) for p in linears}
+    assert [m.preallocated for m in macos.values()] == [True, True, False]  # the last one is the output
+    with torch.inference_mode():
+        want, got = model(x), gm(x)
+        kept = got.clone()
+        gm(torch.randn_like(x))
+    assert _rel(want, got) < 1e-4 and torch.equal(got, kept)
