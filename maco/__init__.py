@@ -23,4 +23,6 @@ _LAZY = {"bounds", "kernels", "layouts", "space", "prune", "search", "cost_model
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return importlib.import_module(f"maco.{name}")
+    if name in ("save", "load"):  # maco.save / maco.load: an optimized model as one file
+        return getattr(importlib.import_module("maco.deployment"), name)
     raise AttributeError(f"module 'maco' has no attribute {name!r}")

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from maco import deployment
 from maco.errors import MacoError
 from maco.files import check_writable
 from maco.kernel_choice import MIN_GAIN, faster_kernels, faster_linears
@@ -30,8 +31,10 @@ OUTPUT_RTOL = 1e-4  # a variant is handed back only if its output equals the mod
 
 def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str = "quick",
              out: str | Path = "maco-out", records: str | Path | None = None, seed: int = 0,
-             input_shape: tuple[int, ...] | None = None,
+             input_shape: tuple[int, ...] | None = None, save: str | Path | None = None,
              log: Callable[[str], Any] = print) -> OptimizeResult:
+    """The main job (module docstring); `save` writes the model it hands back to one file
+    (maco.deployment: reload it with maco.load, no tuning)."""
     start = time.perf_counter()
     if budget not in BUDGETS:
         raise MacoError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
@@ -42,6 +45,8 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         require_gpu()
     out = check_writable(out, "output folder", folder=True)
     records = check_writable(records or out / "records.jsonl", "records file")
+    if save:
+        check_writable(save, "--save file")
     name, model = load_model(model_text)
     model.eval()
     device = "cuda" if tgt.kind == "cuda" else "cpu"
@@ -98,6 +103,9 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
            for label in variants if label != "default"}
     share = conv_share(variants[pick], x) if pick != "default" else None
     result = OptimizeResult(name, out, rows, plan, e2e, time.perf_counter() - start, variants[pick], pick,
-                            x, share)
+                            x, share, tgt)
     write_outputs(result, tgt, records, swapped)
+    if save:
+        deployment.save(result, save)
+        log(f"      saved the {pick} model to {save} (maco.load({str(save)!r}, model) rebuilds it)")
     return result

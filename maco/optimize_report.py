@@ -48,6 +48,7 @@ class OptimizeResult:
     chosen: str = "default"
     example: Any = None  # the input it was planned and timed on
     share: ConvShare | None = None  # the chosen model's time beside its conv kernels'
+    target: Target | None = None
 
 
 def write_outputs(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> None:

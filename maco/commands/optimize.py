@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-shape", default=None,
                    help="input shape for a model file, e.g. 1,3,224,224 (default 1,3,224,224)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--save", default=None, metavar="FILE",
+                   help="write the model handed back to FILE (maco.load(FILE, model) rebuilds it without tuning)")
     p.set_defaults(func=run)
 
 
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         if not shape or any(v < 1 for v in shape):
             raise MacoError(f"--input-shape must be positive ints, got {args.input_shape!r}")
     result = optimize(args.model, target=args.target, budget=args.budget, out=args.out,
-                      records=args.records, seed=args.seed, input_shape=shape)
+                      records=args.records, seed=args.seed, input_shape=shape, save=args.save)
     for key, label in (("fused", "fused (BatchNorm folded, epilogues in the conv)"),
                        ("planned_torch", "fused + planned layouts, torch convs"),
                        ("planned_maco", "fused + planned layouts + MACO kernels")):

@@ -1,0 +1,188 @@
+"""An optimized model as one file a deployment can load without tuning: which variant `maco optimize`
+handed back, the layout plan, each MACO kernel's schedule, the fusion it rests on, the input shape
+and the machine it was tuned on.
+
+    maco.save(result, "resnet18.maco")             # result = maco.optimize.optimize(...), or a loaded model
+    fast = maco.load("resnet18.maco", model)       # the same model class with its weights
+
+The file is JSON and holds no code: a model is rebuilt from the caller's own module by the same
+deterministic passes (fuse, plan.apply), and every schedule in it is checked like any other
+untrusted schedule before a kernel is generated from it. Kernels come from the build cache, or are
+compiled again on a cold one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from maco.errors import MacoError
+from maco.files import check_writable, load_json_file, short, write_atomic
+from maco.kernels import default_schedule
+from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
+from maco.layouts.layout_plan import LayoutPlan
+from maco.layouts.maco_modules import MacoConv2d, MacoLinear, swap_module
+from maco.optimize_report import OptimizeResult
+from maco.schedule import Schedule
+from maco.spec import ConvSpec
+from maco.target import Target
+
+FORMAT = "maco-optimized-model"
+VERSION = 1
+VARIANTS = ("default", "fused", "planned_torch", "planned_maco")
+MAX_BYTES = 16 << 20  # a plan and a few hundred schedules: kilobytes to a few MB
+
+
+@dataclass
+class Deployment:
+    """What rebuilds an optimized model from the original one (see the module docstring)."""
+
+    variant: str
+    input_shape: list[int]
+    target: dict[str, Any]  # Target.fingerprint() of the machine the kernels were tuned on
+    threads: int
+    fusion: list[str] = field(default_factory=list)  # "name activation residual" of each fused module
+    plan: dict[str, Any] | None = None  # LayoutPlan.to_dict()
+    convs: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, schedule, preallocate
+    linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch, preallocate
+
+    def to_dict(self) -> dict[str, Any]:
+        from maco import __version__
+
+        return {"format": FORMAT, "version": VERSION, "maco": __version__, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Deployment":
+        """Every field checked: the file may come from anyone."""
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise MacoError("not a saved MACO model (no 'format': 'maco-optimized-model')")
+        if d.get("version") != VERSION:
+            raise MacoError(f"saved MACO model format version {short(d.get('version'))}; this MACO reads {VERSION}")
+        d = {k: v for k, v in d.items() if k not in ("format", "version", "maco")}
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise MacoError(f"unknown field(s) in the saved model: {short(sorted(map(str, unknown)))}")
+        try:
+            dep = cls(**d)
+        except TypeError as exc:
+            raise MacoError(f"a malformed saved model: {exc}") from None
+        if dep.variant not in VARIANTS:
+            raise MacoError(f"unknown variant {short(dep.variant)}; one of {VARIANTS}")
+        if not (isinstance(dep.input_shape, list) and dep.input_shape
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in dep.input_shape)):
+            raise MacoError(f"input_shape must be positive ints, got {short(dep.input_shape)}")
+        if not isinstance(dep.threads, int) or dep.threads < 1:
+            raise MacoError(f"threads must be a positive int, got {short(dep.threads)}")
+        for name, value in (("target", dep.target), ("convs", dep.convs), ("linears", dep.linears)):
+            if not isinstance(value, dict):
+                raise MacoError(f"{name} must be an object, got {short(value)}")
+        if not isinstance(dep.fusion, list) or not all(isinstance(f, str) for f in dep.fusion):
+            raise MacoError(f"fusion must be a list of strings, got {short(dep.fusion)}")
+        return dep
+
+
+def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target: Target,
+             plan: LayoutPlan | None = None) -> Deployment:
+    """The Deployment of a model `maco optimize` built (or `load` rebuilt): read off its modules."""
+    dep = Deployment(variant, list(example_input.shape), target.fingerprint(), torch.get_num_threads())
+    if variant == "default":
+        return dep
+    dep.fusion = _fusion(model)
+    if variant == "fused":
+        return dep
+    if plan is None:
+        raise MacoError(f"the {variant} variant needs its layout plan")
+    dep.plan = plan.to_dict()
+    for path, mod in model.named_modules():
+        if isinstance(mod, MacoConv2d):
+            dep.convs[path] = {"spec": str(mod.spec), "schedule": mod._kernel.schedule.to_dict(),
+                               "preallocate": mod.preallocated}
+        elif isinstance(mod, MacoLinear):
+            dep.linears[path] = {"batch": mod.batch, "preallocate": mod.preallocated}
+    return dep
+
+
+def save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Write the optimized model of an OptimizeResult, or a model `load` returned, to one file."""
+    if isinstance(obj, OptimizeResult):
+        dep = describe(obj.model, obj.chosen, obj.example, obj.target or Target.host(), obj.plan)
+    elif isinstance(getattr(obj, "meta", None), dict) and isinstance(obj.meta.get("maco"), Deployment):
+        dep = obj.meta["maco"]
+    else:
+        raise MacoError(f"save takes what maco.optimize returned or a model maco.load built, got {type(obj).__name__}")
+    check_writable(path, "saved model")
+    write_atomic(path, json.dumps(dep.to_dict(), indent=1))
+
+
+def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str = "error") -> nn.Module:
+    """`model` (the same architecture and weights as when it was optimized) rebuilt as the saved
+    optimized model. On a machine other than the one it was tuned on: a MacoError naming both
+    (other_machine="error"), or each conv on its bound-derived default schedule ("defaults")."""
+    if other_machine not in ("error", "defaults"):
+        raise MacoError(f"other_machine must be 'error' or 'defaults', got {short(other_machine)}")
+    dep = Deployment.from_dict(load_json_file(path, "saved MACO model", MAX_BYTES))
+    host = Target.host()
+    foreign = dep.target != host.fingerprint()
+    if foreign and dep.convs and other_machine == "error":
+        raise MacoError(f"{str(path)!r} was tuned on {_machine(dep.target)}, this is {_machine(host.fingerprint())}; "
+                        "pass other_machine='defaults' to run MACO's default schedules here, or tune again")
+    model = model.eval()
+    if dep.variant == "default":
+        return model
+    x = torch.zeros(dep.input_shape)
+    fused = fuse(model, x)
+    if _fusion(fused) != dep.fusion:
+        raise MacoError(f"{str(path)!r} was saved for another model: its fused layers differ from this model's")
+    if dep.variant == "fused":
+        fused.meta["maco"] = dep
+        return fused
+    plan = LayoutPlan.from_dict(dep.plan)
+    gm = plan.apply(fused)
+    for conv_path, c in dep.convs.items():
+        conv = _submodule(gm, conv_path, nn.Conv2d)
+        if not isinstance(c, dict) or not isinstance(c.get("spec"), str):
+            raise MacoError(f"{str(path)!r}: conv {short(conv_path)} has no spec")
+        spec = ConvSpec.parse(c["spec"])
+        if spec != ConvSpec.from_module(conv, spec.input_shape):
+            raise MacoError(f"{str(path)!r}: conv {short(conv_path)} is not the saved {spec}")
+        schedule = Schedule.from_dict(c.get("schedule"))
+        schedule = default_schedule(spec, host, schedule.layout) if foreign else schedule.validate(spec, host)
+        swap_module(gm, conv_path, MacoConv2d(conv, spec, schedule, host, bool(c.get("preallocate"))))
+    for linear_path, lin in dep.linears.items():
+        linear = _submodule(gm, linear_path, nn.Linear)
+        batch = lin.get("batch") if isinstance(lin, dict) else None
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise MacoError(f"{str(path)!r}: linear {short(linear_path)} has no valid batch")
+        swap_module(gm, linear_path, MacoLinear(linear, batch, host, bool(lin.get("preallocate"))))
+    gm.meta["maco"] = dep
+    return gm
+
+
+def _fusion(model: nn.Module) -> list[str]:
+    """'path activation residual' of each fused layer, whether torch or a MACO kernel runs it."""
+    out = []
+    for path, mod in model.named_modules():
+        inner = getattr(mod, "torch_conv", None) or getattr(mod, "torch_linear", None)
+        if isinstance(mod, (FusedConv2d, FusedLinear)) and not path.endswith((".torch_conv", ".torch_linear")):
+            out.append(f"{path} {mod.activation} {getattr(mod, 'residual', 'none')}")
+        elif isinstance(inner, (FusedConv2d, FusedLinear)):
+            out.append(f"{path} {inner.activation} {getattr(inner, 'residual', 'none')}")
+    return sorted(out)
+
+
+def _submodule(gm: nn.Module, path: Any, kind: type) -> nn.Module:
+    try:
+        mod = gm.get_submodule(path) if isinstance(path, str) else None
+    except AttributeError:
+        mod = None
+    if not isinstance(mod, kind):
+        raise MacoError(f"the saved model names {short(path)}, which is no {kind.__name__} of this model")
+    return mod
+
+
+def _machine(fp: dict[str, Any]) -> str:
+    return f"{fp.get('model', '?')} ({fp.get('isa', '?')}, {fp.get('cores', '?')} cores)"

@@ -1,0 +1,108 @@
+"""A saved optimized model: written as one JSON file, rebuilt from the caller's model without tuning,
+outputs equal to the optimized model's; files from another machine or another model, or tampered
+with, are refused with a clear error."""
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import maco
+from maco import Target, kernels
+from maco.deployment import Deployment, describe, load, save
+from maco.errors import MacoError
+from maco.layouts import fuse
+from maco.layouts.deploy import plan
+from maco.layouts.maco_modules import MacoConv2d, MacoLinear, use_maco_kernels
+from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
+from maco.kernel_choice import faster_linears
+
+HOST = Target.host()
+
+
+def _optimized(net: str):
+    """What maco optimize builds for the planned_maco variant, on the default schedules (no tuning)."""
+    model, x = build(net), example_input(1)
+    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
+    fused = fuse(model, x)
+    table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
+    p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-9)
+    gm = p.apply(fused)
+    use_maco_kernels(gm, p, {s: {"NHWC": kernels.default_schedule(s, HOST, "NHWC")} for s in specs}, HOST)
+    faster_linears(gm, x, HOST, rounds=1)
+    return model, x, gm, describe(gm, "planned_maco", x, HOST, p)
+
+
+def _save(dep: Deployment, path) -> None:
+    path.write_text(json.dumps(dep.to_dict()))
+
+
+@pytest.mark.parametrize("net", ["resnet18", "alexnet"])
+def test_a_saved_model_loads_to_the_same_outputs(tmp_path, net):
+    model, x, gm, dep = _optimized(net)
+    _save(dep, tmp_path / "m.maco")
+    start = time.perf_counter()
+    loaded = maco.load(tmp_path / "m.maco", build(net))
+    took = time.perf_counter() - start
+    assert took < 30  # warm build cache: seconds (the target is < 5 s on an idle machine)
+    with torch.inference_mode():
+        want, got, again = model(x), gm(x), loaded(x)
+    assert float((want - again).abs().max() / want.abs().max()) < 1e-4
+    torch.testing.assert_close(got, again, rtol=1e-5, atol=1e-5)
+    assert sum(isinstance(m, MacoConv2d) for m in loaded.modules()) == len(dep.convs) > 0
+    assert sum(isinstance(m, MacoLinear) for m in loaded.modules()) == len(dep.linears)
+    save(loaded, tmp_path / "again.maco")  # a loaded model saves to the same description
+    assert json.loads((tmp_path / "again.maco").read_text())["convs"] == json.loads(
+        (tmp_path / "m.maco").read_text())["convs"]
+
+
+def test_another_machine_is_named_or_runs_the_defaults(tmp_path):
+    model, x, gm, dep = _optimized("resnet18")
+    dep.target = {**dep.target, "model": "Some Other CPU", "cores": 64}
+    _save(dep, tmp_path / "m.maco")
+    with pytest.raises(MacoError, match="Some Other CPU.*this is"):
+        load(tmp_path / "m.maco", build("resnet18"))
+    loaded = load(tmp_path / "m.maco", build("resnet18"), other_machine="defaults")
+    with torch.inference_mode():
+        assert float((model(x) - loaded(x)).abs().max() / model(x).abs().max()) < 1e-4
+
+
+def test_another_model_is_refused(tmp_path):
+    _, _, _, dep = _optimized("resnet18")
+    _save(dep, tmp_path / "m.maco")
+    with pytest.raises(MacoError, match="another model"):
+        load(tmp_path / "m.maco", build("resnet50"))
+    other = build("resnet18")
+    other.layer1[0].conv1 = nn.Conv2d(64, 64, 3, padding=2, dilation=2, bias=False)  # same shapes, other conv
+    with pytest.raises(MacoError, match="not the saved"):
+        load(tmp_path / "m.maco", other)
+
+
+def test_tampered_files_are_refused_and_run_nothing(tmp_path):
+    _, _, _, dep = _optimized("resnet18")
+    good = dep.to_dict()
+    path = next(iter(good["convs"]))
+    evil = json.loads(json.dumps(good))
+    evil["convs"][path]["schedule"]["extra"] = {"*/ int main; /*": 1}
+    bad_tiles = json.loads(json.dumps(good))
+    bad_tiles["convs"][path]["schedule"]["tiles"]["k"] = [1, 1, 1, 7]
+    cases = {"evil": (evil, "unknown CPU schedule knob"), "tiles": (bad_tiles, "multiply to"),
+             "version": ({**good, "version": 99}, "format version"),
+             "variant": ({**good, "variant": "turbo"}, "unknown variant"),
+             "path": ({**good, "convs": {"os.system": good["convs"][path]}}, "no Conv2d"),
+             "nested": (None, "nested too deeply")}
+    for name, (doc, words) in cases.items():
+        f = tmp_path / f"{name}.maco"
+        f.write_text("[" * 100_000 + "]" * 100_000 if doc is None else json.dumps(doc))
+        with pytest.raises(MacoError, match=words):
+            load(f, build("resnet18"))
+
+
+def test_optimize_saves_and_the_cli_refuses_an_unwritable_save(tmp_path, capsys):
+    from maco.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["optimize", "--save", str(blocker / "m.maco"), "--out", str(tmp_path / "out")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
