@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -25,21 +25,24 @@ Ratios = dict[ConvSpec, dict[str, float]]  # spec -> layout -> torch's time over
 LinearRatios = dict[str, float]  # module path -> torch's time over MACO's
 
 
-def faster_kernels(torch_seconds: dict[tuple[ConvSpec, str], float], best: dict[tuple[ConvSpec, str], Record],
+def faster_kernels(torch_seconds: dict[tuple[ConvSpec, str], float],
+                   best: Mapping[tuple[ConvSpec, str], Record | Schedule],
                    target: Target) -> tuple[dict[tuple[ConvSpec, str], float], Chosen, Ratios]:
     """Per (spec, layout) of torch_seconds: the latency table for the planner (the faster of
-    torch and MACO's best record), the MACO schedules to run (spec -> layout -> schedule)
-    and their in-process ratios. On a CPU every best record is re-timed beside torch in this
-    process and chosen when it wins by MIN_GAIN; its table entry is torch's time over that ratio,
-    so both entries share this process's clock (records taken in a slower or faster spell of
-    the machine would otherwise be compared with torch timed now). On a GPU the records are
-    trusted as they are."""
+    torch and MACO's best record or candidate schedule), the MACO schedules to run (spec ->
+    layout -> schedule) and their in-process ratios. On a CPU every candidate is re-timed beside
+    torch in this process and chosen when it wins by MIN_GAIN; its table entry is torch's time
+    over that ratio, so both entries share this process's clock (records taken in a slower or
+    faster spell of the machine would otherwise be compared with torch timed now). On a GPU the
+    records are trusted as they are (a bare schedule, untimed, is not chosen there)."""
     table = dict(torch_seconds)
     cpu = target.kind == "cpu"
     candidates: Chosen = {}
     for (spec, layout), torch_s in torch_seconds.items():
         rec = best.get((spec, layout))
-        if rec is not None and (cpu or rec.seconds < torch_s):
+        if isinstance(rec, Schedule) and cpu:
+            candidates.setdefault(spec, {})[layout] = rec
+        elif isinstance(rec, Record) and (cpu or rec.seconds < torch_s):
             candidates.setdefault(spec, {})[layout] = rec.schedule
     ratios = confirm_in_process(candidates, target) if cpu else {}
     chosen: Chosen = {}

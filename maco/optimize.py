@@ -9,24 +9,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from maco import deployment
 from maco.errors import MacoError
 from maco.files import check_writable
-from maco.kernel_choice import MIN_GAIN, faster_kernels, faster_linears
-from maco.layouts.deploy import plan as plan_layouts
-from maco.layouts.end_to_end import conv_share, time_models
-from maco.layouts.fusion import fuse
-from maco.layouts.maco_modules import use_maco_kernels
+from maco.kernel_choice import MIN_GAIN
+from maco.layouts.end_to_end import conv_share
 from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input, load_model
 from maco.optimize_report import LayerRow, OptimizeResult, write_outputs
+from maco.pipeline import build_variants, fastest
 from maco.records import best_in_files
 from maco.target import Target, require_memory
 from maco.tuning import BUDGETS, tune_layers
 
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
-OUTPUT_RTOL = 1e-4  # a variant is handed back only if its output equals the model's to this
 
 
 def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str = "quick",
@@ -72,31 +68,21 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
                      torch={k: v for k, v in (("NCHW", r.torch_nchw), ("NHWC", r.torch_nhwc)) if v})
             for r in tuned]
     torch_seconds = {(row.spec, lay): s for row in rows for lay, s in row.torch.items()}
-    log("      re-timing the kernels that beat torch in this process")
-    table, chosen, ratios = faster_kernels(torch_seconds, best, tgt)
-    for row in rows:
-        row.in_process = ratios.get(row.spec, {})
-    log("[2/4] folding BatchNorm and fusing epilogues, then planning layouts with the tuned latencies")
-    fused = fuse(model, x)
-    plan = plan_layouts(fused, x, latency=table, device=device)
+    log("[2/4] re-timing the kernels that beat torch in this process; folding BatchNorm, fusing "
+        "epilogues, planning layouts")
+    built = build_variants(model, x, tgt, torch_seconds, best, device=device, log=log)
+    plan, chosen, swapped, variants = built.plan, built.chosen, built.swapped, built.models
     plan.save(out / "plan.json")
-    log("[3/4] applying the plan (torch convs) and swapping in MACO kernels where they are faster")
-    variants: dict[str, nn.Module] = {"default": model, "fused": fused, "planned_torch": plan.apply(fused)}
-    planned_maco = plan.apply(fused)
-    swapped = use_maco_kernels(planned_maco, plan, chosen, tgt) if tgt.kind == "cpu" else []
-    linears = faster_linears(planned_maco, x, tgt) if tgt.kind == "cpu" else {}
-    faster = [path for path, ratio in linears.items() if ratio >= MIN_GAIN]
-    if swapped or faster:
-        variants["planned_maco"] = planned_maco
-    log(f"      {len(swapped)} of {len(plan.convs)} convs and {len(faster)} of {len(linears)} linear layers "
-        "run MACO kernels")
+    faster = [path for path, ratio in built.linears.items() if ratio >= MIN_GAIN]
+    log(f"[3/4] {len(swapped)} of {len(plan.convs)} convs and {len(faster)} of {len(built.linears)} linear "
+        "layers run MACO kernels")
     for row in rows:
+        row.in_process = built.ratios.get(row.spec, {})
         layouts = {lp.layout for lp in plan.convs if lp.spec == str(row.spec)}
         row.planned = "/".join(sorted(layouts))
         row.uses_maco = bool(swapped) and any(lay in chosen.get(row.spec, {}) for lay in layouts)
     log(f"[4/4] timing {', '.join(variants)} end to end in the same rounds; the fastest is handed back")
-    times = time_models(variants, x, rounds=3)
-    pick = times.fastest(OUTPUT_RTOL)
+    pick, times = fastest(variants, x)
     e2e = {label: {"default_s": times.timing("default").median, "planned_s": times.timing(label).median,
                    "speedup": times.speedup(label), "max_abs_diff": times.max_abs_diff[label],
                    "chosen": label == pick}

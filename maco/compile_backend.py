@@ -1,0 +1,237 @@
+"""torch.compile(model, backend="maco"): the graph dynamo hands over gets what `maco optimize` does,
+without a separate run: BatchNorm folded, epilogues fused, layouts planned, MACO kernels swapped in
+where they beat torch in this process, and the fastest variant kept.
+
+    fast = torch.compile(model.eval(), backend="maco", options={"tune": "none"})
+    options: records  a records file or folder (tuned schedules; a folder: every *.jsonl in it)
+             tune     none (the bound-derived defaults where no record has the layer), quick or
+                      normal (tune the missing layers first, into the records file)
+             layouts  the layouts the planner may choose, e.g. "NHWC" (default NCHW,NHWC)
+             cache    the kernel cache folder (default $MACO_CACHE or ~/.cache/maco/kernels)
+
+Dynamo passes parameters as graph inputs; for inference they are frozen here (read once, at
+compile time), as Inductor's freezing does. What MACO does not handle stays torch's, with one log
+line saying why: training mode, tensors that are not fp32 or not on the CPU, dynamic shapes, a
+graph without a conv. A new input shape makes dynamo compile one more graph, with kernels from the
+records or the defaults.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.nn import functional as F
+
+from maco import kernels
+from maco.errors import MacoError
+from maco.files import short
+from maco.layouts.latency import measure_layouts
+from maco.layouts.networks import conv_layers, distinct_convs
+from maco.pipeline import build_variants, fastest
+from maco.records import best_in_files
+from maco.target import Target
+from maco.tuning import BUDGETS, tune_layers
+
+log = logging.getLogger("maco")
+TUNES = ("none", "quick", "normal")
+OPTIONS = ("records", "tune", "layouts", "cache")
+CONV_FUNCTIONS = {torch.conv2d, F.conv2d}
+WEIGHT_USES = {torch.conv2d: (1, 2), F.conv2d: (1, 2), F.batch_norm: (1, 2, 3, 4), F.linear: (1, 2)}
+
+
+def maco_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None,
+                 **_: Any) -> Callable[..., Any]:
+    """The dynamo backend (registered as "maco" through the torch_dynamo_backends entry point)."""
+    opts = check_options(options)
+    why = unsupported(gm, example_inputs)
+    if why:
+        log.warning("maco: this graph stays torch's: %s", why)
+        return gm.forward
+    lifted, keep = lift_parameters(gm, example_inputs)
+    if lifted is None:
+        log.warning("maco: this graph stays torch's: %s", keep)
+        return gm.forward
+    inputs = [example_inputs[i] for i in keep]
+    model = _optimized(lifted, inputs, opts)
+
+    def run(*args: Any) -> Any:
+        return model(*[args[i] for i in keep])
+    return run
+
+
+def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    opts = dict(options or {})
+    unknown = set(opts) - set(OPTIONS)
+    if unknown:
+        raise MacoError(f"unknown maco backend option(s) {sorted(unknown)}; known: {', '.join(OPTIONS)}")
+    tune = opts.setdefault("tune", "none")
+    if tune not in TUNES:
+        raise MacoError(f"maco backend option tune must be one of {TUNES}, got {short(tune)}")
+    layouts = opts.get("layouts", ("NCHW", "NHWC"))
+    layouts = tuple(v.strip() for v in layouts.split(",")) if isinstance(layouts, str) else tuple(layouts)
+    if not layouts or any(v not in ("NCHW", "NHWC") for v in layouts):
+        raise MacoError(f"maco backend option layouts must name NCHW and/or NHWC, got {short(opts['layouts'])}")
+    opts["layouts"] = layouts
+    records = opts.get("records")
+    if records is not None:
+        path = Path(records)
+        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+        if tune != "none":
+            files = files or [path / "maco_records.jsonl"]
+        opts["records"] = files
+    if opts.get("cache"):
+        os.environ["MACO_CACHE"] = str(opts["cache"])
+    return opts
+
+
+def unsupported(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
+    """Why MACO leaves this graph to torch ("" when it takes it)."""
+    if any(not isinstance(t, torch.Tensor) for t in example_inputs):
+        return "dynamic shapes (a symbolic size among the inputs)"
+    if any(isinstance(d, torch.SymInt) for t in example_inputs for d in t.shape):
+        return "dynamic shapes"
+    if any(t.device.type != "cpu" for t in example_inputs):
+        return "tensors not on the CPU (the CPU backend's kernels)"
+    if any(t.dtype != torch.float32 for t in example_inputs if t.is_floating_point()):
+        return "tensors that are not float32"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in example_inputs):
+        return "training mode (gradients are on): call the model under torch.no_grad() or inference_mode()"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is F.batch_norm and _arg(node, 5, "training", False):
+            return "training mode (BatchNorm uses batch statistics): call model.eval() first"
+        if node.op == "call_function" and node.target is F.dropout and _arg(node, 2, "training", False):
+            return "training mode (dropout is on): call model.eval() first"
+    if not any(n.op == "call_function" and n.target in CONV_FUNCTIONS for n in gm.graph.nodes):
+        return "no conv2d in this graph"
+    return ""
+
+
+def lift_parameters(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[fx.GraphModule | None, Any]:
+    """The graph with each conv2d / batch_norm / linear on parameter inputs turned back into a
+    Conv2d / BatchNorm2d / Linear module holding those tensors (shared, not copied), and the
+    positions of the inputs left (the activations). (None, why) when a parameter is also used
+    some other way."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ShapeProp(gm).propagate(*example_inputs)
+    value = dict(zip(placeholders, example_inputs))
+    weights = {n for n in placeholders if isinstance(value[n], nn.Parameter) or "_buffers_" in n.name}
+    for n in weights:
+        for user in n.users:
+            uses = WEIGHT_USES.get(user.target) if user.op == "call_function" else None
+            if uses is None or not any(_arg(user, i, None, None) is n for i in uses):
+                return None, f"parameter {n.name} is used by {user.format_node()}, not as a weight"
+    graph, env = fx.Graph(), {}
+    root = nn.Module()
+    count = 0
+    for node in gm.graph.nodes:
+        if node in weights:
+            continue
+        module = _as_module(node, value, weights)
+        if module is None:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            continue
+        count += 1
+        name = f"{_kind(node)}_{count}"
+        root.add_module(name, module)
+        env[node] = graph.call_module(name, (env[node.args[0]],))
+        env[node].meta = dict(node.meta)
+    keep = [i for i, n in enumerate(placeholders) if n not in weights]
+    lifted = fx.GraphModule(root, graph, "MacoLifted")
+    lifted.eval()
+    return lifted, keep
+
+
+def _as_module(node: fx.Node, value: dict[fx.Node, Any], weights: set[fx.Node]) -> nn.Module | None:
+    if node.op != "call_function" or node.target not in WEIGHT_USES:
+        return None
+    args = [_arg(node, i, k, d) for i, (k, d) in enumerate(_SIGNATURES[node.target])]
+    params = [a for a in args[1:] if isinstance(a, fx.Node)]
+    if not params or any(p not in weights for p in params):
+        return None  # computed weights: torch runs the call as it is
+    get = lambda a: value[a].detach() if isinstance(a, fx.Node) else a  # noqa: E731
+    if node.target in CONV_FUNCTIONS:
+        _, w, b, stride, padding, dilation, groups = args
+        if isinstance(padding, str):
+            return None
+        w = get(w)
+        conv = nn.Conv2d(w.shape[1] * groups, w.shape[0], tuple(w.shape[2:]), stride, padding, dilation,
+                         groups, bias=b is not None)
+        conv.weight = nn.Parameter(w, requires_grad=False)
+        if b is not None:
+            conv.bias = nn.Parameter(get(b), requires_grad=False)
+        return conv.eval()
+    if node.target is F.batch_norm:
+        _, mean, var, w, b, training, momentum, eps = args
+        shape = getattr(node.meta.get("tensor_meta"), "shape", ())
+        if training or len(shape) != 4 or mean is None:
+            return None
+        bn = nn.BatchNorm2d(shape[1], eps, momentum or 0.1, affine=w is not None)
+        bn.running_mean, bn.running_var = get(mean), get(var)
+        if w is not None:
+            bn.weight, bn.bias = nn.Parameter(get(w), requires_grad=False), nn.Parameter(get(b), requires_grad=False)
+        return bn.eval()
+    _, w, b = args
+    w = get(w)
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+    linear.weight = nn.Parameter(w, requires_grad=False)
+    if b is not None:
+        linear.bias = nn.Parameter(get(b), requires_grad=False)
+    return linear.eval()
+
+
+_SIGNATURES = {
+    torch.conv2d: [("input", None), ("weight", None), ("bias", None), ("stride", 1), ("padding", 0),
+                   ("dilation", 1), ("groups", 1)],
+    F.batch_norm: [("input", None), ("running_mean", None), ("running_var", None), ("weight", None),
+                   ("bias", None), ("training", False), ("momentum", 0.1), ("eps", 1e-5)],
+    F.linear: [("input", None), ("weight", None), ("bias", None)],
+}
+_SIGNATURES[F.conv2d] = _SIGNATURES[torch.conv2d]
+
+
+def _arg(node: fx.Node, index: int, name: str | None, default: Any) -> Any:
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name, default) if name else default
+
+
+def _kind(node: fx.Node) -> str:
+    return {F.batch_norm: "bn", F.linear: "fc"}.get(node.target, "conv")
+
+
+def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str, Any]) -> nn.Module:
+    """build_variants on the lifted graph: candidates from the records (or the defaults, or a quick
+    or normal tuning of the missing layers), torch timed here, the fastest variant kept."""
+    target = Target.host()
+    x = inputs[0] if len(inputs) == 1 else tuple(inputs)
+    specs = [spec for spec, _ in distinct_convs(conv_layers(model, x))]
+    layouts = opts["layouts"]
+    files = opts.get("records") or []
+    if opts["tune"] != "none":
+        missing = [spec for spec in specs if not any(key[0] == spec for key in best_in_files(files, target))]
+        if missing and files:
+            tune_layers([(str(s), s) for s in missing], target, BUDGETS[opts["tune"]] * len(missing),
+                        records=files[0], layouts=layouts, baselines=False)
+    best = best_in_files(files, target)
+    candidates: dict[tuple, Any] = {}
+    torch_seconds = {}
+    for spec in specs:
+        timed = measure_layouts(spec, layouts, "cpu", rounds=2, repeats=3)
+        for layout in layouts:
+            torch_seconds[(spec, layout)] = timed[layout].median
+            try:
+                candidates[(spec, layout)] = best.get((spec, layout)) or kernels.default_schedule(spec, target, layout)
+            except MacoError:
+                pass  # no default for this layout: torch runs it
+    built = build_variants(model, x, target, torch_seconds, candidates, layouts=layouts, log=log.info)
+    pick, times = fastest(built.models, x)
+    log.info("maco: %s, %.2fx the graph as torch runs it (%d MACO convs, %d MACO linear layers)", pick,
+             times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
+             sum(r >= 1.02 for r in built.linears.values()) if pick == "planned_maco" else 0)
+    return built.models[pick]

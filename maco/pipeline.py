@@ -1,0 +1,62 @@
+"""From per-layer latencies to the model handed back, shared by `maco optimize` and the
+torch.compile backend: fold and fuse, plan layouts, swap in the MACO kernels that win in this
+process, then time every variant in the same rounds and keep the fastest whose output is right."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from maco.kernel_choice import MIN_GAIN, Chosen, Ratios, faster_kernels, faster_linears
+from maco.layouts.deploy import plan as plan_layouts
+from maco.layouts.end_to_end import ModelTimes, time_models
+from maco.layouts.fusion import fuse
+from maco.layouts.layout_plan import LayoutPlan
+from maco.layouts.maco_modules import use_maco_kernels
+from maco.records import Record
+from maco.schedule import Schedule
+from maco.spec import ConvSpec
+from maco.target import Target
+
+OUTPUT_RTOL = 1e-4  # a variant is handed back only if its output equals the model's to this
+
+
+@dataclass
+class Variants:
+    """The models one run builds from one model, and what went into them."""
+
+    models: dict[str, Any]  # default, fused, planned_torch, planned_maco (when a kernel won)
+    plan: LayoutPlan
+    chosen: Chosen  # MACO schedules chosen per spec and layout
+    ratios: Ratios  # their in-process speedups over torch
+    swapped: list[str] = field(default_factory=list)  # conv module paths running MACO kernels
+    linears: dict[str, float] = field(default_factory=dict)  # linear path -> torch time / MACO time
+
+
+def build_variants(model: nn.Module, example_input: Any, target: Target,
+                   torch_seconds: dict[tuple[ConvSpec, str], float],
+                   candidates: Mapping[tuple[ConvSpec, str], Record | Schedule], *,
+                   layouts: tuple[str, ...] = ("NCHW", "NHWC"), device: str = "cpu",
+                   log: Callable[[str], Any] = print) -> Variants:
+    """The default, fused, planned (torch convs) and planned MACO variants of `model`: the
+    candidates are re-timed beside torch here (kernel_choice), the plan is made from the faster
+    of each, and the planned MACO model gets the kernels and the linear layers that won."""
+    table, chosen, ratios = faster_kernels(torch_seconds, candidates, target)
+    fused = fuse(model, example_input)
+    log("      planning layouts with the measured latencies (conversions measured)")
+    plan = plan_layouts(fused, example_input, layouts=layouts, latency=table, device=device, target=target)
+    models: dict[str, Any] = {"default": model, "fused": fused, "planned_torch": plan.apply(fused)}
+    planned_maco = plan.apply(fused)
+    cpu = target.kind == "cpu"
+    swapped = use_maco_kernels(planned_maco, plan, chosen, target) if cpu else []
+    linears = faster_linears(planned_maco, example_input, target) if cpu else {}
+    if swapped or any(r >= MIN_GAIN for r in linears.values()):
+        models["planned_maco"] = planned_maco
+    return Variants(models, plan, chosen, ratios, swapped, linears)
+
+
+def fastest(models: Mapping[str, Any], example_input: Any, rounds: int = 3) -> tuple[str, ModelTimes]:
+    """The label of the fastest model whose output equals the first's, timed in the same rounds."""
+    times = time_models(models, example_input, rounds=rounds)
+    return times.fastest(OUTPUT_RTOL), times
