@@ -7,8 +7,8 @@
 
 Importing this package is light: gcc runs on compile/build_many, CuPy loads only for CUDA targets.
 """
-from maco.kernels.api import (BoundKernel, CompiledKernel, build_many, compile, default_schedule, measure_peak,
-                              resolve_target)
+from maco.kernels.api import (BoundKernel, CompiledKernel, build_many, compile, default_schedule, host_target,
+                              measure_peak, resolve_target)
 
-__all__ = ["BoundKernel", "CompiledKernel", "build_many", "compile", "default_schedule", "measure_peak",
-           "resolve_target"]
+__all__ = ["BoundKernel", "CompiledKernel", "build_many", "compile", "default_schedule", "host_target",
+           "measure_peak", "resolve_target"]

@@ -40,13 +40,20 @@ class CompiledKernel(Protocol):
         """Pack the weights once for this kernel's layout and blocking."""
 
 
+def host_target() -> Target:
+    """This CPU as MACO's kernels run on it inside torch: with torch's intra-op thread count."""
+    import torch
+
+    return Target.host(torch.get_num_threads())
+
+
 def resolve_target(target: Any) -> Target:
     if target is None:
-        return Target.host()
+        return host_target()
     if isinstance(target, Target):
         return target
     if isinstance(target, str):
-        return Target.named(target)
+        return host_target() if target in ("host", "cpu") else Target.named(target)
     raise MacoError(f"target must be a name (cpu, host, cuda, h100) or a maco.Target, got {target!r}")
 
 

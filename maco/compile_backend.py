@@ -35,7 +35,6 @@ from maco.layouts.latency import measure_layouts
 from maco.layouts.networks import conv_layers, distinct_convs
 from maco.pipeline import build_variants, fastest
 from maco.records import best_in_files
-from maco.target import Target
 from maco.tuning import BUDGETS, tune_layers
 
 log = logging.getLogger("maco")
@@ -208,7 +207,7 @@ def _kind(node: fx.Node) -> str:
 def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str, Any]) -> nn.Module:
     """build_variants on the lifted graph: candidates from the records (or the defaults, or a quick
     or normal tuning of the missing layers), torch timed here, the fastest variant kept."""
-    target = Target.host()
+    target = kernels.host_target()
     x = inputs[0] if len(inputs) == 1 else tuple(inputs)
     specs = [spec for spec, _ in distinct_convs(conv_layers(model, x))]
     layouts = opts["layouts"]

@@ -22,7 +22,7 @@ from torch import nn
 
 from maco.errors import MacoError
 from maco.files import check_writable, load_json_file, short, write_atomic
-from maco.kernels import default_schedule
+from maco.kernels import default_schedule, host_target
 from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.layouts.maco_modules import MacoConv2d, MacoLinear, swap_module
@@ -109,7 +109,7 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Write the optimized model of an OptimizeResult, or a model `load` returned, to one file."""
     if isinstance(obj, OptimizeResult):
-        dep = describe(obj.model, obj.chosen, obj.example, obj.target or Target.host(), obj.plan)
+        dep = describe(obj.model, obj.chosen, obj.example, obj.target or host_target(), obj.plan)
     elif isinstance(getattr(obj, "meta", None), dict) and isinstance(obj.meta.get("maco"), Deployment):
         dep = obj.meta["maco"]
     else:
@@ -125,8 +125,11 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
     if other_machine not in ("error", "defaults"):
         raise MacoError(f"other_machine must be 'error' or 'defaults', got {short(other_machine)}")
     dep = Deployment.from_dict(load_json_file(path, "saved MACO model", MAX_BYTES))
-    host = Target.host()
+    host = host_target()
     foreign = dep.target != host.fingerprint()
+    if foreign and dep.convs and other_machine == "error" and dep.target == Target.host(dep.threads).fingerprint():
+        raise MacoError(f"{str(path)!r} was tuned for {dep.threads} threads and torch now uses {host.cores}: call "
+                        f"torch.set_num_threads({dep.threads}) first, or pass other_machine='defaults'")
     if foreign and dep.convs and other_machine == "error":
         raise MacoError(f"{str(path)!r} was tuned on {_machine(dep.target)}, this is {_machine(host.fingerprint())}; "
                         "pass other_machine='defaults' to run MACO's default schedules here, or tune again")

@@ -19,7 +19,8 @@ from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example
 from maco.optimize_report import LayerRow, OptimizeResult, write_outputs
 from maco.pipeline import build_variants, fastest
 from maco.records import best_in_files
-from maco.target import Target, require_memory
+from maco.kernels import resolve_target
+from maco.target import require_memory
 from maco.tuning import BUDGETS, tune_layers
 
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
@@ -27,14 +28,15 @@ DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
 
 def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str = "quick",
              out: str | Path = "maco-out", records: str | Path | None = None, seed: int = 0,
-             input_shape: tuple[int, ...] | None = None, save: str | Path | None = None,
-             log: Callable[[str], Any] = print) -> OptimizeResult:
-    """The main job (module docstring); `save` writes the model it hands back to one file
-    (maco.deployment: reload it with maco.load, no tuning)."""
+             input_shape: tuple[int, ...] | None = None, batch: int | None = None,
+             save: str | Path | None = None, log: Callable[[str], Any] = print) -> OptimizeResult:
+    """The main job (module docstring). Kernels are tuned for `batch` images (default: the input
+    shape's first size, else 1) and torch's thread count; `save` writes the model it hands back to
+    one file (maco.deployment: reload it with maco.load, no tuning)."""
     start = time.perf_counter()
     if budget not in BUDGETS:
         raise MacoError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
-    tgt = Target.named(target)
+    tgt = resolve_target(target)
     if tgt.kind == "cuda":
         from maco.kernels.cuda import require_gpu
 
@@ -46,11 +48,15 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     name, model = load_model(model_text)
     model.eval()
     device = "cuda" if tgt.kind == "cuda" else "cpu"
-    if input_shape:
-        require_memory(4 * 4 * math.prod(input_shape), f"an input of shape {input_shape}")
-        x = torch.randn(*input_shape, generator=torch.Generator().manual_seed(0))
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise MacoError(f"batch must be a positive int, got {batch!r}")
+    if input_shape or model_text not in NETWORKS:
+        shape = tuple(input_shape or DEFAULT_INPUT_SHAPE)
+        shape = (batch or shape[0], *shape[1:])
+        require_memory(16 * 4 * math.prod(shape), f"an input of shape {shape}")
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     else:
-        x = example_input(1) if model_text in NETWORKS else torch.randn(*DEFAULT_INPUT_SHAPE)
+        x = example_input(batch or 1)
     model, x = model.to(device), x.to(device)
     groups = distinct_convs(conv_layers(model, x))
     if not groups:
@@ -58,8 +64,9 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     layers = [(names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})", spec)
               for spec, names in groups]
     trials = BUDGETS[budget] * len(layers)
-    log(f"[1/4] tuning {len(layers)} distinct conv layers of {name} on {tgt.name}: {trials} "
-        f"measurements ({budget} budget), records in {records}")
+    log(f"[1/4] tuning {len(layers)} distinct conv layers of {name} (batch {x.shape[0]}) on {tgt.name}"
+        + (f" with {tgt.cores} threads" if tgt.kind == "cpu" else "")
+        + f": {trials} measurements ({budget} budget), records in {records}")
     tuned = tune_layers(layers, tgt, trials, records=records, seed=seed,
                         weights=[len(names) for _, names in groups])
     best = best_in_files([records], tgt)

@@ -112,7 +112,9 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
     env = environment()
     lines = [f"# MACO optimize: {result.model_name} on {target.name}", "",
              f"Machine: {env.get('cpu')} ({env.get('isa')}, {env.get('cores')} cores), torch "
-             f"{env.get('torch')}. Took {result.seconds:.0f} s.", "",
+             f"{env.get('torch')}" + (f"; batch {result.example.shape[0]}" if result.example is not None else "")
+             + (f", {target.cores} threads" if target.kind == "cpu" else "")
+             + f". Took {result.seconds:.0f} s.", "",
              "## Per conv layer (GFLOP/s, best measured)", "",
              "| layer | spec | trials | MACO NCHW | MACO NHWC | torch NCHW | torch NHWC | in process | planned | runs |",
              "|---|---|---|---|---|---|---|---|---|---|"]

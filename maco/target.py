@@ -50,7 +50,7 @@ class Target:
     name: str
     kind: str
     levels: tuple[MemoryLevel, ...]
-    cores: int  # CPU cores, or GPU streaming multiprocessors
+    cores: int  # CPU threads the kernels run on, or GPU streaming multiprocessors
     simd_width: int  # fp32 lanes of one vector instruction (CPU) or one warp (GPU)
     isa: str = "generic"  # "avx512", "avx2", "generic" on CPU; "sm_90" etc. on GPU
     freq_ghz: float = 0.0
@@ -103,8 +103,10 @@ class Target:
 
     # -- built-in targets ----------------------------------------------------
     @classmethod
-    def host(cls) -> "Target":
-        """The CPU this process runs on, read from /proc/cpuinfo and sysfs (falls back to typical values)."""
+    def host(cls, threads: int | None = None) -> "Target":
+        """The CPU this process runs on, read from /proc/cpuinfo and sysfs (falls back to typical values),
+        with `threads` threads (default: every CPU this process may use). The thread count is part of
+        the fingerprint, so records tuned on 2 threads are not taken for 1."""
         flags, model, mhz = _cpuinfo()
         if "avx512f" in flags:
             isa, width, nregs = "avx512", 16, 32
@@ -113,6 +115,10 @@ class Target:
         else:
             isa, width, nregs = "generic", 4, 16
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                raise MacoError(f"threads must be a positive int, got {threads!r}")
+            cores = threads
         levels = [MemoryLevel("registers", nregs * width * DTYPE_BYTES, 1, width)]
         for level, size, shared in _caches():
             levels.append(MemoryLevel(f"L{level}", size, max(1, min(shared, cores)), width))
@@ -138,10 +144,10 @@ class Target:
                    model="NVIDIA H100 80GB")
 
     @classmethod
-    def named(cls, name: str) -> "Target":
-        """'host'/'cpu' or 'h100'/'cuda': the names the CLI accepts."""
+    def named(cls, name: str, threads: int | None = None) -> "Target":
+        """'host'/'cpu' (with `threads` threads, see host) or 'h100'/'cuda': the names the CLI accepts."""
         if name in ("host", "cpu"):
-            return cls.host()
+            return cls.host(threads)
         if name in ("h100", "cuda"):
             return cls.h100()
         raise MacoError(f"unknown target {name!r}; choose host, cpu, h100 or cuda")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from maco import Target, kernels
+from maco import kernels
 from maco.errors import MacoError
 from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
 from maco.records import RecordFile, make_record
@@ -67,7 +67,7 @@ def test_outputs_equal_eager_with_the_defaults(name, caplog):
 def test_records_are_used(tmp_path, caplog):
     model = _randomize_bn(SmallNet())
     x = torch.randn(1, 3, 32, 32)
-    host = Target.host()
+    host = kernels.host_target()
     specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
     records = RecordFile(tmp_path / "r.jsonl")
     for spec in specs:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import maco
-from maco import Target, kernels
+from maco import kernels
 from maco.deployment import Deployment, describe, load, save
 from maco.errors import MacoError
 from maco.layouts import fuse
@@ -18,7 +18,7 @@ from maco.layouts.maco_modules import MacoConv2d, MacoLinear, use_maco_kernels
 from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
 from maco.kernel_choice import faster_linears
 
-HOST = Target.host()
+HOST = kernels.host_target()
 
 
 def _optimized(net: str):
@@ -66,6 +66,21 @@ def test_another_machine_is_named_or_runs_the_defaults(tmp_path):
     loaded = load(tmp_path / "m.maco", build("resnet18"), other_machine="defaults")
     with torch.inference_mode():
         assert float((model(x) - loaded(x)).abs().max() / model(x).abs().max()) < 1e-4
+
+
+def test_another_thread_count_is_named(tmp_path):
+    model, x, gm, dep = _optimized("resnet18")
+    _save(dep, tmp_path / "m.maco")
+    saved = torch.get_num_threads()
+    assert dep.threads == saved == dep.target["cores"]
+    torch.set_num_threads(saved + 1)
+    try:
+        assert kernels.host_target().cores == saved + 1
+        with pytest.raises(MacoError, match=f"tuned for {saved} threads and torch now uses {saved + 1}"):
+            load(tmp_path / "m.maco", build("resnet18"))
+    finally:
+        torch.set_num_threads(saved)
+    assert isinstance(load(tmp_path / "m.maco", build("resnet18")), nn.Module)
 
 
 def test_another_model_is_refused(tmp_path):

@@ -53,11 +53,12 @@ def test_load_model_names_what_is_wrong(model_file, tmp_path):
 
 def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["optimize", f"{model_file}:Small", "--input-shape", "1,3,20,20", "--out", str(out)])
+    rc = main(["optimize", f"{model_file}:Small", "--input-shape", "1,3,20,20", "--batch", "2", "--out", str(out)])
     assert rc == 0
     assert "report:" in capsys.readouterr().out
     report = (out / "report.md").read_text()
     assert "## Per conv layer" in report and "## End to end" in report
+    assert f"batch 2, {torch.get_num_threads()} threads" in report
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] and (out / "layers.csv").is_file() and (out / "layers.png").is_file()
     e2e = json.loads((out / "end_to_end.json").read_text())
@@ -65,6 +66,11 @@ def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
         assert result["max_abs_diff"] < 1e-3 and result["speedup"] > 0
     lines = (out / "records.jsonl").read_text().splitlines()
     assert len(lines) == 2 * BUDGETS["quick"]  # the quick budget for each of the 2 distinct convs
+    for line in lines:  # tuned for the batch and the threads it runs with
+        record = json.loads(line)
+        assert record["spec"]["n"] == 2 and record["target"]["cores"] == torch.get_num_threads()
+    assert main(["optimize", "--batch", "0"]) == 2
+    assert "--batch" in capsys.readouterr().err
 
 
 def test_maco_conv_in_a_model_matches_torch(model_file):

@@ -15,6 +15,11 @@ def test_host_target_reads_the_machine():
     assert caps == sorted(caps), "levels must grow outwards"
     assert host.level("L1").elements == host.level("L1").capacity // 4
     assert Target.from_dict(host.to_dict()) == host
+    one = Target.host(threads=1)  # the thread count is part of the fingerprint records are matched on
+    assert one.cores == 1 and one.fingerprint()["cores"] == 1 and one.model == host.model
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(MacoError, match="threads must be a positive int"):
+            Target.host(threads=bad)
 
 
 def test_h100_and_errors():

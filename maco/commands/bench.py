@@ -7,7 +7,7 @@ import argparse
 from maco.commands.common import positive_int, print_table, resolve_layers
 from maco.files import load_json_file
 from maco.schedule import Schedule
-from maco.target import Target, require_memory
+from maco.target import require_memory
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from maco import kernels
     from maco.benchmark import bench_layer
 
-    target = Target.host()
+    target = kernels.host_target()
     layers = resolve_layers(args.layer, args.batch)
     fixed = None
     if args.schedule:

@@ -7,6 +7,7 @@ from maco.errors import MacoError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from maco.commands.common import positive_int
     from maco.tuning import BUDGETS
 
     p = sub.add_parser(
@@ -15,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(records reused when present); then plan a layout per layer with the tuned latencies and "
         "measured conversion costs, run the planned model with MACO kernels where they beat torch, "
         "and time it end to end against the model as torch runs it by default. Writes the plan, "
-        "records, a per-layer table and plot, and report.md to --out.")
+        "records, a per-layer table and plot, and report.md to --out. Kernels are tuned for --batch images and the threads torch uses "
+        "(torch.set_num_threads, OMP_NUM_THREADS); both are recorded with the schedules.")
     p.add_argument("model", nargs="?", default="resnet18",
                    help="resnet18 (default), alexnet, vgg11, resnet50, mobilenet_v2, or "
                    "path/to/file.py:ClassName (a torch.nn.Module built with no arguments)")
@@ -28,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default OUT/records.jsonl)")
     p.add_argument("--input-shape", default=None,
                    help="input shape for a model file, e.g. 1,3,224,224 (default 1,3,224,224)")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="images per inference the kernels are tuned for (default: the input shape's, 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--save", default=None, metavar="FILE",
                    help="write the model handed back to FILE (maco.load(FILE, model) rebuilds it without tuning)")
@@ -46,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         if not shape or any(v < 1 for v in shape):
             raise MacoError(f"--input-shape must be positive ints, got {args.input_shape!r}")
     result = optimize(args.model, target=args.target, budget=args.budget, out=args.out,
-                      records=args.records, seed=args.seed, input_shape=shape, save=args.save)
+                      records=args.records, seed=args.seed, input_shape=shape, batch=args.batch,
+                      save=args.save)
     for key, label in (("fused", "fused (BatchNorm folded, epilogues in the conv)"),
                        ("planned_torch", "fused + planned layouts, torch convs"),
                        ("planned_maco", "fused + planned layouts + MACO kernels")):

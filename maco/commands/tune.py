@@ -48,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
     bad = [x for x in layouts if x not in ("NCHW", "NHWC")]
     if bad or not layouts:
         raise MacoError(f"--layouts must name NCHW and/or NHWC, got {args.layouts!r}")
-    target = Target.named(args.target)
+    from maco.kernels import resolve_target
+
+    target = resolve_target(args.target)
     check_writable(args.records, "--records")
     results = tune_layers(resolve_layers(args.layer, args.batch), target, args.trials,
                           records=args.records, pruned=not args.no_prune, seed=args.seed,
