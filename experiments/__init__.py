@@ -21,6 +21,8 @@ FIGURES: dict[str, str] = {
     "fig17": "fig17_cache",
     "fig18": "fig18_end_to_end",
     "engines": "engines_cpu",
+    "deployment": "deployment_cpu",
+    "pruning": "pruning_recall",
     "planners": "planner_runtime",
     "peers": "peers_cpu",
 }

@@ -54,9 +54,9 @@ class ModelTimes:
     def timing(self, label: str) -> Timing:
         return pool_timings(self.rounds[label])
 
-    def speedup(self, label: str) -> float:
-        """Median over rounds of reference time / `label`'s time in that round."""
-        ref = self.rounds[self.reference]
+    def speedup(self, label: str, over: str | None = None) -> float:
+        """Median over rounds of `over`'s time (default: the reference's) / `label`'s in that round."""
+        ref = self.rounds[over or self.reference]
         return float(statistics.median(r.median / t.median for r, t in zip(ref, self.rounds[label])))
 
     def fastest(self, rel_tolerance: float = 1e-4) -> str:

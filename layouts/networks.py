@@ -178,11 +178,45 @@ INPUT_SHAPE = (1, 3, 224, 224)
 
 
 def build(name: str) -> nn.Module:
-    """A fresh network in eval mode, seeded so that repeated builds have equal weights."""
+    """A fresh network in eval mode, seeded so that repeated builds have equal weights, initialised
+    as torchvision initialises them and with BatchNorm statistics as a trained network has them
+    (see trained_like): with torch's default init, MobileNetV2's features shrink below 1e-7, and
+    its output is the classifier's bias whatever the convs compute."""
     if name not in NETWORKS:
         raise MacoError(f"unknown network {name!r}; choose one of {', '.join(NETWORKS)}")
     torch.manual_seed(0)
-    return NETWORKS[name]().eval()
+    return trained_like(NETWORKS[name]()).eval()
+
+
+@torch.no_grad()
+def trained_like(model: nn.Module) -> nn.Module:
+    """torchvision's init (convs kaiming-normal fan-out, linears N(0, 0.01)), small random biases,
+    BatchNorm running statistics, scales and shifts drawn around 1 and 0 (as a trained network has
+    them, so folding them into the convs is exercised) and the running variance set so that each
+    BatchNorm normalises what it sees on one random image (activations stay of order 1, layer
+    after layer)."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0, 0.01)
+        if isinstance(m, (nn.Conv2d, nn.Linear)) and m.bias is not None:
+            m.bias.uniform_(-0.1, 0.1)  # torchvision zeroes them; a bias bug should show
+        if isinstance(m, nn.BatchNorm2d):
+            m.weight.uniform_(0.5, 1.5)
+            m.bias.uniform_(-0.2, 0.2)
+
+    def calibrate(bn: nn.Module, args: tuple) -> None:  # runs before the BatchNorm, in forward order
+        x = args[0]
+        bn.running_mean.copy_(x.mean((0, 2, 3)) + 0.05 * torch.randn(bn.num_features))
+        bn.running_var.copy_(x.var((0, 2, 3)) * (0.75 + 0.5 * torch.rand(bn.num_features)) + bn.eps)
+
+    hooks = [m.register_forward_pre_hook(calibrate) for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    if hooks:
+        model.eval()(torch.randn(1, *INPUT_SHAPE[1:]))
+    for h in hooks:
+        h.remove()
+    return model
 
 
 def example_input(batch: int = 1) -> torch.Tensor:

@@ -221,9 +221,11 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
     candidates: dict[tuple, Any] = {}
     torch_seconds = {}
     for spec in specs:
-        timed = measure_layouts(spec, layouts, "cpu", rounds=2, repeats=3)
+        # the fastest of 9 runs: at compile time the medians of a few short runs strayed up to 2x from
+        # the tuner's worker (which `maco optimize` plans with) and moved the plan; the minima agree
+        timed = measure_layouts(spec, layouts, "cpu", rounds=3, repeats=3, min_run_time=2e-3)
         for layout in layouts:
-            torch_seconds[(spec, layout)] = timed[layout].median
+            torch_seconds[(spec, layout)] = timed[layout].min
             try:
                 candidates[(spec, layout)] = best.get((spec, layout)) or kernels.default_schedule(spec, target, layout)
             except MacoError:
