@@ -167,3 +167,74 @@ def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> floa
     except OSError:
         pass  # an unwritable cache only costs measuring again next time
     return gf
+
+
+def read_source(target: Target) -> str:
+    """Each thread sums its own buffer of n floats `reps` times with 8 independent vector adds per
+    step (no add latency chain), so the loop runs at the rate the buffer's level delivers loads."""
+    if target.isa not in ISA:
+        raise MacoError(f"the bandwidth probe needs an ISA with intrinsics ({', '.join(ISA)}), not {target.isa!r}")
+    vt, lanes, zero, loadu, _, _, storeu, _, add = ISA[target.isa]
+    init = " ".join(f"{vt} a{j} = {zero};" for j in range(8))
+    step = " ".join(f"a{j} = {add}(a{j}, {loadu}(p + i + {j * lanes}));" for j in range(8))
+    total = " ".join(f"a0 = {add}(a0, a{j});" for j in range(1, 8))
+    return f"""#include <immintrin.h>
+#include <stdlib.h>
+#include <omp.h>
+/* n: floats per thread, a multiple of {8 * lanes} */
+void maco_run(long n, long reps, int threads, float *sink) {{
+  #pragma omp parallel num_threads(threads)
+  {{
+    float *p = aligned_alloc(64, n * sizeof(float));
+    for (long i = 0; i < n; i++) p[i] = 1e-3f * (i % 11);
+    {init}
+    for (long r = 0; r < reps; r++)
+      for (long i = 0; i < n; i += {8 * lanes}) {{ {step} }}
+    {total}
+    float t[{lanes}]; {storeu}(t, a0); sink[omp_get_thread_num()] = t[0];
+    free(p);
+  }}
+}}
+"""
+
+
+def read_bandwidth(target: Target, bytes_per_core: int, seconds: float = 0.05, repeats: int = 5) -> float:
+    """Elements (fp32) per second that all target.cores threads load together from a buffer of
+    `bytes_per_core` each (half a level's share: that level's bandwidth), best of `repeats`
+    (a busy machine measures low); each is the difference of a long and a one-pass run, so the
+    buffers' allocation and first touch do not count."""
+    lanes = ISA[target.isa][1] if target.isa in ISA else target.simd_width
+    lib = ctypes.CDLL(str(cpu_build.build(read_source(target), cpu_build.flags_for(target))))
+    lib.maco_run.restype = None
+    lib.maco_run.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    sink = (ctypes.c_float * 256)()
+    n = max(8 * lanes, bytes_per_core // 4 // (8 * lanes) * (8 * lanes))
+
+    def timed(reps: int) -> float:
+        t0 = time.perf_counter()
+        lib.maco_run(n, reps, target.cores, ctypes.addressof(sink))
+        return time.perf_counter() - t0
+
+    reps = max(2, int(seconds / max(timed(1), 1e-7)))
+    best = 0.0
+    for _ in range(repeats):  # the difference of two runs: allocation and first touch cancel out
+        per_pass = (timed(reps + 1) - timed(1)) / reps
+        if per_pass > 0:
+            best = max(best, n * target.cores / per_pass)
+    if best <= 0:
+        raise MacoError(f"could not time reads of {bytes_per_core} bytes per core: the machine is too busy")
+    return best
+
+
+def machine_balance(target: Target) -> dict[str, float]:
+    """Per cache level: the multiply-adds per element that must cross its outer boundary for the
+    cores to run at the FMA peak (maco.bounds.hierarchy, statement 2): the peak's MACs per second
+    over the rate the next level out delivers loads (its buffers half its per-core share; beyond
+    the last cache, DRAM). Measured here, on every core, each time: never carried between hosts."""
+    macs = measure_peak(target) * 1e9 / 2
+    caches = [lvl for lvl in target.levels if lvl.name != "registers"]
+    out = {}
+    for inner, outer in zip(caches, caches[1:] + [None]):
+        share = (outer.capacity // outer.processors // 2) if outer else 4 * inner.capacity
+        out[inner.name] = macs / read_bandwidth(target, share)
+    return out

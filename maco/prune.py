@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from maco.bounds.conv import best_lower_bound
+from maco.bounds.hierarchy import intensity
 from maco.errors import MacoError
 from maco.geometry import footprint, tile_reuse
 from maco.schedule import REGISTER_RESERVE, Schedule, gpu_max_accumulators
@@ -257,4 +259,24 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
             out.append(f"registers: {threads} threads per block are not whole warps of {p.registers.warp}")
     for rule in p.caches:
         out += rule.why(spec, p.reuse, tiles[rule.tile])
+    return out
+
+
+def balance_reasons(schedule: Schedule, spec: ConvSpec, target: Target, balance: dict[str, float],
+                    tolerance: float = 2.0) -> list[str]:
+    """The cache levels that would be the schedule's bottleneck (maco.bounds.hierarchy): its whole
+    nest crosses the level's outer boundary with fewer multiply-adds per element than the cores
+    need there to run at their peak (`balance`, kernels.cpu_peak.machine_balance), or, where the
+    layer itself cannot reach that (its I/O lower bound at this level's size), fewer than
+    1/`tolerance` of what the bound allows. Empty: no level is."""
+    out = []
+    for lvl in target.levels:
+        if lvl.name not in balance:
+            continue
+        S = lvl.elements_per_processor
+        need = min(balance[lvl.name], spec.macs / best_lower_bound(spec, S) / tolerance)
+        have = intensity(spec, schedule, S)
+        if have < need:
+            out.append(f"{lvl.name}: {have:.3g} MACs per element cross it, below the {need:.3g} "
+                       "the cores need (or the bound allows)")
     return out

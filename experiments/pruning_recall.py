@@ -1,0 +1,273 @@
+"""Issue 19 part 1: what MACO's pruning conditions keep of the schedules that are measured fastest
+(not a figure of the paper, which reports only the pruned search's results).
+
+For every distinct conv of the networks, in both layouts, it measures a uniform sample of the
+full schedule space (maco.space.sample_many, seeded: a rerun draws the same schedules), the
+bound-derived default (maco.kernels.default_schedule) and the best records that searches found
+(--records). Measurements are the tuner's (maco.measure.Measurer: a worker process, outputs
+checked against torch) in --rounds interleaved rounds: each round times every schedule of the
+layer once, in a fresh shuffled order, so a slow spell of the VM hits all of them alike; a
+schedule's time is the median of its rounds. Every measurement is appended to --data (a records
+file), so a rerun only measures what is missing.
+
+Then for each rule of the pruning plan in force (maco.space.prune_plan: the register rule, the
+cache rule of each level, alpha = 1) alone, for all of them together ("all"), for the balance
+conditions of maco.bounds.hierarchy ("balance": no cache level is the bottleneck, with this
+machine's balance measured by kernels.cpu_peak.machine_balance) and for the register and alpha
+rules with the balance conditions in place of the one-level ratio rules ("derived"), it reports:
+  removed     how many of the measured top 5% (by time; at least 3) the rule drops
+  recall      the share of that top 5% the rule keeps
+  reduction   full space size / space size under the rule (exact counts; for balance and derived
+              estimated from --draws uniform draws of the full space)
+and whether the default is in the pruned space and how far it is from the best measured.
+
+    python experiments/pruning_recall.py --quick             # 2 layers, 60 samples per layout
+    python experiments/pruning_recall.py [--networks resnet18,alexnet,vgg11] [--samples 150]
+                                         [--rounds 2] [--records results/records_cpu.jsonl]
+
+Writes <out>/pruning_recall.csv (one row per layer, layout and rule) and .png (recall against
+reduction per rule: mean recall, geomean reduction over the layers).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from maco.experiments.common import (RESULTS, Figure, geomean, num, out_dir, parser, print_table, pyplot, quiet,
+                                     save_plot, write_csv, write_env)
+
+FIGURE = Figure(
+    "pruning", "(not in the paper: it reports the pruned search, not what the conditions remove)",
+    "each pruning rule's recall of the measured top-5% schedules and its space reduction, on a uniform "
+    "sample of the full space plus the defaults and the searches' best, measured in interleaved rounds",
+    csv=("pruning_recall.csv",), records=True)
+
+NETWORKS = "resnet18,alexnet,vgg11"
+LAYOUTS = ("NCHW", "NHWC")
+TOP = 0.05
+COLUMNS = ["layer", "spec", "layout", "rule", "measured", "top", "removed", "recall", "reduction",
+           "default_kept", "default_vs_best", "plan"]
+DEFAULT_DATA = RESULTS / "pruning_data.jsonl"
+
+
+def _key(schedule: Any) -> str:
+    return json.dumps(schedule.to_dict(), sort_keys=True)
+
+
+def candidates(spec: Any, target: Any, samples: int, seed: int, best: dict) -> dict[str, list]:
+    """Per layout: the default, the searches' best records, and `samples` uniform draws (deduplicated)."""
+    from maco import kernels, space
+
+    drawn = space.sample_many(spec, target, 2 * samples, rng=random.Random(f"{seed}:{spec}"))
+    out = {}
+    for layout in LAYOUTS:
+        picks = [kernels.default_schedule(spec, target, layout)]
+        picks += [r.schedule for r in best.get((spec, layout), [])]
+        picks += [s for s in drawn if s.layout == layout][:samples]
+        out[layout] = list({_key(s): s for s in picks}.values())
+    return out
+
+
+def measure(spec: Any, schedules: list, target: Any, rounds: int, data: Any, measurer: Any, bar: Any,
+            seed: int) -> dict[str, float | None]:
+    """Median seconds over `rounds` interleaved rounds per schedule (None: it failed); what `data`
+    already holds counts, what is missing is measured and appended."""
+    from maco.records import make_record
+
+    done: dict[str, list] = defaultdict(list)
+    for r in data.load():
+        if r.spec == spec and r.target == target.fingerprint():
+            done[_key(r.schedule)].append(r)
+    rng = random.Random(f"{seed}:{spec}:rounds")
+    for round_no in range(rounds):
+        todo = [s for s in schedules
+                if len(done[_key(s)]) <= round_no and all(r.ok for r in done[_key(s)])]
+        rng.shuffle(todo)
+        for i in range(0, len(todo), 8):
+            batch = todo[i:i + 8]
+            records = [make_record(spec, target, s, timing, error)
+                       for s, (timing, error) in zip(batch, measurer(spec, batch, target))]
+            data.append(records)
+            for s, r in zip(batch, records):
+                done[_key(s)].append(r)
+            bar(len(batch))
+    out = {}
+    for s in schedules:
+        runs = done[_key(s)]
+        out[_key(s)] = (sorted(r.seconds for r in runs)[len(runs) // 2]
+                        if runs and all(r.ok for r in runs) else None)
+    return out
+
+
+def rule_plans(spec: Any, target: Any) -> dict[str, Any]:
+    """The plan in force, and each of its rules alone (a PrunePlan holding only that rule)."""
+    from maco.space import prune_plan
+
+    plan = prune_plan(spec, target)
+    alone = replace(plan, registers=None, caches=(), alpha_one=False)
+    out = {}
+    if plan.registers is not None:
+        out["registers"] = replace(alone, registers=plan.registers)
+    for rule in plan.caches:
+        out[f"{rule.level} ({rule.tile} tile)"] = replace(alone, caches=(rule,))
+    if plan.alpha_one:
+        out["alpha = 1"] = replace(alone, alpha_one=True)
+    out["all"] = plan
+    return out
+
+
+def analyse(layer: str, spec: Any, layout: str, schedules: list, seconds: dict, target: Any,
+            balance: dict[str, float], draws: list) -> list[dict]:
+    """One row per rule (module docstring). The balance rules (maco.bounds.hierarchy: every cache
+    level crossed with at least the machine's balance of MACs per element) are not counted
+    exactly: their reduction is estimated from `draws`, uniform draws of the full space."""
+    from maco import prune, space
+
+    timed = sorted((seconds[_key(s)], i) for i, s in enumerate(schedules) if seconds[_key(s)] is not None)
+    if not timed:
+        return []
+    top = [schedules[i] for _, i in timed[:max(3, math.ceil(TOP * len(timed)))]]
+    default = schedules[0]
+    full = space.count_with(spec, target)
+    plans = rule_plans(spec, target)
+    alpha_registers = replace(plans["all"], caches=())
+    checks = {name: (lambda s, plan=plan: prune.reasons(s, spec, target, plan)) for name, plan in plans.items()}
+    checks["balance"] = lambda s: prune.balance_reasons(s, spec, target, balance)
+    checks["derived"] = lambda s: (prune.reasons(s, spec, target, alpha_registers)
+                                   or prune.balance_reasons(s, spec, target, balance))
+    rows = []
+    d = seconds[_key(default)]
+    for name, check in checks.items():
+        removed = sum(bool(check(s)) for s in top)
+        if name in plans:
+            reduction = full / max(1, space.count_with(spec, target, plans[name]))
+        else:
+            reduction = (len(draws) + 1) / (sum(not check(s) for s in draws) + 1)
+        rows.append({"layer": layer, "spec": str(spec), "layout": layout, "rule": name, "measured": len(timed),
+                     "top": len(top), "removed": removed, "recall": 1 - removed / len(top), "reduction": reduction,
+                     "default_kept": not check(default), "default_vs_best": timed[0][0] / d if d else float("nan"),
+                     "plan": plans["all"].describe() if name == "all" else ""})
+    return rows
+
+
+def summary_by_rule(rows: list[dict]) -> dict[str, tuple[float, float, int]]:
+    """Per rule: (mean recall, geomean reduction, layer-layouts whose default it drops)."""
+    by: dict[str, list] = defaultdict(list)
+    for r in rows:
+        by[r["rule"].split(" (")[0]].append(r)
+    return {rule: (sum(num(r, "recall") for r in rs) / len(rs), geomean([num(r, "reduction") for r in rs]),
+                   sum(str(r["default_kept"]) != "True" for r in rs)) for rule, rs in by.items()}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (rule, (recall, reduction, _)) in enumerate(summary_by_rule(rows).items()):
+        ax.scatter(reduction, recall, s=60, color=f"C{i}", marker="*" if rule == "all" else "o", label=rule)
+    ax.set_xscale("log")
+    ax.set_xlabel("space reduction (full / kept, geomean over layers and layouts)")
+    ax.set_ylabel(f"recall of the measured top {TOP:.0%} (mean)")
+    ax.set_ylim(-0.02, 1.05)
+    ax.axhline(0.9, color="gray", lw=0.8, ls="--")
+    ax.axvline(100, color="gray", lw=0.8, ls="--")
+    ax.set_title("MACO pruning rules: what they keep of the fastest measured schedules", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_plot(fig, path)
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: per rule, recall of the top 5% and reduction; the pruned space and the defaults."""
+    parts = [f"{rule}: recall {recall:.0%}, {reduction:.3g}x smaller"
+             for rule, (recall, reduction, _) in summary_by_rule(rows).items()]
+    alls = [r for r in rows if r["rule"] == "all"]
+    dropped = sum(str(r["default_kept"]) != "True" for r in alls)
+    return (f"{len(alls)} layer-layouts: " + "; ".join(parts)
+            + f"; the pruned space drops the default on {dropped} of {len(alls)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, quick="ResNet-18's layer1 and layer3 convs, 60 samples per layout")
+    ap.add_argument("--networks", default=NETWORKS, help=f"comma-separated (default {NETWORKS})")
+    ap.add_argument("--samples", type=int, default=150, help="uniform draws per layer and layout (default 150)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per schedule (default 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", type=Path, default=None, help=f"measurements kept across runs (default {DEFAULT_DATA.name} "
+                    "in --out)")
+    ap.add_argument("--records", type=Path, action="append", default=[],
+                    help="records of searches: their 3 best per layer and layout are measured too")
+    ap.add_argument("--draws", type=int, default=2000,
+                    help="uniform draws per layer and layout that estimate the balance rules' reduction (default 2000)")
+    ap.add_argument("--analyse-only", action="store_true", help="no measuring: analyse what --data holds")
+    args = ap.parse_args(argv)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from maco import space
+    from maco.kernels import host_target
+    from maco.kernels.cpu_peak import machine_balance
+    from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
+    from maco.measure import Measurer
+    from maco.records import RecordFile
+    from maco.spec import ConvSpec
+
+    target = host_target()
+    out = out_dir(args)
+    data = RecordFile(args.data or out / DEFAULT_DATA.name)
+    if args.quick:
+        layers = [("resnet18.layer1.0.conv1", ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")),
+                  ("resnet18.layer3.0.conv2", ConvSpec.parse("n1_c256_h14_w14_k256_r3_p1"))]
+        args.samples = 60
+    else:
+        seen: dict = {}
+        for net in (n.strip() for n in args.networks.split(",") if n.strip()):
+            for spec, names in distinct_convs(conv_layers(build(net), example_input(1))):
+                seen.setdefault(spec, f"{net}.{names[0]}")
+        layers = [(name, spec) for spec, name in seen.items()]
+    best: dict = defaultdict(list)
+    for path in args.records:
+        for r in sorted((r for r in RecordFile(path).load() if r.ok and r.target == target.fingerprint()),
+                        key=lambda r: r.seconds):
+            if len(best[(r.spec, r.schedule.layout)]) < 3:
+                best[(r.spec, r.schedule.layout)].append(r)
+    balance = machine_balance(target)
+    print("machine balance (MACs per element a level's boundary must carry for the FMA peak): "
+          + ", ".join(f"{k} {v:.3g}" for k, v in balance.items()))
+    plan = {(name, spec): candidates(spec, target, args.samples, args.seed, best) for name, spec in layers}
+    total = sum(len(v) for c in plan.values() for v in c.values()) * args.rounds
+    rows: list[dict] = []
+    path = out / "pruning_recall.csv"
+    with Measurer(target) as measurer, Progress(TextColumn("[bold]measuring"), BarColumn(), MofNCompleteColumn(),
+                                                TimeElapsedColumn(), TextColumn("{task.description}")) as progress:
+        job = progress.add_task("", total=total)
+        for (name, spec), per_layout in plan.items():
+            for layout, schedules in per_layout.items():
+                progress.update(job, description=f"{name} {layout}")
+                if not args.analyse_only:
+                    quiet()
+                seconds = measure(spec, schedules, target, 0 if args.analyse_only else args.rounds, data,
+                                  measurer, lambda n: progress.advance(job, n), args.seed)
+                draws = [s for s in space.sample_many(spec, target, 2 * args.draws, rng=random.Random(f"draws:{spec}"))
+                         if s.layout == layout]
+                rows += analyse(name, spec, layout, schedules, seconds, target, balance, draws)
+            if rows:
+                write_csv(path, rows, COLUMNS, floats=".4g")  # each layer kept as soon as it is done
+    if not rows:
+        print("nothing measured yet")
+        return 1
+    write_env(path, samples=args.samples, rounds=args.rounds, seed=args.seed, top=TOP, balance=balance)
+    plot(rows, out / "pruning_recall.png")
+    print_table(f"per rule over {len(rows) // max(1, len(summary_by_rule(rows)))} layer-layouts",
+                ["rule", "mean recall of top 5%", "geomean reduction", "defaults dropped"],
+                [[rule, f"{a:.0%}", f"{b:.3g}x", str(c)] for rule, (a, b, c) in summary_by_rule(rows).items()])
+    print(summarise([{k: str(v) for k, v in r.items()} for r in rows]))
+    print(f"wrote {path} and {path.with_suffix('.png').name}; measurements in {data.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
