@@ -33,6 +33,7 @@ import sympy as sp
 
 from maco.bounds.simulate import schedule_loops
 from maco.errors import MacoError
+from maco.geometry import input_window
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 
@@ -68,11 +69,10 @@ def _spans(spec: ConvSpec, loops: list[tuple[str, int, int]]) -> list[dict[str, 
 
 def footprints(spec: ConvSpec, span: dict[str, int]) -> dict[str, int]:
     """Elements of each tensor that a loop body with these index spans touches."""
-    ih = min(spec.h, (span["oh"] - 1) * spec.stride[0] + (span["kh"] - 1) * spec.dilation[0] + 1)
-    iw = min(spec.w, (span["ow"] - 1) * spec.stride[1] + (span["kw"] - 1) * spec.dilation[1] + 1)
+    ih, iw = input_window(spec, span["oh"], span["ow"], span["kh"], span["kw"])
     return {"outputs": prod(span[a] for a in OUTPUT_AXES),
             "weights": prod(span[a] for a in WEIGHT_AXES),
-            "inputs": span["n"] * span["g"] * span["c"] * ih * iw}
+            "inputs": span["n"] * span["g"] * span["c"] * min(spec.h, ih) * min(spec.w, iw)}
 
 
 def nest_traffic(spec: ConvSpec, schedule: Schedule, S: float) -> Traffic:
@@ -82,8 +82,7 @@ def nest_traffic(spec: ConvSpec, schedule: Schedule, S: float) -> Traffic:
         raise MacoError(f"level size must be positive, got {S!r}")
     loops = [loop for loop in schedule_loops(spec, schedule) if loop[1] > 1]
     spans = _spans(spec, loops)
-    fits = next(j for j, span in enumerate(spans) if sum(footprints(spec, span).values()) <= S
-                ) if sum(footprints(spec, spans[-1]).values()) <= S else len(loops)
+    fits = next((j for j, span in enumerate(spans) if sum(footprints(spec, span).values()) <= S), len(loops))
     visits = prod(count for _, count, _ in loops[:fits])
     fp = footprints(spec, spans[fits])
     moved = {}

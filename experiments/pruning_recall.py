@@ -81,16 +81,22 @@ def candidates(spec: Any, target: Any, samples: int, seed: int, best: dict) -> d
     return out
 
 
-def measure(spec: Any, schedules: list, target: Any, rounds: int, data: Any, measurer: Any, bar: Any,
-            seed: int) -> dict[str, float | None]:
-    """Median seconds over `rounds` interleaved rounds per schedule (None: it failed); what `data`
-    already holds counts, what is missing is measured and appended."""
+def measured(data: Any, target: Any) -> dict[tuple, list]:
+    """(spec, schedule key) -> the records `data` holds for it on `target` (read once per run)."""
+    done: dict[tuple, list] = defaultdict(list)
+    for r in data.load():
+        if r.target == target.fingerprint():
+            done[(r.spec, _key(r.schedule))].append(r)
+    return done
+
+
+def measure(spec: Any, schedules: list, target: Any, rounds: int, data: Any, done: dict[tuple, list],
+            measurer: Any, bar: Any, seed: int) -> dict[str, float | None]:
+    """Median seconds over `rounds` interleaved rounds per schedule (None: it failed); what `done`
+    (measured(data)) already holds counts, what is missing is measured, appended to `data` and to `done`."""
     from maco.records import make_record
 
-    done: dict[str, list] = defaultdict(list)
-    for r in data.load():
-        if r.spec == spec and r.target == target.fingerprint():
-            done[_key(r.schedule)].append(r)
+    done = {_key(s): done[(spec, _key(s))] for s in schedules}  # the lists themselves: appends reach the caller's
     rng = random.Random(f"{seed}:{spec}:rounds")
     for round_no in range(rounds):
         todo = [s for s in schedules
@@ -255,20 +261,21 @@ def main(argv: list[str] | None = None) -> int:
     plan = {(name, spec): candidates(spec, target, args.samples, args.seed, best) for name, spec in layers}
     total = sum(len(v) for c in plan.values() for v in c.values()) * args.rounds
     rows: list[dict] = []
+    done = measured(data, target)
     path = out / "pruning_recall.csv"
     with Measurer(target) as measurer, Progress(TextColumn("[bold]measuring"), BarColumn(), MofNCompleteColumn(),
                                                 TimeElapsedColumn(), TextColumn("{task.description}")) as progress:
         job = progress.add_task("", total=total)
         for (name, spec), per_layout in plan.items():
+            draws = space.sample_many(spec, target, 2 * args.draws, rng=random.Random(f"draws:{spec}"))
             for layout, schedules in per_layout.items():
                 progress.update(job, description=f"{name} {layout}")
                 if not args.analyse_only:
                     quiet()
-                seconds = measure(spec, schedules, target, 0 if args.analyse_only else args.rounds, data,
+                seconds = measure(spec, schedules, target, 0 if args.analyse_only else args.rounds, data, done,
                                   measurer, lambda n: progress.advance(job, n), args.seed)
-                draws = [s for s in space.sample_many(spec, target, 2 * args.draws, rng=random.Random(f"draws:{spec}"))
-                         if s.layout == layout]
-                rows += analyse(name, spec, layout, schedules, seconds, target, balance, draws)
+                rows += analyse(name, spec, layout, schedules, seconds, target, balance,
+                                [s for s in draws if s.layout == layout])
             if rows:
                 write_csv(path, rows, COLUMNS, floats=".4g")  # each layer kept as soon as it is done
     if not rows:

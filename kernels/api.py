@@ -42,9 +42,13 @@ class CompiledKernel(Protocol):
 
 def host_target() -> Target:
     """This CPU as MACO's kernels run on it inside torch: with torch's intra-op thread count."""
+    return Target.host(_torch_threads())
+
+
+def _torch_threads() -> int:
     import torch
 
-    return Target.host(torch.get_num_threads())
+    return torch.get_num_threads()
 
 
 def resolve_target(target: Any) -> Target:
@@ -53,7 +57,7 @@ def resolve_target(target: Any) -> Target:
     if isinstance(target, Target):
         return target
     if isinstance(target, str):
-        return host_target() if target in ("host", "cpu") else Target.named(target)
+        return Target.named(target, _torch_threads())
     raise MacoError(f"target must be a name (cpu, host, cuda, h100) or a maco.Target, got {target!r}")
 
 

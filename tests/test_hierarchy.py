@@ -6,7 +6,7 @@ import random
 import pytest
 import sympy as sp
 
-from maco import ConvSpec, space
+from maco import ConvSpec, Schedule, space
 from maco.bounds.hierarchy import level_balance, nest_traffic
 from maco.bounds.simulate import simulate_io
 from maco.errors import MacoError
@@ -86,10 +86,9 @@ def test_a_schedule_that_starves_a_level_is_named():
     spec = ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")
     default = default_schedule(spec, AVX2, "NHWC")
     # one output at a time, every loop over channels outermost: each weight is re-read per pixel
-    starved = default.__class__(kind="cpu", spatial=((1, 1, 1, 1), (1, 1, 1, 1), (64, 1, 1, 1), (56, 1, 1, 1),
-                                                     (56, 1, 1, 1)), reduction=((64, 1), (3, 1), (3, 1)),
-                                parallel=1, vector_axis="k", vector_width=1, unroll=0,
-                                inner_order=("kh", "kw", "c"), layout="NHWC", weight_packing="blocked")
+    starved = Schedule(kind="cpu", spatial=((1, 1, 1, 1), (1, 1, 1, 1), (64, 1, 1, 1), (56, 1, 1, 1), (56, 1, 1, 1)),
+                       reduction=((64, 1), (3, 1), (3, 1)), parallel=1, vector_axis="k", vector_width=1, unroll=0,
+                       inner_order=("kh", "kw", "c"), layout="NHWC", weight_packing="blocked")
     # each input is used about once per load from L2: on a machine whose L2 delivers a quarter of
     # what BALANCE assumes, L1 is this schedule's bottleneck and not the default's
     starved_machine = {"L1": 4 * BALANCE["L1"]}
