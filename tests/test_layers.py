@@ -57,3 +57,13 @@ def test_the_contracts_name_every_module_of_the_library(tmp_path):
     children = {f"maco.{p.stem}" for p in (tmp_path / "maco").iterdir()
                 if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
     assert sorted(children - listed) == []
+
+
+if __name__ == "__main__":  # `python tests/test_layers.py`: import-linter's report on the staged package
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as staged:
+        _stage(Path(staged))
+        report = _lint(Path(staged))
+        print(report.stdout + report.stderr)
+        raise SystemExit(report.returncode)
