@@ -51,3 +51,24 @@ def tile_reuse(spec: ConvSpec) -> float:
         return k / len({(i * d) % s for i in range(k)})
 
     return axis(spec.kh, spec.stride[0], spec.dilation[0]) * axis(spec.kw, spec.stride[1], spec.dilation[1])
+
+
+def input_span(spec: ConvSpec, axis: str, out_start: int, outputs: int, tap_start: int,
+               taps: int) -> tuple[int, int]:
+    """[lo, hi) of the input rows (axis "h") or columns ("w") that `outputs` outputs from
+    `out_start` read over `taps` kernel taps from `tap_start`, clipped to the input (padding
+    is not stored, so a window at the border is smaller; hi <= lo when it reads only padding)."""
+    i = 0 if axis == "h" else 1
+    size = spec.h if axis == "h" else spec.w
+    lo = out_start * spec.stride[i] - spec.padding[i] + tap_start * spec.dilation[i]
+    hi = lo + input_extent(outputs, taps, spec.stride[i], spec.dilation[i])
+    return max(lo, 0), min(hi, size)
+
+
+def max_input_span(spec: ConvSpec, axis: str, outputs: int, taps: int) -> int:
+    """The widest clipped span over every block of `outputs` outputs (from multiples of it) and
+    `taps` taps (from multiples of them) along `axis`: what a buffer must hold for that axis."""
+    n_out = spec.out_h if axis == "h" else spec.out_w
+    n_taps = spec.kh if axis == "h" else spec.kw
+    return max(max(0, hi - lo) for o in range(0, n_out, outputs) for t in range(0, n_taps, taps)
+               for lo, hi in [input_span(spec, axis, o, outputs, t, taps)])

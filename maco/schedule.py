@@ -10,6 +10,25 @@ reduction axes into 3, nested as
 
     S0 (blockIdx)  S1 (vthread)  S2 (threadIdx)  R0  R1  S3  R2  S4
 
+On a compute-in-memory chip (kind "cim", see maco.target.CimArch), "PSB": spatial axes into 3
+levels (core, outer loop, tile), reduction axes into 2 (outer loop, block):
+
+    P (cores)   S (outer loops, all 8 axes in `loop_order`)   B (the block)
+
+The level-0 factors of the spatial axes bind them across the cores (core index in SPATIAL_AXES
+order, mixed radix); every core runs the same nest over its part. One iteration of the outer loops
+keeps one weight block in the crossbars: the im2col matrix of its t_g groups (block-diagonal),
+rows = t_g * b_c * b_kh * b_kw, columns = t_g * t_k, on ceil(rows / arch.rows) * ceil(columns /
+arch.weight_columns) crossbars; it loads the input window of the tile (t_n images, the block's
+channels, the rows and columns the t_oh x t_ow outputs read with the block's taps, clipped to the
+input) into the input buffer, and streams the tile's pixels through the crossbars, accumulating
+the tile's partial sums in the psum buffer. Counting (maco.kernels.cim_cost):
+- a weight update whenever the block differs from the previous iteration's (and the first);
+- an input window load whenever the window differs from the previous iteration's;
+- partial sums of an output live from its first to its last reduction step, so the buffer holds
+  the tile times the trips of the spatial loops inside the outermost reduction loop with trips > 1;
+- an output tile is written back when its last reduction step ends.
+
 Axes: spatial n (batch), g (group), k (filter within the group), oh, ow; reduction c (channel
 within the group), kh, kw. Tiles are perfect: the factors of an axis multiply to its extent.
 """
@@ -24,14 +43,17 @@ import numpy as np
 
 from maco.errors import MacoError
 from maco.files import load_json, short
-from maco.geometry import input_window
+from maco.geometry import input_window, max_input_span
 from maco.spec import ConvSpec
 from maco.target import Target
 
 SPATIAL_AXES = ("n", "g", "k", "oh", "ow")
 REDUCTION_AXES = ("c", "kh", "kw")
-SKETCHES = {"cpu": "SSRSRS", "cuda": "SSSRRSRS"}
-LEVELS = {"cpu": (4, 2), "cuda": (5, 3)}  # (spatial levels, reduction levels)
+ALL_AXES = SPATIAL_AXES + REDUCTION_AXES
+WEIGHT_AXES = ("g", "k", "c", "kh", "kw")  # the axes a weight block depends on
+INPUT_AXES = ("n", "g", "c", "kh", "kw", "oh", "ow")  # the axes an input window depends on
+SKETCHES = {"cpu": "SSRSRS", "cuda": "SSSRRSRS", "cim": "PSB"}
+LEVELS = {"cpu": (4, 2), "cuda": (5, 3), "cim": (3, 2)}  # (spatial levels, reduction levels)
 LAYOUTS = ("NCHW", "NHWC")
 WEIGHT_PACKINGS = ("none", "blocked")  # blocked: [K/v][C][kh][kw][v], v = vector width
 UNROLL_STEPS = (0, 16, 64, 512)
@@ -44,7 +66,7 @@ GPU_MAX_SMEM_BYTES = 227 << 10
 GPU_BUFFERS = (2, 3, 4)  # shared-memory stages in flight (2 = double buffering)
 # backend knobs a schedule's `extra` may hold, with their types; the CPU backend has none
 EXTRA_KNOBS: dict[str, dict[str, type]] = {"cpu": {}, "cuda": {"split_c": int, "stage_out": bool,
-                                                               "buffers": int}}
+                                                               "buffers": int}, "cim": {}}
 
 
 def _is_int(value: Any) -> bool:
@@ -94,6 +116,23 @@ def gpu_shared_bytes(spec: ConvSpec, block: dict[str, Any], cc: Any, khc: Any, k
     return 4 * floats
 
 
+def cim_crossbars(arch: Any, rows: Any, columns: Any) -> Any:
+    """Crossbars a rows x columns weight block takes (ints or numpy arrays)."""
+    return -(-rows // arch.rows) * -(-columns // arch.weight_columns)
+
+
+def cim_live_psums(tile_outputs: int, loop_order: tuple[str, ...], trips: dict[str, int]) -> int:
+    """Partial sums alive at once: the tile's outputs times the trips of the spatial loops inside
+    the outermost reduction loop that has more than one trip."""
+    live, inside = tile_outputs, False
+    for axis in loop_order:
+        if axis in REDUCTION_AXES and trips[axis] > 1:
+            inside = True
+        elif inside and axis in SPATIAL_AXES:
+            live *= trips[axis]
+    return live
+
+
 @dataclass(frozen=True)
 class Schedule:
     """One schedule: `spatial[i]` / `reduction[j]` hold the factors of SPATIAL_AXES[i] /
@@ -110,6 +149,7 @@ class Schedule:
     layout: str = "NCHW"  # activation layout (input and output)
     weight_packing: str = "blocked"
     extra: tuple[tuple[str, Any], ...] = field(default=())  # backend-specific knobs, hashable
+    loop_order: tuple[str, ...] = ()  # CIM: the outer loops, all 8 axes, outermost first
 
     # -- accessors -----------------------------------------------------------
     def factors(self, axis: str) -> tuple[int, ...]:
@@ -162,6 +202,33 @@ class Schedule:
                                     prod(self.factors("kh")[1:]), prod(self.factors("kw")[1:]),
                                     self.layout, int(opt.get("buffers", 2)), stage_out, split))
 
+    # -- CIM sketch (cores, outer loop, block): see maco.kernels.cim_cost ----------
+    def cim_trips(self) -> dict[str, int]:
+        """Trips of each axis's outer loop (level 1)."""
+        return {a: f[1] if a in SPATIAL_AXES else f[0]
+                for a, f in zip(ALL_AXES, self.spatial + self.reduction)}
+
+    def cim_block(self) -> dict[str, int]:
+        """Per axis, the extent one iteration covers: the spatial tile and the reduction block."""
+        return {a: f[-1] for a, f in zip(ALL_AXES, self.spatial + self.reduction)}
+
+    @property
+    def cim_cores(self) -> int:
+        """Cores the schedule binds (product of the spatial level-0 factors)."""
+        return prod(f[0] for f in self.spatial)
+
+    def cim_footprint(self, spec: ConvSpec, arch: Any) -> dict[str, int]:
+        """What one core's crossbars and buffers must hold at their peak: crossbars of the weight
+        block, bytes of the largest (clipped) input window, partial sums alive at once."""
+        b = self.cim_block()
+        rows, columns = b["g"] * b["c"] * b["kh"] * b["kw"], b["g"] * b["k"]
+        window = (b["n"] * b["g"] * b["c"] * max_input_span(spec, "h", b["oh"], b["kh"])
+                  * max_input_span(spec, "w", b["ow"], b["kw"]))
+        tile = b["n"] * b["g"] * b["k"] * b["oh"] * b["ow"]
+        return {"crossbars": cim_crossbars(arch, rows, columns), "weight_rows": rows,
+                "weight_columns": columns, "input_bytes": window * arch.input_bytes,
+                "psums": cim_live_psums(tile, self.loop_order, self.cim_trips())}
+
     # -- validity ------------------------------------------------------------
     def problems(self, spec: ConvSpec, target: Target | None = None) -> list[str]:
         """Everything that makes this schedule invalid for `spec` on `target` (empty if valid)."""
@@ -186,6 +253,8 @@ class Schedule:
                                f"not the extent {extents[axis]}")
         if out:
             return out
+        if self.kind == "cim":
+            return out + (self._cim_problems(spec, target) if target is not None else [])
         if self.unroll not in UNROLL_STEPS:
             out.append(f"unroll must be one of {UNROLL_STEPS}, got {self.unroll}")
         if self.vector_width < 1 or self.factors(self.vector_axis)[-1] % self.vector_width:
@@ -212,7 +281,7 @@ class Schedule:
         """Types and names from fixed sets, checked before anything reads them: a schedule comes
         from files users share, and only validated values may reach generated source."""
         if not isinstance(self.kind, str) or self.kind not in LEVELS:
-            return [f"kind must be 'cpu' or 'cuda', got {self.kind!r}"]
+            return [f"kind must be one of {tuple(LEVELS)}, got {self.kind!r}"]
         out = []
         for name, tiles in (("spatial", self.spatial), ("reduction", self.reduction)):
             if not isinstance(tiles, tuple) or not all(
@@ -231,6 +300,19 @@ class Schedule:
                 or sorted(order) != sorted(REDUCTION_AXES):
             out.append(f"inner_order must be a permutation of {REDUCTION_AXES}, got {order!r}")
         out += extra_problems(self.kind, self.extra)
+        loop = self.loop_order
+        if not isinstance(loop, tuple) or not all(isinstance(a, str) for a in loop):
+            out.append(f"loop_order must be a tuple of axis names, got {short(loop)}")
+        elif self.kind == "cim":
+            if sorted(loop) != sorted(ALL_AXES):
+                out.append(f"loop_order must be a permutation of {ALL_AXES}, got {short(loop)}")
+            knobs = (self.parallel, self.vector_axis, self.vector_width, self.unroll, self.inner_order,
+                     self.weight_packing)
+            if knobs != (1, "k", 1, 0, REDUCTION_AXES, "blocked"):
+                out.append("a cim schedule has no parallel, vector, unroll, inner_order or "
+                           "weight_packing knobs (leave them at their defaults)")
+        elif loop:
+            out.append(f"only cim schedules have a loop_order, got {short(loop)}")
         return out
 
     def _gpu_problems(self, spec: ConvSpec, target: Target) -> list[str]:
@@ -252,6 +334,25 @@ class Schedule:
             out.append(f"shared memory {smem} B per block exceeds {smem_max} B")
         return out
 
+    def _cim_problems(self, spec: ConvSpec, target: Target) -> list[str]:
+        if target.kind != "cim":
+            return [f"a cim schedule cannot run on the {target.kind} target {target.name!r}"]
+        arch = target.cim_arch
+        out = []
+        if self.cim_cores > arch.cores:
+            out.append(f"binds {self.cim_cores} cores, the chip has {arch.cores}")
+        use = self.cim_footprint(spec, arch)
+        if use["crossbars"] > arch.crossbars:
+            out.append(f"weight block of {use['weight_rows']}x{use['weight_columns']} needs "
+                       f"{use['crossbars']} crossbars, a core has {arch.crossbars}")
+        if use["input_bytes"] > arch.input_buffer:
+            out.append(f"input window of {use['input_bytes']} B overflows the {arch.input_buffer} B "
+                       "input buffer")
+        if use["psums"] * arch.psum_bytes > arch.psum_buffer:
+            out.append(f"{use['psums']} live partial sums ({use['psums'] * arch.psum_bytes} B) "
+                       f"overflow the {arch.psum_buffer} B psum buffer")
+        return out
+
     def validate(self, spec: ConvSpec, target: Target | None = None) -> "Schedule":
         problems = self.problems(spec, target)
         if problems:
@@ -266,7 +367,8 @@ class Schedule:
                 "parallel": self.parallel, "vector_axis": self.vector_axis,
                 "vector_width": self.vector_width, "unroll": self.unroll,
                 "inner_order": list(self.inner_order), "layout": self.layout,
-                "weight_packing": self.weight_packing, "extra": dict(self.extra)}
+                "weight_packing": self.weight_packing, "extra": dict(self.extra),
+                **({"loop_order": list(self.loop_order)} if self.loop_order else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Schedule":
@@ -293,6 +395,9 @@ class Schedule:
         order = d.get("inner_order", list(REDUCTION_AXES))
         if not isinstance(order, list) or len(order) != len(REDUCTION_AXES):
             raise MacoError(f"inner_order must be a list of {len(REDUCTION_AXES)} axes, got {short(order)}")
+        loop = d.get("loop_order", [])
+        if not isinstance(loop, list) or len(loop) > len(ALL_AXES):
+            raise MacoError(f"loop_order must be a list of at most {len(ALL_AXES)} axes, got {short(loop)}")
         schedule = cls(
             kind=d.get("kind"),
             spatial=tuple(tuple(_strict_int(f"tiles.{a}", f) for f in tiles[a]) for a in SPATIAL_AXES),
@@ -303,7 +408,7 @@ class Schedule:
             unroll=_strict_int("unroll", d.get("unroll", 0)),
             inner_order=tuple(order), layout=d.get("layout", "NCHW"),
             weight_packing=d.get("weight_packing", "blocked"),
-            extra=tuple(sorted(extra.items())))
+            extra=tuple(sorted(extra.items())), loop_order=tuple(loop))
         problems = schedule._field_problems()
         if problems:
             raise MacoError("not a valid schedule: " + "; ".join(problems))
@@ -321,13 +426,15 @@ class Schedule:
         tiles = " ".join(f"{a}={'x'.join(map(str, f))}" for a, f in
                          zip(SPATIAL_AXES + REDUCTION_AXES, self.spatial + self.reduction))
         knobs = "".join(f" {k}={int(v)}" for k, v in self.extra)
+        if self.kind == "cim":
+            return f"cim {self.layout} tiles {tiles} loops={','.join(self.loop_order)}"
         return (f"{self.kind} {self.layout} tiles {tiles} parallel={self.parallel} "
                 f"vector={self.vector_axis}x{self.vector_width} unroll={self.unroll} "
                 f"order={','.join(self.inner_order)} weights={self.weight_packing}{knobs}")
 
 
 SCHEDULE_FIELDS = {"kind", "tiles", "parallel", "vector_axis", "vector_width", "unroll",
-                   "inner_order", "layout", "weight_packing", "extra"}
+                   "inner_order", "layout", "weight_packing", "extra", "loop_order"}
 
 
 def extra_problems(kind: str, extra: Any) -> list[str]:
@@ -339,7 +446,7 @@ def extra_problems(kind: str, extra: Any) -> list[str]:
     for knob, value in extra:
         if not isinstance(knob, str) or knob not in known:
             out.append(f"unknown {kind.upper()} schedule knob {short(knob)}"
-                       + (f"; known: {', '.join(known)}" if known else "; the CPU backend has none"))
+                       + (f"; known: {', '.join(known)}" if known else f"; the {kind.upper()} backend has none"))
         elif type(value) is not known[knob]:
             out.append(f"knob {knob} must be a {known[knob].__name__}, got {short(value)}")
     if len({kv[0] for kv in extra if isinstance(kv[0], str)}) != len(extra):

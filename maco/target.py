@@ -3,6 +3,9 @@
 A Target lists its memory levels from the fastest (registers) outwards. A level's capacity
 is one instance's size in bytes; `processors` is how many processors share that instance, so
 each processor's share is capacity / processors (the paper's S / Np).
+
+A compute-in-memory target (kind "cim", `Target.cim`) also carries its `CimArch` (`cim_arch`): the weights
+sit in memristor crossbars, and rewriting them is the move its schedules minimise.
 """
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ from typing import Any
 
 from maco.errors import MacoError
 from maco.spec import DTYPE_BYTES
+
+
+TARGET_KINDS = ("cpu", "cuda", "cim")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,81 @@ class MemoryLevel:
         return self.elements // self.processors
 
 
+def _positive_ints(owner: str, values: dict[str, Any]) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise MacoError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CimArch:
+    """A weight-rewritable ReRAM compute-in-memory tile: `cores` cores share a global memory;
+    each core holds `crossbars` logical crossbars of `rows` x `columns` cells of `cell_bits`
+    bits, an input buffer and a partial-sum buffer (bytes per core). A weight of `weight_bits`
+    bits spans `cells_per_weight` cells of one row (weight_bits / cell_bits by default; twice that
+    for a differential mapping of signed weights), so a crossbar holds rows x weight_columns
+    weights. One activation of a crossbar is the hardware's matrix-vector multiply: one input
+    vector of `rows` `input_bits`-bit values against every weight column. A DMA transaction moves
+    one contiguous run of global memory of at most `dma_burst` bytes.
+
+    The defaults are the published design MACO models (4 cores, 9 crossbars of 64x64 2-bit
+    cells, 8-bit weights: 64x16 weights per crossbar); the buffer sizes and the burst are this
+    model's own choices, since the design does not state them."""
+
+    cores: int = 4
+    crossbars: int = 9
+    rows: int = 64
+    columns: int = 64
+    cell_bits: int = 2
+    weight_bits: int = 8
+    cells_per_weight: int = 0  # 0: weight_bits // cell_bits
+    input_bits: int = 8
+    psum_bytes: int = 4  # one partial sum (int32)
+    input_buffer: int = 64 << 10
+    psum_buffer: int = 64 << 10
+    dma_burst: int = 256
+
+    def __post_init__(self) -> None:
+        if self.cells_per_weight == 0 and not isinstance(self.cell_bits, bool) \
+                and isinstance(self.cell_bits, int) and isinstance(self.weight_bits, int) \
+                and self.cell_bits > 0:
+            object.__setattr__(self, "cells_per_weight", -(-self.weight_bits // self.cell_bits))
+        _positive_ints("CimArch", {f: getattr(self, f) for f in CIM_FIELDS})
+        if self.cells_per_weight * self.cell_bits < self.weight_bits:
+            raise MacoError(f"CimArch: {self.cells_per_weight} cells of {self.cell_bits} bits cannot "
+                            f"hold a {self.weight_bits}-bit weight")
+        if self.cells_per_weight > self.columns:
+            raise MacoError(f"CimArch: a weight of {self.cells_per_weight} cells does not fit a "
+                            f"crossbar row of {self.columns} cells")
+
+    @property
+    def weight_columns(self) -> int:
+        """Weights side by side in one crossbar row (16 by default)."""
+        return self.columns // self.cells_per_weight
+
+    @property
+    def core_weights(self) -> int:
+        """Weights one core's crossbars hold at once (S_w of the weight-update bound)."""
+        return self.crossbars * self.rows * self.weight_columns
+
+    @property
+    def psum_capacity(self) -> int:
+        """Partial sums one core's buffer holds (S_p of the bound)."""
+        return self.psum_buffer // self.psum_bytes
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of one input element in global memory and the input buffer."""
+        return -(-self.input_bits // 8)
+
+    def to_dict(self) -> dict[str, int]:
+        return {f: getattr(self, f) for f in CIM_FIELDS}
+
+
+CIM_FIELDS = ("cores", "crossbars", "rows", "columns", "cell_bits", "weight_bits", "cells_per_weight",
+              "input_bits", "psum_bytes", "input_buffer", "psum_buffer", "dma_burst")
+
+
 @dataclass(frozen=True)
 class Target:
     """A machine as the tuner sees it: kind ("cpu" or "cuda"), memory levels, parallelism, peak."""
@@ -57,12 +138,15 @@ class Target:
     fma_units: int = 2  # vector FMA pipes per core (CPU) or fp32 FMA lanes per SM / simd_width (GPU)
     model: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    cim_arch: CimArch | None = None  # the crossbar architecture of a "cim" target
 
     def __post_init__(self) -> None:
-        if self.kind not in ("cpu", "cuda"):
-            raise MacoError(f"Target.kind must be 'cpu' or 'cuda', got {self.kind!r}")
+        if self.kind not in TARGET_KINDS:
+            raise MacoError(f"Target.kind must be one of {TARGET_KINDS}, got {self.kind!r}")
         if not self.levels:
             raise MacoError("a Target needs at least one memory level")
+        if (self.kind == "cim") != (self.cim_arch is not None):
+            raise MacoError("a 'cim' target needs its CimArch (Target.cim), and only it has one")
 
     def level(self, name: str) -> MemoryLevel:
         for lvl in self.levels:
@@ -86,19 +170,26 @@ class Target:
 
     def fingerprint(self) -> dict[str, Any]:
         """What identifies this machine in tuning records."""
-        return {"name": self.name, "kind": self.kind, "model": self.model, "isa": self.isa,
-                "cores": self.cores, "levels": [[lvl.name, lvl.capacity, lvl.processors]
-                                                for lvl in self.levels]}
+        out = {"name": self.name, "kind": self.kind, "model": self.model, "isa": self.isa,
+               "cores": self.cores, "levels": [[lvl.name, lvl.capacity, lvl.processors]
+                                               for lvl in self.levels]}
+        if self.cim_arch is not None:
+            out["cim_arch"] = self.cim_arch.to_dict()
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["levels"] = [asdict(lvl) for lvl in self.levels]
+        if self.cim_arch is None:
+            del d["cim_arch"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Target":
         d = dict(d)
         d["levels"] = tuple(MemoryLevel(**lvl) for lvl in d["levels"])
+        if d.get("cim_arch") is not None:
+            d["cim_arch"] = CimArch(**d["cim_arch"])
         return cls(**d)
 
     # -- built-in targets ----------------------------------------------------
@@ -142,6 +233,27 @@ class Target:
                            MemoryLevel("L2", 50 << 20, 132, 32)),
                    cores=132, simd_width=32, isa="sm_90", freq_ghz=1.98, fma_units=4,
                    model="NVIDIA H100 80GB")
+
+    @classmethod
+    def cim(cls, arch: CimArch | None = None, **sizes: int) -> "Target":
+        """A ReRAM compute-in-memory tile (see CimArch; `sizes` override its fields, e.g.
+        psum_buffer=16384). Levels per core: the crossbars (weights at weight_bits each), the
+        input buffer and the partial-sum buffer."""
+        if arch is None:
+            unknown = set(sizes) - set(CIM_FIELDS)
+            if unknown:
+                raise MacoError(f"unknown CIM size(s) {sorted(unknown)}; known: {', '.join(CIM_FIELDS)}")
+            arch = CimArch(**sizes)
+        elif sizes:
+            raise MacoError("pass either a CimArch or sizes, not both")
+        weight_bytes = arch.core_weights * arch.weight_bits // 8
+        return cls(name="cim", kind="cim",
+                   levels=(MemoryLevel("crossbars", weight_bytes, 1, arch.weight_columns),
+                           MemoryLevel("input_buffer", arch.input_buffer, 1, arch.rows),
+                           MemoryLevel("psum_buffer", arch.psum_buffer, 1, arch.weight_columns)),
+                   cores=arch.cores, simd_width=arch.weight_columns, isa="reram",
+                   model=f"ReRAM CIM tile, {arch.cores} cores x {arch.crossbars} crossbars "
+                         f"{arch.rows}x{arch.columns}x{arch.cell_bits}b", cim_arch=arch)
 
     @classmethod
     def named(cls, name: str, threads: int | None = None) -> "Target":
