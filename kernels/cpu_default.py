@@ -19,7 +19,7 @@ from math import prod
 from maco.bounds import optimal_tile
 from maco.errors import MacoError
 from maco.schedule import LAYOUTS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, axis_extents
-from maco.space import divisors
+from maco.factors import divisors
 from maco.spec import ConvSpec
 from maco.target import Target
 

@@ -15,6 +15,9 @@ shared memory) and, without a split, whether outputs go through shared memory ("
 Valid: <= 1024 threads per block, the thread tile within half the per-thread registers, shared
 memory within the block limit (Schedule.problems).
 
+The compute-in-memory sketch "PSB" (cores, outer loops in any order, block) is counted and drawn
+by maco.space_cim; its pruning is maco.prune_cim.
+
 Counting is exact and never enumerates schedules. A CPU tiling of an axis is a chain of
 divisors t3 | t2 | t1 | extent (t_l = product of the factors from level l inwards); the
 conditions only look at one level of all axes at a time, so the count is a sum over the joint
@@ -31,12 +34,13 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import permutations
-from math import comb, prod
+from math import prod
 from typing import Sequence
 
 import numpy as np
 
-from maco import prune
+from maco import prune, space_cim
+from maco.factors import divisors, factorizations, n_factorizations
 from maco.errors import MacoError
 from maco.schedule import (GPU_BUFFERS, GPU_MAX_THREADS, LAYOUTS, REDUCTION_AXES, REGISTER_RESERVE,
                            SPATIAL_AXES, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule, axis_extents,
@@ -49,41 +53,6 @@ CPU_PARALLEL = tuple(range(len(SPATIAL_AXES) + 1))
 INNER_ORDERS = tuple(permutations(REDUCTION_AXES))
 GPU_SPLITS = (1, 2, 4, 8, 16)
 GPU_STAGE_OUT = (False, True)
-
-
-# -- number theory -----------------------------------------------------------------------------
-@lru_cache(maxsize=4096)
-def divisors(n: int) -> tuple[int, ...]:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return tuple(sorted(set(small + [n // d for d in small])))
-
-
-def _exponents(n: int) -> list[int]:
-    out, p = [], 2
-    while p * p <= n:
-        e = 0
-        while n % p == 0:
-            n //= p
-            e += 1
-        if e:
-            out.append(e)
-        p += 1
-    if n > 1:
-        out.append(1)
-    return out
-
-
-def n_factorizations(n: int, parts: int) -> int:
-    """Ordered ways to write n as a product of `parts` positive factors (tau_parts(n))."""
-    return prod(comb(e + parts - 1, parts - 1) for e in _exponents(n))
-
-
-@lru_cache(maxsize=4096)
-def factorizations(n: int, parts: int) -> tuple[tuple[int, ...], ...]:
-    """All ordered `parts`-tuples of positive ints with product n."""
-    if parts == 1:
-        return ((n,),)
-    return tuple((d,) + rest for d in divisors(n) for rest in factorizations(n // d, parts - 1))
 
 
 def _choice(weights: np.ndarray, rng: random.Random) -> int:
@@ -111,7 +80,7 @@ def _check(spec: ConvSpec, target: Target) -> None:
 
 
 def _plan(spec: ConvSpec, target: Target, pruned: bool, config):
-    return prune_plan(spec, target, config) if pruned else None
+    return prune_plan(spec, target, config) if pruned and target.kind != "cim" else None
 
 
 def _orders(rules, kind: str, layout: str) -> tuple[tuple[str, ...], ...]:
@@ -378,6 +347,8 @@ def count_with(spec: ConvSpec, target: Target, rules=None) -> int:
 def space_size(spec: ConvSpec, target: Target, pruned: bool = False, config=None) -> int:
     """Exact number of schedules in the space (pruned: after MACO pruning with `config`)."""
     _check(spec, target)
+    if target.kind == "cim":
+        return space_cim.size(spec, target, pruned)
     return count_with(spec, target, _plan(spec, target, pruned, config))
 
 
@@ -386,6 +357,8 @@ def sample(spec: ConvSpec, target: Target, rng: random.Random | int | None = Non
     """One schedule drawn uniformly from the (pruned) space."""
     _check(spec, target)
     rng = _rng(rng)
+    if target.kind == "cim":
+        return space_cim.sample(spec, target, rng, pruned)
     rules = _plan(spec, target, pruned, config)
     if target.kind == "cpu":
         return _sample_cpu(spec, target, _cpu(spec, target, rules), rng)
@@ -414,6 +387,8 @@ def why_not(schedule: Schedule, spec: ConvSpec, target: Target, pruned: bool = F
     out = schedule.problems(spec, target)
     if out:
         return out
+    if target.kind == "cim":
+        return space_cim.why_not(schedule, spec, target, pruned)
     if schedule.unroll not in UNROLL_STEPS:
         out.append(f"unroll {schedule.unroll} not in {UNROLL_STEPS}")
     if schedule.kind == "cpu":
