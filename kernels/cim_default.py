@@ -95,7 +95,8 @@ def default_schedule(spec: ConvSpec, target: Target) -> Schedule:
             pixels = (spec.n // on) * (spec.out_h // oh) * (spec.out_w // ow)
             if on * oh * ow != fewest or pixels > cap:
                 continue
-            kt = _largest(k_core, lambda k: pixels * k <= cap)
+            kt = _largest(k_core, lambda k: pixels * k <= cap
+                          and cim_crossbars(arch, 1, k) <= arch.crossbars)
             key = (kt, -ow, -oh)  # prefer whole rows, then whole images
             if best is None or key > best[0]:
                 best = (key, {"n": on, "oh": oh, "ow": ow})

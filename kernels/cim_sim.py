@@ -12,13 +12,14 @@ Choices where the hardware description leaves room:
 - Cell encodings (`cell_encoding`): "offset" when cells_per_weight is the fewest cells that hold a
   weight (ceil(weight_bits / cell_bits)): u = w + 2**(weight_bits-1) in base 2**cell_bits digits,
   least significant first; the MVM removes the offset as 2**(weight_bits-1) * sum(inputs).
-  "differential" when cells_per_weight is at least twice that: w+ = max(w, 0) in the first
+  "differential" when cells_per_weight is twice that: w+ = max(w, 0) in the first
   cells_per_weight // 2 cells, w- = max(-w, 0) in the rest; the MVM subtracts the two halves.
-  Anything in between is refused.
+  maco.target.CimArch refuses any other cell count.
 - Inputs are applied as signed input_bits-bit ints, one activation per pixel and crossbar
   (a bit-serial drive would give the same sums).
-- A window's identity is the set of elements it holds: every window that reads only padding
-  is the same (empty) window, so consecutive empty windows load once (with 0 elements).
+- A window is fetched whenever its index (the tile's images and pixels, the block's channels and
+  taps) differs from the previous iteration's: the DMA engine is told a box, it does not compare
+  contents. A box that reads only padding is a fetch of 0 elements and 0 transactions.
 - Partial sums are kept in int64 but must fit psum_bytes * 8 signed bits, else MacoError.
 """
 from __future__ import annotations
@@ -36,7 +37,6 @@ from maco.schedule import SPATIAL_AXES, Schedule
 from maco.spec import ConvSpec
 from maco.target import CimArch, Target
 
-_EMPTY = ("empty window",)
 _CACHE_LIMIT = 256  # encoded blocks kept for reuse (a reload writes the same cells again)
 _MEMO_LIMIT = 1 << 16  # transaction counts of windows and output tiles kept for reuse
 
@@ -81,15 +81,9 @@ def quantize(x: Any, bits: int) -> tuple[np.ndarray, float]:
 
 
 def cell_encoding(arch: CimArch) -> str:
-    """"offset" or "differential" (see the module docstring); MacoError for other mappings."""
-    fewest = -(-arch.weight_bits // arch.cell_bits)
-    if arch.cells_per_weight == fewest:
-        return "offset"
-    if arch.cells_per_weight >= 2 * fewest:
-        return "differential"
-    raise MacoError(f"cannot map a {arch.weight_bits}-bit weight onto {arch.cells_per_weight} cells of "
-                    f"{arch.cell_bits} bits: use {fewest} cells (offset binary) or at least "
-                    f"{2 * fewest} (differential pair)")
+    """"offset" (the fewest cells that hold a weight) or "differential" (twice that: CimArch
+    allows only these two mappings)."""
+    return "offset" if arch.cells_per_weight == -(-arch.weight_bits // arch.cell_bits) else "differential"
 
 
 def _weight_range(arch: CimArch) -> tuple[int, int]:
@@ -273,7 +267,7 @@ def _iteration(spec: ConvSpec, arch: CimArch, encoding: str, layout: str, x: np.
     wlo, whi = input_span(spec, "w", s["ow"], tow, s["kw"], bkw)
     chans = np.array([g * cpg + c for g in groups for c in range(s["c"], s["c"] + bc)])
     empty = hhi <= hlo or whi <= wlo
-    window = _EMPTY if empty else (s["n"], s["g"], s["c"], hlo, hhi, wlo, whi)
+    window = (s["n"], s["g"], s["c"], s["oh"], s["kh"], s["ow"], s["kw"])
     if window != core.window:
         core.window = window
         core.c["input_loads"] += 1
@@ -287,7 +281,7 @@ def _iteration(spec: ConvSpec, arch: CimArch, encoding: str, layout: str, x: np.
                                 "input buffer")
             core.buffer = x[_box(index)]
             core.c["input_elements"] += core.buffer.size
-            core.c["input_transactions"] += _memo(memo, ("in",) + window, lambda: _transactions(
+            core.c["input_transactions"] += _memo(memo, ("in", hlo, hhi, wlo, whi) + window[:3], lambda: _transactions(
                 _offsets(spec.input_shape, index, layout), arch.input_bytes, arch.dma_burst))
             core.c["peak_input_bytes"] = max(core.c["peak_input_bytes"], nbytes)
 

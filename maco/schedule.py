@@ -138,7 +138,7 @@ class Schedule:
     """One schedule: `spatial[i]` / `reduction[j]` hold the factors of SPATIAL_AXES[i] /
     REDUCTION_AXES[j] from the outermost level to the innermost."""
 
-    kind: str  # "cpu" or "cuda"
+    kind: str  # "cpu", "cuda" or "cim"
     spatial: tuple[tuple[int, ...], ...]
     reduction: tuple[tuple[int, ...], ...]
     parallel: int = 1  # CPU: how many outermost S0 loops (in SPATIAL_AXES order) are fused and parallel

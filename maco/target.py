@@ -89,9 +89,11 @@ class CimArch:
                 and self.cell_bits > 0:
             object.__setattr__(self, "cells_per_weight", -(-self.weight_bits // self.cell_bits))
         _positive_ints("CimArch", {f: getattr(self, f) for f in CIM_FIELDS})
-        if self.cells_per_weight * self.cell_bits < self.weight_bits:
-            raise MacoError(f"CimArch: {self.cells_per_weight} cells of {self.cell_bits} bits cannot "
-                            f"hold a {self.weight_bits}-bit weight")
+        fewest = -(-self.weight_bits // self.cell_bits)
+        if self.cells_per_weight not in (fewest, 2 * fewest):
+            raise MacoError(f"CimArch: a {self.weight_bits}-bit weight takes {fewest} cells of "
+                            f"{self.cell_bits} bits (offset binary) or {2 * fewest} (a differential "
+                            f"pair), not {self.cells_per_weight}")
         if self.cells_per_weight > self.columns:
             raise MacoError(f"CimArch: a weight of {self.cells_per_weight} cells does not fit a "
                             f"crossbar row of {self.columns} cells")
