@@ -24,5 +24,6 @@ FIGURES: dict[str, str] = {
     "deployment": "deployment_cpu",
     "pruning": "pruning_recall",
     "planners": "planner_runtime",
+    "cim": "cim_weight_updates",
     "peers": "peers_cpu",
 }

@@ -10,7 +10,7 @@ from typing import NoReturn
 
 from maco.errors import MacoError
 
-COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune", "optimize", "reproduce", "bench"]
+COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune", "optimize", "reproduce", "bench", "cim"]
 
 
 class _Parser(argparse.ArgumentParser):
