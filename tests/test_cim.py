@@ -256,3 +256,47 @@ def test_closed_form_counts_equal_the_simulator() -> None:
                 (str(spec), s.describe())
             checked += 1
     assert checked > 100
+
+
+def test_the_simulator_runs_the_template_and_the_default_exactly() -> None:
+    """Both schedules of a layer shaped like ResNet-18's (scaled to run fast) on the default chip:
+    the same integer output as a quantised reference, and the closed-form counts."""
+    import torch
+
+    spec = ConvSpec(n=1, c=80, h=10, w=10, k=96, kh=3, kw=3, padding=1)  # 720 rows: 2 blocks
+    target = Target.cim(psum_buffer=1024)
+    rng = np.random.default_rng(5)
+    x, w = rng.integers(-128, 128, spec.input_shape), rng.integers(-128, 128, spec.weight_shape)
+    ref = torch.nn.functional.conv2d(torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64),
+                                     padding=1).round().to(torch.int64).numpy()
+    for s in (template_schedule(spec, target), default_schedule(spec, target)):
+        res = simulate(spec, s, target, x, w)
+        assert np.array_equal(res.output, ref), s.describe()
+        cost = cim_cost(spec, s, target)
+        assert (res.counts.weight_cells, res.counts.input_transactions, res.counts.peak_psums) == \
+            (cost.weight_cells, cost.input_transactions, cost.peak_psums)
+
+
+def test_cli_reports_a_network_and_writes_json(tmp_path, capsys) -> None:
+    import json
+
+    from maco.cli import main
+
+    out = tmp_path / "cim.json"
+    assert main(["cim", "alexnet", "--psum-buffer", "4096", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "psum buffer 4096 B" in text and "features.3" in text and "fewer" in text
+    data = json.loads(out.read_text())
+    assert data["target"]["cim_arch"]["psum_buffer"] == 4096 and len(data["layers"]) == 5
+    assert all(row["maco_cells"] >= row["bound_cells"] for row in data["layers"])
+    model = tmp_path / "net.py"
+    model.write_text("import torch.nn as nn\nclass Net(nn.Sequential):\n"
+                     "    def __init__(self):\n        super().__init__(nn.Conv2d(3, 8, 3, padding=1), "
+                     "nn.ReLU(), nn.Conv2d(8, 4, 1))\n")
+    assert main(["cim", f"{model}:Net"]) == 0
+    # every weight once: (3*9*8 + 8*4) weights of 4 cells, the template too (one block each)
+    assert "total: template 992 cells, MACO 992" in capsys.readouterr().out
+    assert main(["cim", "n1_c4_h8_w8_k4_r3_p1", "--rows", "0"]) == 2
+    assert "--rows: must be >= 1" in capsys.readouterr().err
+    assert main(["cim", "alexnet", "--cells-per-weight", "3"]) == 2
+    assert "not 3" in capsys.readouterr().err

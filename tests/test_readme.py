@@ -21,3 +21,14 @@ def test_the_backend_example_runs(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "shape (1, 1000)" in run.stdout
     assert "maco: " in run.stderr and "x the graph" in run.stderr  # the one log line per graph
+
+
+def test_the_cim_example_runs_and_its_chip_computes_the_conv(tmp_path):
+    script = tmp_path / "cim.py"
+    script.write_text(_example("cim") + "import torch\n"
+                      "ref = torch.nn.functional.conv2d(torch.tensor(x, dtype=torch.float64), "
+                      "torch.tensor(w, dtype=torch.float64), padding=1).round().long().numpy()\n"
+                      "assert (y == ref).all()\nprint('exact')\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-1] == "exact" and "CimCost(weight_loads=" in run.stdout
