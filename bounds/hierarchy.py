@@ -34,12 +34,10 @@ import sympy as sp
 from maco.bounds.simulate import schedule_loops
 from maco.errors import MacoError
 from maco.geometry import input_window
-from maco.schedule import Schedule
+from maco.schedule import INPUT_AXES, SPATIAL_AXES, WEIGHT_AXES, Schedule
 from maco.spec import ConvSpec
 
-OUTPUT_AXES = ("n", "g", "k", "oh", "ow")
-WEIGHT_AXES = ("g", "k", "c", "kh", "kw")
-INPUT_AXES = ("n", "g", "c", "oh", "ow", "kh", "kw")
+OUTPUT_AXES = SPATIAL_AXES
 
 
 @dataclass(frozen=True)

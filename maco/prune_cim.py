@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from maco.schedule import REDUCTION_AXES, Schedule, cim_crossbars
+from maco.schedule import WEIGHT_AXES, Schedule, cim_crossbars
 from maco.factors import divisors
 from maco.spec import ConvSpec
 from maco.target import Target
 
 STREAM_AXES = ("n", "oh", "ow")  # spatial axes that only stream pixels past a weight block
-BLOCK_AXES = ("g", "k") + REDUCTION_AXES  # the axes a weight block depends on
+OUTPUT_BLOCK_AXES = ("g", "k")  # spatial axes a weight block depends on
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def sweep_chunks(schedule: Schedule) -> int | None:
     outside every weight loop with trips; None when a stream loop sits between weight loops."""
     trips = schedule.cim_trips()
     active = [a for a in schedule.loop_order if trips[a] > 1]
-    blocks = [i for i, a in enumerate(active) if a in BLOCK_AXES]
+    blocks = [i for i, a in enumerate(active) if a in WEIGHT_AXES]
     if not blocks:
         return 1
     first, last = blocks[0], blocks[-1]

@@ -34,8 +34,7 @@ from maco.schedule import ALL_AXES, LAYOUTS, REDUCTION_AXES, SPATIAL_AXES, Sched
 from maco.spec import ConvSpec
 from maco.target import Target
 
-STREAM = ("n", "oh", "ow")
-OUTPUT_BLOCK = ("g", "k")
+STREAM, OUTPUT_BLOCK = prune_cim.STREAM_AXES, prune_cim.OUTPUT_BLOCK_AXES
 FACT = np.array([factorial(i) for i in range(len(ALL_AXES) + 1)], dtype=np.int64)
 
 
