@@ -13,7 +13,15 @@ are not counted here. Two arguments bound the cells written:
    counted once per output alive on its core when it happens, number at least M * K * (R - S_w).
    A write is counted by at most S_p outputs, so Q >= M * K * (R - S_w) / S_p.
 
-Q >= max of the two, in weights; times cells_per_weight in cells. The tile conditions that follow
+Q >= max of the two, in weights; times cells_per_weight in cells. The argument holds for any
+placement of weights in cells. Where each crossbar holds at most one row segment of an output
+channel (it feeds one input vector to its rows per activation, and MACO's schedules map a block's
+reduction rows to distinct crossbars), at most S_col = crossbars * rows weights of a column are
+resident, and the same argument with S_col in place of S_w bounds those schedules
+(`cim_weight_bound(..., mapped=True)`): the gap between the two bounds is what folding several
+segments of a column into one crossbar (one activation per segment) could still save.
+
+The tile conditions that follow
 (maco.prune's CIM rules): a schedule meets (1) exactly when no weight is written twice, so the
 crossbars of different cores must not hold the same weights (bind cores to output channels and
 groups, not to images or pixels), and each block is written once per sweep of the outputs whose
@@ -49,9 +57,11 @@ def derive_cim() -> CimDerivation:
     return CimDerivation(compulsory, psum_limited, sp.Max(compulsory, psum_limited))
 
 
-def cim_weight_bound(spec: ConvSpec, arch: CimArch) -> int:
-    """Fewest cells any schedule of `spec` writes into the crossbars of `arch`."""
+def cim_weight_bound(spec: ConvSpec, arch: CimArch, mapped: bool = False) -> int:
+    """Fewest cells any schedule of `spec` writes into the crossbars of `arch` (mapped: any schedule
+    that keeps one row segment of an output channel per crossbar, as MACO's space does)."""
     d = derive_cim()
+    resident = arch.crossbars * arch.rows if mapped else arch.core_weights
     values = {M: spec.n * spec.out_h * spec.out_w, K: spec.k, R: spec.c_per_group * spec.kh * spec.kw,
-              S_w: arch.core_weights, S_p: arch.psum_capacity}
+              S_w: resident, S_p: arch.psum_capacity}
     return int(sp.ceiling(d.Q.subs(values))) * arch.cells_per_weight

@@ -23,6 +23,7 @@ class CimLayer:
     maco_loads: int
     maco_crossbar_writes: int
     bound_cells: int
+    mapped_bound_cells: int  # the bound for schedules with one row segment of a channel per crossbar
     template_transactions: int  # input DMA transactions
     maco_transactions: int
     maco_input_elements: int
@@ -51,6 +52,7 @@ def analyse(layers: Sequence[tuple[str, ConvSpec]], target: Target) -> list[CimL
         t, m = cim_cost(spec, template, target), cim_cost(spec, maco, target)
         out.append(CimLayer(name, str(spec), t.weight_cells, t.weight_loads, m.weight_cells, m.weight_loads,
                             m.crossbar_writes, cim_weight_bound(spec, target.cim_arch),
+                            cim_weight_bound(spec, target.cim_arch, mapped=True),
                             t.input_transactions, m.input_transactions, m.input_elements,
                             m.crossbars_used, m.peak_input_bytes, m.peak_psums, maco.describe()))
     return out

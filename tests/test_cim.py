@@ -300,3 +300,14 @@ def test_cli_reports_a_network_and_writes_json(tmp_path, capsys) -> None:
     assert "--rows: must be >= 1" in capsys.readouterr().err
     assert main(["cim", "alexnet", "--cells-per-weight", "3"]) == 2
     assert "not 3" in capsys.readouterr().err
+
+
+def test_the_mapped_bound_lies_between_the_bound_and_every_schedule_of_the_space() -> None:
+    target = Target.cim(cores=2, crossbars=2, rows=8, columns=8, psum_buffer=16, input_buffer=256)
+    spec = SMALL_LAYERS[3]  # 72 reduction rows: more than the 16 rows of two crossbars; 4 psums
+    arch = target.cim_arch
+    bound, mapped = cim_weight_bound(spec, arch), cim_weight_bound(spec, arch, mapped=True)
+    assert bound < mapped  # the psum term with 16 rows of a column resident instead of 32 weights
+    best = min(cim_cost(spec, s, target).weight_cells for s, _ in canonical_schedules(spec)
+               if s.layout == "NCHW" and not s.problems(spec, target))
+    assert mapped <= best
