@@ -15,7 +15,7 @@ from torch import nn
 from maco.files import write_atomic
 from maco.kernel_choice import MIN_GAIN
 from maco.layouts import LayoutPlan
-from maco.layouts.end_to_end import ConvShare
+from maco.layouts.end_to_end import ConvShare, ModelTimes
 from maco.spec import ConvSpec
 from maco.target import Target
 from maco.timing import environment
@@ -49,6 +49,23 @@ class OptimizeResult:
     example: Any = None  # the input it was planned and timed on
     share: ConvShare | None = None  # the chosen model's time beside its conv kernels'
     target: Target | None = None
+
+
+def end_to_end_rows(times: ModelTimes, pick: str) -> dict[str, dict[str, Any]]:
+    """Per variant (all but the reference "default"): the medians of the per-round times of the
+    default and of the variant, the median of the per-round ratios (the speedup), and the ratio of
+    those two medians. The two ratios are different statistics of the same rounds; on a drifting
+    machine they may even disagree in direction, so the report prints both and says which is which."""
+    default_s = times.timing("default").median
+    out = {}
+    for label in times.rounds:
+        if label == "default":
+            continue
+        planned_s = times.timing(label).median
+        out[label] = {"default_s": default_s, "planned_s": planned_s, "speedup": times.speedup(label),
+                      "ratio_of_medians": default_s / planned_s, "max_abs_diff": times.max_abs_diff[label],
+                      "chosen": label == pick}
+    return out
 
 
 def write_outputs(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> None:
@@ -134,21 +151,25 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
               f"{plan.cost * 1e3:.2f} ms" + (f" vs {plan.default_cost * 1e3:.2f} ms all-NCHW"
                                              if plan.default_cost else "") + ".", "",
               "## End to end (measured: every variant in the same interleaved rounds)", "",
-              "Speedup: the median over rounds of the default model's time over the variant's in that "
-              "round; times: medians over rounds. The model handed back is the fastest variant whose "
-              "output equals the default's.", ""]
+              "Times: the median over rounds of each model's time in a round. Speedup (in bold): the "
+              "median over rounds of the default's time over the variant's in the same round; in "
+              "brackets the ratio of the two printed medians, a different statistic of the same rounds "
+              "(on a drifting machine the two can differ). The model handed back is the variant with "
+              "the highest speedup whose output equals the default's.", ""]
     default_s = next(iter(result.end_to_end.values()), {}).get("default_s")
     if default_s:
         lines.append(f"- default (the model as given, torch eager): {default_s * 1e3:.2f} ms")
     for key, e in result.end_to_end.items():
         label = VARIANTS.get(key, key).format(swapped=len(swapped))
-        lines.append(f"- {label}: {e['planned_s'] * 1e3:.2f} ms = **{e['speedup']:.2f}x** "
-                     f"(max |diff| {e['max_abs_diff']:.2g})" + (" <- handed back" if e.get("chosen") else ""))
+        lines.append(f"- {label}: {e['planned_s'] * 1e3:.2f} ms, **{e['speedup']:.2f}x** per round "
+                     f"({e['default_s'] / e['planned_s']:.2f}x from the medians; max |diff| "
+                     f"{e['max_abs_diff']:.2g})" + (" <- handed back" if e.get("chosen") else ""))
     if "planned_maco" not in result.end_to_end:
         lines.append("- no MACO kernel beat torch in its planned layout: no variant runs MACO kernels")
     lines += ["", f"Handed back: **{result.chosen}**" + (
         " (no variant was faster than the model as given)" if result.chosen == "default" else
-        f", {result.end_to_end[result.chosen]['speedup']:.2f}x the default in the same rounds") + "."]
+        f", {result.end_to_end[result.chosen]['speedup']:.2f}x the default per round in the same "
+        "rounds") + "."]
     if result.share is not None:
         s = result.share
         lines += ["", "## Where the time goes (the handed-back model, its convs timed alone in the same rounds)", "",

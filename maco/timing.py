@@ -1,5 +1,14 @@
 """The measurement protocol shared by every timer in MACO: warm up, repeat runs that each last
-long enough, keep the median and the spread, and record the environment beside the numbers."""
+long enough, keep the median and the spread, and record the environment beside the numbers.
+
+The VMs MACO runs on drift 10-20% over minutes and hours, with spells of seconds at half speed,
+so a time taken alone is not comparable with one taken in another hour. `time_with_reference`
+times a candidate in rounds beside a fixed reference (the tuner uses the FMA loop sized to the
+candidate's flops: kernels.cpu_peak.flops_runner), re-measures a round in which the reference
+reads slow by more than a margin against the fastest this process has seen, and keeps the
+reference's seconds and the median per-round ratio in the Timing. The ratio (candidate over
+reference; for the FMA loop, the inverse of the fraction of peak) is what records are ranked by
+across spells and days."""
 from __future__ import annotations
 
 import os
@@ -25,6 +34,12 @@ class Timing:
     stdev: float
     repeats: int
     number: int
+    reference: float | None = None  # median seconds of the reference in the same rounds
+    ratio: float | None = None  # median over rounds of (this / the reference) in that round
+
+    @property
+    def referenced(self) -> bool:
+        return self.reference is not None and self.ratio is not None
 
     @property
     def spread(self) -> float:
@@ -32,7 +47,10 @@ class Timing:
         return (self.max - self.min) / self.median if self.median > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.referenced:  # plain timings keep their old form (records, data sets)
+            del d["reference"], d["ratio"]
+        return d
 
     @classmethod
     def from_samples(cls, samples: list[float], number: int) -> "Timing":
@@ -124,6 +142,40 @@ def interleaved_rounds(runs: Mapping[str, Callable[[], Any]], rounds: int, *, re
             out[label].append(time_callable(fn, repeats=repeats, min_run_time=min_run_time,
                                             warmup=warmup, sync=sync))
     return out
+
+
+SLOW_MARGIN = 0.15  # a round whose reference runs this much slower than the best seen is re-measured
+SLOW_RETRIES = 2
+_BEST_RATE: dict[str, float] = {}  # per reference name: the fastest work per second seen here
+
+
+def time_with_reference(fn: Callable[[], Any], reference: Callable[[], Any], *, work: float,
+                        name: str = "fma", rounds: int = 3, repeats: int = 3,
+                        min_run_time: float = 1e-3, warmup: int = 1,
+                        sync: Callable[[], Any] | None = None) -> Timing:
+    """`fn` timed in `rounds` rounds, each beside `reference` (which does `work` units, e.g.
+    flops, so that its rate is comparable between references of different sizes). A round in
+    which the reference's rate falls more than SLOW_MARGIN below the best this process has seen
+    for `name` is measured again (at most SLOW_RETRIES times). The Timing pools the rounds
+    (pool_timings) and carries the reference's median seconds and the median per-round ratio."""
+    if not work > 0:
+        raise ValueError(f"work must be positive, got {work!r}")
+    kept: list[tuple[Timing, Timing]] = []
+    for _ in range(max(rounds, 1)):
+        for attempt in range(SLOW_RETRIES + 1):
+            ref = time_callable(reference, repeats=repeats, min_run_time=min_run_time, warmup=warmup,
+                                sync=sync)
+            got = time_callable(fn, repeats=repeats, min_run_time=min_run_time, warmup=warmup, sync=sync)
+            rate = work / ref.median
+            best = max(_BEST_RATE.get(name, 0.0), rate)
+            _BEST_RATE[name] = best
+            if rate >= best / (1 + SLOW_MARGIN) or attempt == SLOW_RETRIES:
+                break
+        kept.append((got, ref))
+    pooled = pool_timings([g for g, _ in kept])
+    return Timing(pooled.median, pooled.min, pooled.max, pooled.stdev, pooled.repeats, pooled.number,
+                  reference=float(statistics.median(r.median for _, r in kept)),
+                  ratio=float(statistics.median(g.median / r.median for g, r in kept)))
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,46 @@
+"""maco optimize's report states one statistic per number and says which: on rounds skewed so that
+the median of per-round ratios and the ratio of the median times disagree in direction, the report
+prints the medians of the per-round times, the median per-round ratio as the speedup and, marked
+as such, the ratio of the printed medians."""
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+from maco.layouts import LayoutPlan
+from maco.layouts.end_to_end import ModelTimes
+from maco.optimize_report import OptimizeResult, end_to_end_rows, report_markdown
+from maco.target import Target
+from maco.timing import Timing
+
+
+def _rounds(ms: list[float]) -> list[Timing]:
+    return [Timing(m / 1e3, m / 1e3, m / 1e3, 0.0, 3, 1) for m in ms]
+
+
+def test_report_speedups_and_times_agree_by_their_stated_rule(tmp_path: Path) -> None:
+    # a fake timer's rounds: the machine slows down across rounds, the variants less so
+    rounds = {"default": [10.0, 20.0, 30.0], "fused": [9.0, 22.0, 25.0], "planned_torch": [12.0, 18.0, 33.0]}
+    times = ModelTimes({k: _rounds(v) for k, v in rounds.items()}, {k: 0.0 for k in rounds},
+                       {k: 0.0 for k in rounds})
+    rows = end_to_end_rows(times, pick="fused")
+    plan = LayoutPlan([], ["NCHW", "NHWC"], 0.02, 0.021, "exact", "measured", [[1, 3, 8, 8]])
+    result = OptimizeResult("toy", tmp_path, [], plan, rows, 1.0, chosen="fused")
+    text = report_markdown(result, Target.host(), tmp_path / "r.jsonl", [])
+    for label, ms in rounds.items():
+        if label == "default":
+            assert "default (the model as given, torch eager): 20.00 ms" in text
+            continue
+        per_round = statistics.median(d / v for d, v in zip(rounds["default"], ms))
+        med = statistics.median(ms)
+        line = next(line for line in text.splitlines() if line.startswith("- ") and f"{med:.2f} ms" in line)
+        printed_ms, speedup, from_medians = re.search(
+            r"(\d+\.\d+) ms, \*\*(\d+\.\d+)x\*\* per round \((\d+\.\d+)x from the medians", line).groups()
+        assert float(printed_ms) == round(med, 2)
+        assert float(speedup) == round(per_round, 2)
+        assert float(from_medians) == round(20.0 / med, 2)
+    # the skew was real: for "fused" the two statistics point in opposite directions
+    assert rows["fused"]["speedup"] > 1 > rows["fused"]["ratio_of_medians"]
+    assert "Speedup (in bold): the median over rounds" in text and "ratio of the two printed medians" in text
+    assert "Handed back: **fused**, 1.11x the default per round" in text
