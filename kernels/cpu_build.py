@@ -9,6 +9,12 @@ matches its bytes and it holds its own key (the exported string `maco_kernel_key
 object would crash the process that dlopens it, and another kernel's object under this name would
 silently compute the wrong thing. Anything else is rebuilt. An unwritable cache falls back to a
 private temporary one, with one warning.
+
+`-march=native` is resolved to what it means on this machine (gcc's own expansion: the -march
+target, every ISA feature, the cache sizes, -mtune) before it is hashed and compiled, so the key
+names the machine's -march target: an object built on another node for this one's expansion has
+this node's key (a cluster build, maco.cluster_measure), one built for another ISA never does.
+`install` puts such an object into the cache only after the same digest and key checks.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import hashlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -123,8 +130,46 @@ def flags_for(target: Target) -> list[str]:
     return list(BASE_FLAGS) + isa_flags(target)
 
 
+def resolved_flags(flags: list[str]) -> list[str]:
+    """`flags` with -march=native / -mtune=native replaced by gcc's expansion of them on this
+    machine (the explicit -march, ISA features, cache sizes and -mtune it hands cc1). Another
+    node's gcc compiles the result into the same object; unchanged where there is nothing native
+    or the compiler does not say (then `key` adds the CPU model, and the object stays node-bound)."""
+    arch = tuple(f for f in flags if f.startswith("-m"))
+    if not any("native" in f for f in arch):
+        return list(flags)
+    expansion = _expand(arch, compiler())
+    if expansion is None:
+        return list(flags)
+    return [f for f in flags if not f.startswith("-m")] + list(expansion)
+
+
+@lru_cache(maxsize=16)
+def _expand(arch: tuple[str, ...], cc: str) -> tuple[str, ...] | None:
+    """The machine options gcc's driver passes to cc1 for `arch` (`gcc -###`), or None."""
+    try:
+        run = subprocess.run([cc, *arch, "-###", "-x", "c", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    cc1 = next((line for line in run.stderr.splitlines() if "/cc1 " in line), None)
+    if run.returncode != 0 or cc1 is None:
+        return None
+    out, tokens = [], shlex.split(cc1)
+    for i, token in enumerate(tokens):
+        if token.startswith("-m"):
+            out.append(token)
+        elif token == "--param" and i + 1 < len(tokens):
+            out.append(f"--param={tokens[i + 1]}")
+    if any("native" in t for t in out) or not any(t.startswith("-march=") for t in out):
+        return None
+    return tuple(out)
+
+
 def key(source: str, flags: list[str]) -> str:
-    """Cache key: source + flags + compiler version (+ the CPU model when tuned for -march=native)."""
+    """Cache key: source + flags as resolved on this machine (so the -march target) + compiler
+    version (+ the CPU model where -march=native could not be resolved)."""
+    flags = resolved_flags(flags)
     h = hashlib.sha256()
     for part in (source, " ".join(flags), compiler_version()):
         h.update(part.encode())
@@ -142,7 +187,34 @@ def build(source: str, flags: list[str], out_dir: Path | None = None, timeout: f
     k = key(source, flags)
     so = out_dir / f"k_{k}.so"
     if _intact(so, k) is None:
-        _compile(_with_key(source, k), flags, so, timeout)
+        _compile(_with_key(source, k), resolved_flags(flags), so, timeout)
+    return so
+
+
+def shipped(so: Path) -> bytes:
+    """The checked bytes of a cached object, to hand to another node's `install`."""
+    data = _intact(so, so.name[2:-3])
+    if data is None:
+        raise MacoError(f"kernel {so} is missing or damaged; building the kernel again replaces it")
+    return data
+
+
+def install(source: str, flags: list[str], data: bytes, digest: str,
+            out_dir: Path | None = None) -> Path | None:
+    """Put an object built on another node into this node's cache: only when `data` matches
+    `digest` and holds the key this node computes for (source, flags), i.e. the same source,
+    flags, compiler and -march target. Its path, or None when it is not this node's kernel (the
+    caller builds it here). load() checks it again before dlopen, as every cached object."""
+    out_dir = _usable(Path(out_dir)) if out_dir else cache_dir()
+    k = key(source, flags)
+    so = out_dir / f"k_{k}.so"
+    if _intact(so, k) is not None:
+        return so
+    if hashlib.sha256(data).hexdigest() != digest or k.encode() + b"\0" not in data:
+        return None
+    # as in _compile: the object first, its digest last, each whole or not at all
+    write_atomic(so, data)
+    write_atomic(_digest_file(so), digest + "\n")
     return so
 
 
@@ -193,7 +265,7 @@ def _compile(source: str, flags: list[str], so: Path, timeout: float) -> None:
             raise MacoError(f"gcc took longer than {timeout:g} s on {so.name}") from None
         if proc.returncode != 0:
             msg = (stderr or stdout).strip()
-            raise MacoError(f"gcc failed ({' '.join(cmd[:-5])}):\n{msg[-4000:]}")
+            raise MacoError(f"gcc failed ({' '.join(cmd[:-5])[:300]}):\n{msg[-4000:]}")
         digest = hashlib.sha256(Path(tmp_so).read_bytes()).hexdigest()
         # the object first, its digest last: a crash in between leaves an old or no digest,
         # which reads as "rebuild", never as "trust"

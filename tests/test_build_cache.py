@@ -177,3 +177,30 @@ def test_a_truncated_cubin_is_rebuilt(tmp_path: Path) -> None:
     again = cuda_build.build([p], tmp_path)[p.source_hash]
     assert again.cubin == first.cubin and again.cubin.stat().st_size == size
     assert again.registers is not None  # ptxas ran again
+
+
+# -- objects built on another node (issue 23: maco.cluster_measure ships them with their key) --
+def _shipped(tmp_path: Path, source: str, flags: list[str]) -> tuple[bytes, str]:
+    import hashlib
+
+    data = cpu_build.shipped(cpu_build.build(source, flags, out_dir=tmp_path / "builder"))
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def test_the_key_names_the_march_target_native_resolves_to(cache: Path) -> None:
+    resolved = cpu_build.resolved_flags(FLAGS)
+    assert not any("native" in f for f in resolved) and any(f.startswith("-march=") for f in resolved)
+    assert cpu_build.key(SRC_42, FLAGS) == cpu_build.key(SRC_42, resolved)  # another node builds it
+    assert cpu_build.key(SRC_42, FLAGS) != cpu_build.key(SRC_42, [*FLAGS[:-1], "-march=x86-64"])
+
+
+def test_a_shipped_object_is_installed_only_when_it_is_this_nodes_kernel(cache: Path, tmp_path: Path) -> None:
+    data, digest = _shipped(tmp_path, SRC_42, cpu_build.resolved_flags(FLAGS))
+    assert cpu_build.install(SRC_7, FLAGS, data, digest) is None  # another source's key
+    other = [f for f in FLAGS if not f.startswith("-march")] + ["-march=x86-64"]
+    assert cpu_build.install(SRC_42, other, data, digest) is None  # built for another ISA
+    assert cpu_build.install(SRC_42, FLAGS, data[:-1] + b"x", digest) is None  # damaged on the way
+    assert not list(cache.glob("k_*"))
+    so = cpu_build.install(SRC_42, FLAGS, data, digest)
+    assert so == cache / f"k_{cpu_build.key(SRC_42, FLAGS)}.so" and call_f(so) == 42
+    assert cpu_build.build(SRC_42, FLAGS) == so and so.read_bytes() == data  # a cache hit
