@@ -339,7 +339,7 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
             layouts: Sequence[str] = LAYOUTS, device: str = "cpu", *, rounds: int = 3,
             repeats: int = 3, min_run_time: float = 1e-3, tolerance: float = 0.1,
             attempts: int = 3, retime_noisy: bool = False, threads: int | None = None,
-            patience: float = 30.0, progress: bool = True) -> CollectSummary:
+            patience: float = 30.0, progress: bool = True, cluster: str | None = None) -> CollectSummary:
     """Time every (source, spec) in every layout (interleaved, see measure_layouts) and append
     the rows; keys already in the file are skipped, so an interrupted run resumes.
 
@@ -347,7 +347,9 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
     medians), or beside a busy neighbour (see Canary; collection first backs off up to
     `patience` seconds), is timed again, up to `attempts` times, keeping the best attempt. With
     `retime_noisy`, specs whose rows in the file are noisy or loaded are timed again too (new
-    rows are appended; load_rows keeps the best). `threads` sets torch's intra-op threads."""
+    rows are appended; load_rows keeps the best). `threads` sets torch's intra-op threads.
+    `cluster` (a Ray address) times the specs on that cluster's machines of this one's kind, one
+    spec at a time per machine, each row naming its machine's environment."""
     start = time.perf_counter()
     layouts = [check_layout(lay) for lay in layouts]
     dev = str(check_device(device))
@@ -355,9 +357,12 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
         if threads <= 0:
             raise MacoError(f"threads must be positive, got {threads}")
         torch.set_num_threads(threads)
+    if cluster is not None:
+        from maco.cluster import check_address
+
+        cluster = check_address(cluster)
     ds = Dataset(path)
     have = {row.key: row for row in best_rows(ds.load())}
-    env_id = ds.record_environment({**environment(), "torch_threads": torch.get_num_threads()})
     todo: list[tuple[str, ConvSpec, list[str]]] = []
     seen: set[ConvSpec] = set()
     retimed = 0
@@ -374,28 +379,87 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
     skipped = len(seen) - len(todo)
     from tqdm import tqdm
 
-    canary = Canary(dev) if todo else None
+    params = dict(rounds=rounds, repeats=repeats, min_run_time=min_run_time, tolerance=tolerance,
+                  attempts=attempts, patience=patience)
     loaded = 0
-    for source, spec, lays in tqdm(todo, desc="collect", unit="conv", disable=not progress):
-        best: tuple[tuple[bool, float], dict[str, Timing], float] | None = None
-        for _ in range(max(attempts, 1)):
-            before = canary.wait_quiet(patience)
-            timings = measure_layouts(spec, lays, dev, rounds=rounds, repeats=repeats,
-                                      min_run_time=min_run_time)
-            load = max(before, canary.load())
-            score = (load > QUIET_LOAD, _noise(timings))
-            if best is None or score < best[0]:
-                best = (score, timings, load)
-            if not best[0][0] and best[0][1] <= tolerance:
-                break
-        _, timings, load = best
+    bar = tqdm(total=len(todo), desc="collect", unit="conv", disable=not progress)
+
+    def keep(source: str, spec: ConvSpec, lays: list[str], timings: dict[str, Timing], load: float,
+             env_id: str) -> None:
+        nonlocal loaded
         loaded += load > QUIET_LOAD
         now = time.time()
         ds.append(Row(spec, lay, dev, source, timings[lay], env_id, now, load) for lay in lays)
+        bar.update()
+
+    with bar:
+        if cluster is None:
+            env_id = ds.record_environment({**environment(), "torch_threads": torch.get_num_threads()})
+            canary = Canary(dev) if todo else None
+            for source, spec, lays in todo:
+                keep(source, spec, lays, *_time_spec(canary, spec, lays, dev, **params), env_id)
+        elif todo:
+            _collect_on_cluster(cluster, ds, todo, dev, params, keep)
     rows = best_rows(ds.load())
     return CollectSummary(measured=len(todo), skipped=skipped, retimed=retimed, loaded=loaded,
                           rows=len(rows), bad_lines=len(ds.bad_lines),
                           seconds=time.perf_counter() - start)
+
+
+def _time_spec(canary: Canary, spec: ConvSpec, lays: list[str], dev: str, *, rounds: int, repeats: int,
+               min_run_time: float, tolerance: float, attempts: int,
+               patience: float) -> tuple[dict[str, Timing], float]:
+    """One conv in `lays`, timed up to `attempts` times until quiet and agreeing; the best
+    attempt's timings and the canary's load around it."""
+    best: tuple[tuple[bool, float], dict[str, Timing], float] | None = None
+    for _ in range(max(attempts, 1)):
+        before = canary.wait_quiet(patience)
+        timings = measure_layouts(spec, lays, dev, rounds=rounds, repeats=repeats,
+                                  min_run_time=min_run_time)
+        load = max(before, canary.load())
+        score = (load > QUIET_LOAD, _noise(timings))
+        if best is None or score < best[0]:
+            best = (score, timings, load)
+        if not best[0][0] and best[0][1] <= tolerance:
+            break
+    return best[1], best[2]
+
+
+def _collect_on_cluster(address: str, ds: Dataset, todo: list[tuple[str, ConvSpec, list[str]]], dev: str,
+                        params: dict[str, Any], keep: Any) -> None:
+    """`todo` timed on the cluster's machines of this machine's kind (maco.cluster), rows kept
+    as each conv finishes; a conv whose machines all died stays missing (a rerun resumes)."""
+    from maco.cluster import Cluster
+    from maco.cluster_measure import describe, group_of, label_of
+    from maco.target import Target
+
+    cuda = dev.startswith("cuda")
+    target = Target.h100() if cuda else Target.host(torch.get_num_threads())
+    jobs = [(target.cores, dev, spec.to_dict(), lays, params) for _, spec, lays in todo]
+
+    def done(i: int, result: tuple[dict[str, dict[str, Any]], float, dict[str, Any]]) -> None:
+        timings, load, env = result
+        keep(*todo[i], {lay: Timing(**t) for lay, t in timings.items()}, load, ds.record_environment(env))
+
+    with Cluster(address) as cluster:
+        pool = cluster.pool(describe, (target.to_dict(),), group_of(target), label_of(target), per_gpu=cuda)
+        try:
+            pool.run(_time_on_machine, jobs, lost=lambda reason: None, on_result=done)
+        finally:
+            pool.close()
+
+
+def _time_on_machine(state: dict[str, Any], threads: int, dev: str, spec: dict[str, Any], lays: list[str],
+                     params: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float, dict[str, Any]]:
+    """Run on a machine's actor (maco.cluster): _time_spec with this machine's canary, and the
+    environment its rows name."""
+    if "canary" not in state:
+        from maco.cluster import local_threads
+
+        state["env"] = {**local_threads(threads), "torch_threads": threads}
+        state["canary"] = Canary(dev)
+    timings, load = _time_spec(state["canary"], ConvSpec.from_dict(spec), lays, dev, **params)
+    return {lay: t.to_dict() for lay, t in timings.items()}, load, state["env"]
 
 
 __all__ = ["COLUMNS", "Row", "Dataset", "load_rows", "best_rows", "random_spec", "random_specs",

@@ -29,11 +29,17 @@ DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
 def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str = "quick",
              out: str | Path = "maco-out", records: str | Path | None = None, seed: int = 0,
              input_shape: tuple[int, ...] | None = None, batch: int | None = None,
-             save: str | Path | None = None, log: Callable[[str], Any] = print) -> OptimizeResult:
+             save: str | Path | None = None, log: Callable[[str], Any] = print,
+             cluster: str | None = None) -> OptimizeResult:
     """The main job (module docstring). Kernels are tuned for `batch` images (default: the input
     shape's first size, else 1) and torch's thread count; `save` writes the model it hands back to
-    one file (maco.deployment: reload it with maco.load, no tuning)."""
+    one file (maco.deployment: reload it with maco.load, no tuning). `cluster` (a Ray address)
+    tunes on that cluster's machines of this one's kind; the rest runs here."""
     start = time.perf_counter()
+    if cluster is not None:
+        from maco.cluster import check_address
+
+        cluster = check_address(cluster)
     if budget not in BUDGETS:
         raise MacoError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
     tgt = resolve_target(target)
@@ -68,7 +74,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         + (f" with {tgt.cores} threads" if tgt.kind == "cpu" else "")
         + f": {trials} measurements ({budget} budget), records in {records}")
     tuned = tune_layers(layers, tgt, trials, records=records, seed=seed,
-                        weights=[len(names) for _, names in groups])
+                        weights=[len(names) for _, names in groups], cluster=cluster)
     best = best_in_files([records], tgt)
     rows = [LayerRow(r.name, r.spec, r.weight, r.trials,
                      maco={lay: best[(r.spec, lay)].seconds for lay in ("NCHW", "NHWC") if (r.spec, lay) in best},

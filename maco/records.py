@@ -140,10 +140,21 @@ class TransientError(str):
     the schedule is retried once in a later round instead of failing for good."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a batch of measurements; `results` holds, per schedule of the batch, its
+    finished result or None, so that the caller records what was measured before it stops."""
+
+    def __init__(self, results: list):
+        super().__init__()
+        self.results = results
+
+
 def make_record(spec: ConvSpec, target: Target, schedule: Schedule, timing: Timing | None = None,
-                error: str | None = None) -> Record:
-    return Record(spec, target.fingerprint(), schedule, timing, error, env=environment(),
-                  transient=isinstance(error, TransientError))
+                error: str | None = None, env: dict[str, Any] | None = None) -> Record:
+    """A record of this process's measurement, or of another machine's when `env` (its
+    environment) is given (a cluster node)."""
+    return Record(spec, target.fingerprint(), schedule, timing, error,
+                  env=environment() if env is None else env, transient=isinstance(error, TransientError))
 
 
 def _capped_lines(fh: Any, limit: int) -> Iterator[bytes | None]:

@@ -15,7 +15,7 @@ from typing import Callable, Protocol, Sequence
 from maco import space
 from maco.errors import MacoError
 from maco.prune import alpha_c_index, alpha_order_ok
-from maco.records import Record, RecordFile, make_record
+from maco.records import Interrupted, Record, RecordFile, make_record
 from maco.schedule import SPATIAL_AXES, UNROLL_STEPS, Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -23,7 +23,9 @@ from maco.timing import Timing
 
 
 class MeasureFunction(Protocol):
-    """Times schedules of one conv; returns one (timing, error) pair per schedule, in order."""
+    """Times schedules of one conv; returns one (timing, error) pair per schedule, in order, or
+    (timing, error, env) where another machine measured (env: its environment). Ctrl-C during
+    the batch may raise records.Interrupted with the results finished before it."""
 
     def __call__(self, spec: ConvSpec, schedules: Sequence[Schedule],
                  target: Target) -> list[tuple[Timing | None, str | None]]: ...
@@ -242,9 +244,22 @@ def search_round(state: TaskState, target: Target, model, measurer: MeasureFunct
     picked += extra[:n - len(picked)]
     if not picked:
         return []
-    results = measurer(spec, picked, target)
-    new = [make_record(spec, target, s, t, e) for s, (t, e) in zip(picked, results)]
+    try:
+        results = measurer(spec, picked, target)
+    except Interrupted as stop:  # keep what was measured, then stop
+        _keep(state, records, [_record(spec, target, s, r) for s, r in zip(picked, stop.results) if r])
+        raise KeyboardInterrupt from None
+    new = [_record(spec, target, s, r) for s, r in zip(picked, results)]
+    _keep(state, records, new)
+    return new
+
+
+def _record(spec: ConvSpec, target: Target, schedule: Schedule, result: tuple) -> Record:
+    timing, error, *env = result
+    return make_record(spec, target, schedule, timing, error, env=env[0] if env else None)
+
+
+def _keep(state: TaskState, records: RecordFile | None, new: list[Record]) -> None:
     if records is not None:
         records.append(new)
     state.records.extend(new)
-    return new

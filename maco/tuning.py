@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import random
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from maco import kernels
 from maco.cost_model import CostModel
@@ -149,10 +150,17 @@ def default_seeds(spec: ConvSpec, target: Target, layouts: tuple[str, ...]) -> t
 def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int, *,
                 records: str | Path, pruned: bool = True, seed: int = 0, round_size: int = 16,
                 layouts: tuple[str, ...] = ("NCHW", "NHWC"), timeout: float = 120.0,
-                baselines: bool = True, weights: list[int] | None = None) -> list[LayerResult]:
-    """Tune `layers` with a shared budget of `trials` measurements; returns one result per layer."""
+                baselines: bool = True, weights: list[int] | None = None,
+                cluster: str | None = None) -> list[LayerResult]:
+    """Tune `layers` with a shared budget of `trials` measurements; returns one result per layer.
+    `cluster` (a Ray address, maco.cluster.ADDRESSES) builds on every node of that cluster and
+    measures on its machines of `target`; without it nothing imports Ray."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if cluster is not None:
+        from maco.cluster import check_address
+
+        cluster = check_address(cluster)
     weights = weights or [_weight(name) for name, _ in layers]
     if target.kind == "cpu":
         for name, spec in layers:
@@ -160,9 +168,11 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
     tasks = [Task(name, spec, w, default_seeds(spec, target, layouts))
              for (name, spec), w in zip(layers, weights)]
     config = SearchConfig(batch=round_size, pruned=pruned, allowed_layouts=layouts)
-    with Measurer(target, MeasureConfig(timeout=timeout)) as measurer, Progress(
+    with ExitStack() as stack:
+        measurer = stack.enter_context(_measurer(target, MeasureConfig(timeout=timeout), cluster, stack))
+        bar = stack.enter_context(Progress(
             TextColumn("[bold]tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.description}"), transient=False) as bar:
+            TextColumn("{task.description}"), transient=False))
         job = bar.add_task("", total=trials)
 
         def progress(done: int, total: int, task: Task, state: TaskState) -> None:
@@ -183,6 +193,16 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
             out.append(LayerResult(task.name, task.spec, task.weight, state.best, len(state.records),
                                    nchw, nhwc))
     return out
+
+
+def _measurer(target: Target, config: MeasureConfig, cluster: str | None, stack: ExitStack) -> Any:
+    """This machine's measuring worker, or the cluster's (its connection closed with `stack`)."""
+    if cluster is None:
+        return Measurer(target, config)
+    from maco.cluster import Cluster
+    from maco.cluster_measure import ClusterMeasurer
+
+    return ClusterMeasurer(stack.enter_context(Cluster(cluster)), target, config)
 
 
 def _weight(name: str) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from maco.commands.common import (nonnegative_float, nonnegative_int, positive_float, positive_int,
-                                  print_table)
+from maco.commands.common import (add_cluster_argument, checked_cluster, nonnegative_float, nonnegative_int,
+                                  positive_float, positive_int, print_table)
 from maco.errors import MacoError
 from maco.files import check_writable
 
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for quiet cores before timing a conv anyway (default 30)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_cluster_argument(p)
     p.set_defaults(func=run)
 
 
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from maco.layouts.dataset import collect, network_specs, random_specs
     from maco.layouts.latency import check_device
 
+    cluster = checked_cluster(args.cluster)
     device = check_device(args.device).type
     out = args.out or f"results/dataset_{device}.csv"
     check_writable(out, "--out")
@@ -64,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
     layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
     summary = collect(out, specs, layouts, args.device, rounds=args.rounds, tolerance=args.tolerance,
                       attempts=args.attempts, retime_noisy=args.retime_noisy, threads=args.threads,
-                      patience=args.patience,
-                      progress=not args.no_progress)
+                      patience=args.patience, progress=not args.no_progress, cluster=cluster)
     print_table(f"maco collect -> {out}",
                 ["measured", "retimed", "under load", "skipped", "rows", "bad lines", "seconds"],
                 [(summary.measured, summary.retimed, summary.loaded, summary.skipped, summary.rows,

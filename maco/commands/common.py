@@ -36,6 +36,22 @@ nonnegative_float = _number(float, 0, True)
 fraction = _number(float, 0, True, 1)
 
 
+def add_cluster_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+                   help="build on every node of a Ray cluster and measure on its machines of this "
+                   "machine's kind: ray://HOST:PORT, HOST:PORT (as `ray start --head` prints) or "
+                   "auto (RAY_ADDRESS); needs pip install 'maco[cluster]'")
+
+
+def checked_cluster(address: str | None) -> str | None:
+    """--cluster checked before any work (None: no cluster, and Ray is not imported)."""
+    if address is None:
+        return None
+    from maco.cluster import check_address
+
+    return check_address(address)
+
+
 def resolve_layers(text: str, batch: int = 1) -> list[tuple[str, ConvSpec]]:
     """A built-in network name (every distinct conv layer) or a layer spec like n1_c64_h56_w56_k64_r3_p1
     (a spec is parsed first: it needs no torch, which takes seconds to import)."""

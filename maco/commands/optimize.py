@@ -7,7 +7,7 @@ from maco.errors import MacoError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from maco.commands.common import positive_int
+    from maco.commands.common import add_cluster_argument, positive_int
     from maco.tuning import BUDGETS
 
     p = sub.add_parser(
@@ -35,12 +35,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--save", default=None, metavar="FILE",
                    help="write the model handed back to FILE (maco.load(FILE, model) rebuilds it without tuning)")
+    add_cluster_argument(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from maco.commands.common import checked_cluster
     from maco.optimize import optimize
 
+    cluster = checked_cluster(args.cluster)
     shape = None
     if args.input_shape:
         try:
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             raise MacoError(f"--input-shape must be positive ints, got {args.input_shape!r}")
     result = optimize(args.model, target=args.target, budget=args.budget, out=args.out,
                       records=args.records, seed=args.seed, input_shape=shape, batch=args.batch,
-                      save=args.save)
+                      save=args.save, cluster=cluster)
     for key, label in (("fused", "fused (BatchNorm folded, epilogues in the conv)"),
                        ("planned_torch", "fused + planned layouts, torch convs"),
                        ("planned_maco", "fused + planned layouts + MACO kernels")):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from maco.commands.common import (nonnegative_int, positive_float, positive_int, print_table,
-                                  resolve_layers)
+from maco.commands.common import (add_cluster_argument, checked_cluster, nonnegative_int, positive_float,
+                                  positive_int, print_table, resolve_layers)
 from maco.errors import MacoError
 from maco.files import check_writable
 from maco.target import Target
@@ -40,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds one measurement may take before it counts as failed (default 120)")
     p.add_argument("--no-baseline", action="store_true", help="skip timing torch for the table")
+    add_cluster_argument(p)
     p.set_defaults(func=run)
 
 
@@ -50,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
         raise MacoError(f"--layouts must name NCHW and/or NHWC, got {args.layouts!r}")
     from maco.kernels import resolve_target
 
+    cluster = checked_cluster(args.cluster)
     target = resolve_target(args.target)
     check_writable(args.records, "--records")
     results = tune_layers(resolve_layers(args.layer, args.batch), target, args.trials,
                           records=args.records, pruned=not args.no_prune, seed=args.seed,
                           round_size=args.round_size, layouts=layouts, timeout=args.timeout,
-                          baselines=not args.no_baseline)
+                          baselines=not args.no_baseline, cluster=cluster)
     print_results(results, target, f"tuned {args.layer} on {target.name} "
                   f"({'full' if args.no_prune else 'MACO-pruned'} space, records: {args.records})")
     return 0
