@@ -130,6 +130,20 @@ def flops_runner(target: Target, kind: str = "fma",
     return run
 
 
+def fma_reference(flops: float, target: Target) -> Callable[[], None]:
+    """The reference every CPU measurement is timed beside (maco.timing.time_with_reference): the
+    FMA loop doing `flops` on target.cores threads. It reads only registers, so it tracks the
+    core's clock and the share of it this VM gets, not the caches or memory; candidate seconds over
+    its seconds is the inverse of the fraction of the FMA peak, comparable across spells and days."""
+    run = _fma_runner(target)
+    return lambda: run(flops)
+
+
+@lru_cache(maxsize=4)
+def _fma_runner(target: Target) -> Callable[[float], None]:
+    return flops_runner(target, "fma")
+
+
 def best_gflops(run: Callable[[float], None], flops: float, repeats: int) -> float:
     """GFLOP/s of the fastest of `repeats` runs of a flops_runner (a busy machine measures low)."""
     best = 0.0

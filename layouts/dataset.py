@@ -25,15 +25,20 @@ import torch
 
 from maco.errors import MacoError
 from maco.files import write_atomic
+from maco.kernels.cpu_peak import fma_reference
 from maco.layouts.latency import LAYOUTS, check_device, check_layout, conv_callable, measure_layouts
 from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
 from maco.spec import ConvSpec
+from maco.target import Target
 from maco.timing import Timing, environment, time_callable
 
 SPEC_COLUMNS = ["n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h", "pad_w",
                 "dil_h", "dil_w", "groups"]
-COLUMNS = ["spec", "layout", "device", "source", *SPEC_COLUMNS, "seconds", "min", "max", "stdev",
-           "repeats", "number", "gflops", "load", "env_id", "time"]
+UNREFERENCED_COLUMNS = ["spec", "layout", "device", "source", *SPEC_COLUMNS, "seconds", "min", "max",
+                        "stdev", "repeats", "number", "gflops", "load", "env_id", "time"]
+# reference: seconds of the FMA loop doing the conv's flops in the same rounds (maco.timing);
+# ratio: median over rounds of seconds / reference, the label that repeats across spells
+COLUMNS = UNREFERENCED_COLUMNS + ["reference", "ratio"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,11 @@ class Row:
         return self.timing.median
 
     @property
+    def ratio(self) -> float | None:
+        """Seconds over the reference timed in the same rounds (None in rows from before it)."""
+        return self.timing.ratio
+
+    @property
     def noise(self) -> float:
         """Disagreement of the timing rounds: their medians' stdev over the median."""
         return self.timing.stdev / self.timing.median
@@ -72,11 +82,12 @@ class Row:
                 *s.stride, *s.padding, *s.dilation, s.groups, repr(t.median), repr(t.min),
                 repr(t.max), repr(t.stdev), t.repeats, t.number,
                 f"{s.flops / t.median / 1e9:.4f}" if t.median > 0 else "0", f"{self.load:.3f}",
-                self.env_id, f"{self.time:.3f}"]
+                self.env_id, f"{self.time:.3f}", repr(t.reference) if t.referenced else "",
+                repr(t.ratio) if t.referenced else ""]
 
     @classmethod
     def from_fields(cls, values: Sequence[str]) -> "Row":
-        if len(values) != len(COLUMNS):
+        if len(values) not in (len(COLUMNS), len(UNREFERENCED_COLUMNS)):
             raise ValueError(f"{len(values)} fields, expected {len(COLUMNS)}")
         d = dict(zip(COLUMNS, values))
         i = {name: int(d[name]) for name in SPEC_COLUMNS + ["repeats", "number"]}
@@ -85,8 +96,13 @@ class Row:
                         (i["dil_h"], i["dil_w"]), i["groups"])
         if str(spec) != d["spec"]:
             raise ValueError(f"spec column {d['spec']!r} disagrees with the shape columns ({spec})")
+        reference, ratio = (float(d[k]) if d.get(k) else None for k in ("reference", "ratio"))
+        if (reference is None) != (ratio is None) or not all(
+                v is None or (math.isfinite(v) and v > 0) for v in (reference, ratio)):
+            raise ValueError(f"reference={d.get('reference')!r} and ratio={d.get('ratio')!r} must both "
+                             "be positive times, or both empty")
         timing = Timing(float(d["seconds"]), float(d["min"]), float(d["max"]), float(d["stdev"]),
-                        i["repeats"], i["number"])
+                        i["repeats"], i["number"], reference, ratio)
         if not (math.isfinite(timing.median) and timing.median > 0):
             raise ValueError(f"seconds={d['seconds']!r} is not a positive time")
         return cls(spec, check_layout(d["layout"]), d["device"], d["source"], timing, d["env_id"],
@@ -120,7 +136,7 @@ class Dataset:
         if not lines:
             return []
         header = next(csv.reader([lines[0]]), [])
-        if header != COLUMNS:
+        if header not in (COLUMNS, UNREFERENCED_COLUMNS):
             raise MacoError(f"{str(self.path)!r} is not a MACO latency data set "
                             f"(header {','.join(header)[:80]!r}, expected {','.join(COLUMNS[:5])},...)")
         rows = []
@@ -144,6 +160,8 @@ class Dataset:
             return
         if not self.path.exists() or self.path.stat().st_size == 0:
             write_atomic(self.path, _csv_line(COLUMNS).encode())
+        else:
+            self._upgrade()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
             if _ends_without_newline(self.path):  # a torn last line stays a line of its own
@@ -152,6 +170,18 @@ class Dataset:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _upgrade(self) -> None:
+        """A file from before the reference columns gets them (empty in its rows), rewritten whole
+        and atomically; every line, corrupt ones too, is kept as it was."""
+        with open(self.path, newline="") as fh:
+            first = fh.readline()
+            if next(csv.reader([first]), []) != UNREFERENCED_COLUMNS:
+                return
+            rest = fh.read()
+        lines = [line + ",," if len(next(csv.reader([line]), [])) == len(UNREFERENCED_COLUMNS) else line
+                 for line in rest.split("\n")]
+        write_atomic(self.path, (_csv_line(COLUMNS) + "\n".join(lines)).encode())
 
     def environments(self) -> dict[str, dict[str, Any]]:
         if not self.env_path.exists():
@@ -415,7 +445,7 @@ def _time_spec(canary: Canary, spec: ConvSpec, lays: list[str], dev: str, *, rou
     for _ in range(max(attempts, 1)):
         before = canary.wait_quiet(patience)
         timings = measure_layouts(spec, lays, dev, rounds=rounds, repeats=repeats,
-                                  min_run_time=min_run_time)
+                                  min_run_time=min_run_time, reference=_reference(spec, dev))
         load = max(before, canary.load())
         score = (load > QUIET_LOAD, _noise(timings))
         if best is None or score < best[0]:
@@ -425,13 +455,20 @@ def _time_spec(canary: Canary, spec: ConvSpec, lays: list[str], dev: str, *, rou
     return best[1], best[2]
 
 
+def _reference(spec: ConvSpec, dev: str) -> Any:
+    """On the CPU, the FMA loop doing the conv's flops (maco.timing: the label that repeats is the
+    ratio to it); on a GPU, none."""
+    if dev.startswith("cuda"):
+        return None
+    return fma_reference(spec.flops, Target.host(torch.get_num_threads()))
+
+
 def _collect_on_cluster(address: str, ds: Dataset, todo: list[tuple[str, ConvSpec, list[str]]], dev: str,
                         params: dict[str, Any], keep: Any) -> None:
     """`todo` timed on the cluster's machines of this machine's kind (maco.cluster), rows kept
     as each conv finishes; a conv whose machines all died stays missing (a rerun resumes)."""
     from maco.cluster import Cluster
     from maco.cluster_measure import describe, group_of, label_of
-    from maco.target import Target
 
     cuda = dev.startswith("cuda")
     target = Target.h100() if cuda else Target.host(torch.get_num_threads())

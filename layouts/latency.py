@@ -14,7 +14,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -23,7 +23,8 @@ from maco.errors import MacoError
 from maco.files import load_json_file, write_atomic
 from maco.kernels.baselines import torch_conv
 from maco.spec import DTYPE_BYTES, ConvSpec
-from maco.timing import Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
+from maco.timing import (Timing, interleaved_rounds, pool_referenced, pool_timings, steady_allocator,
+                         time_callable)
 
 LAYOUTS: tuple[str, ...] = ("NCHW", "NHWC")
 _FORMATS = {"NCHW": torch.contiguous_format, "NHWC": torch.channels_last}
@@ -96,17 +97,26 @@ def measure_conv(spec: ConvSpec, layout: str, device: str | torch.device = "cpu"
 
 def measure_layouts(spec: ConvSpec, layouts: Sequence[str] = LAYOUTS,
                     device: str | torch.device = "cpu", *, rounds: int = 3, repeats: int = 3,
-                    min_run_time: float = 1e-3, cudnn_benchmark: bool = True) -> dict[str, Timing]:
+                    min_run_time: float = 1e-3, cudnn_benchmark: bool = True,
+                    reference: Callable[[], Any] | None = None) -> dict[str, Timing]:
     """Every layout of one conv, timed in interleaved rounds so that a load change on a shared
-    machine hits both layouts alike; each layout's Timing pools its rounds' samples."""
+    machine hits both layouts alike; each layout's Timing pools its rounds' samples. With a
+    `reference` (e.g. kernels.cpu_peak.fma_reference(spec.flops)) timed in every round too, each
+    Timing also carries the reference's seconds and the median per-round ratio to it."""
     dev = check_device(device)
     runs = {check_layout(lay): conv_callable(spec, lay, dev) for lay in layouts}
+    if reference is not None:
+        runs[_REFERENCE] = reference
     with strict_cudnn(cudnn_benchmark):
         for run in runs.values():
             run()  # the first call builds oneDNN/cuDNN primitives: off the clock
         per_round = interleaved_rounds(runs, rounds, repeats=repeats, min_run_time=min_run_time,
                                        sync=_sync(dev))
-    return {lay: pool_timings(ts) for lay, ts in per_round.items()}
+    ref = per_round.pop(_REFERENCE, None)
+    return {lay: pool_referenced(ts, ref) if ref else pool_timings(ts) for lay, ts in per_round.items()}
+
+
+_REFERENCE = "reference"
 
 
 # -- layout conversions -------------------------------------------------------------------------

@@ -172,10 +172,16 @@ def time_with_reference(fn: Callable[[], Any], reference: Callable[[], Any], *, 
             if rate >= best / (1 + SLOW_MARGIN) or attempt == SLOW_RETRIES:
                 break
         kept.append((got, ref))
-    pooled = pool_timings([g for g, _ in kept])
+    return pool_referenced([g for g, _ in kept], [r for _, r in kept])
+
+
+def pool_referenced(rounds: list[Timing], reference: list[Timing]) -> Timing:
+    """pool_timings of a candidate's rounds, with the reference's median seconds over the same
+    rounds and the median of the per-round ratios (candidate / reference)."""
+    pooled = pool_timings(rounds)
     return Timing(pooled.median, pooled.min, pooled.max, pooled.stdev, pooled.repeats, pooled.number,
-                  reference=float(statistics.median(r.median for _, r in kept)),
-                  ratio=float(statistics.median(g.median / r.median for g, r in kept)))
+                  reference=float(statistics.median(r.median for r in reference)),
+                  ratio=float(statistics.median(g.median / r.median for g, r in zip(rounds, reference))))
 
 
 @lru_cache(maxsize=1)

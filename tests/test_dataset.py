@@ -108,3 +108,32 @@ def test_collect_command(tmp_path, capsys):
     assert "--batch" in capsys.readouterr().err
     assert main(["collect", "--out", str(out), "--layouts", "NCWH", "--random", "1", "--networks", ""]) == 2
     assert "'NCWH'" in capsys.readouterr().err
+
+
+def test_rows_carry_the_reference_timed_in_the_same_rounds(tmp_path):
+    path = tmp_path / "d.csv"
+    collect(path, TINY[:1], rounds=2, repeats=2, min_run_time=1e-4, patience=0, attempts=1, progress=False)
+    rows = load_rows(path)
+    assert len(rows) == 2 and all(r.timing.referenced and r.ratio > 0 for r in rows)
+    assert len({r.timing.reference for r in rows}) == 1  # one reference per conv, beside both layouts
+    for r in rows:  # the ratio is a per-round median: near seconds / reference, not far from it
+        assert 0.25 < r.ratio / (r.seconds / r.timing.reference) < 4
+
+
+def test_a_file_from_before_the_reference_is_read_and_upgraded_keeping_every_line(tmp_path):
+    from maco.layouts.dataset import UNREFERENCED_COLUMNS
+
+    path = tmp_path / "old.csv"
+    spec = ConvSpec.parse("n1_c4_h8_w8_k8_r3_p1")
+    old = _row(spec).fields()[:len(UNREFERENCED_COLUMNS)]
+    path.write_text(",".join(UNREFERENCED_COLUMNS) + "\n" + ",".join(map(str, old)) + "\nnot,a,row\n")
+    with pytest.warns(UserWarning, match="1 corrupt line"):
+        rows = Dataset(path).load()
+    assert len(rows) == 1 and rows[0].ratio is None
+    referenced = Row(spec, "NHWC", "cpu", "t", Timing(2e-4, 1e-4, 3e-4, 0.0, 3, 1, 5e-5, 4.0), "e", 2.0)
+    Dataset(path).append([referenced])
+    lines = path.read_text().splitlines()
+    assert lines[0] == ",".join(COLUMNS) and lines[2] == "not,a,row"  # the corrupt line as it was
+    with pytest.warns(UserWarning, match="1 corrupt line"):
+        got = {r.layout: r for r in Dataset(path).load()}
+    assert got["NCHW"].ratio is None and got["NHWC"].ratio == 4.0 and got["NHWC"].timing.reference == 5e-5
