@@ -24,6 +24,7 @@ FIGURES: dict[str, str] = {
     "deployment": "deployment_cpu",
     "pruning": "pruning_recall",
     "planners": "planner_runtime",
+    "cluster": "cluster_builds",
     "cim": "cim_weight_updates",
     "peers": "peers_cpu",
 }

@@ -166,7 +166,7 @@ class MachinePool:
         self.cluster, self.probe, self.args, self.group, self.per_gpu = cluster, probe, args, group, per_gpu
         self.slots: list[_Slot] = []
         nodes = cluster.nodes(probe, *args)
-        mine = [n for n in nodes if n.info.get("group") == group]
+        mine = [n for n in nodes if n.info.get("group") == group and (n.gpus or not per_gpu)]
         if not mine:
             kinds = sorted({str(n.info.get("label"))[:100] for n in nodes})
             raise MacoError(f"no machine of the target {label} in the Ray cluster {cluster.address!r} "
