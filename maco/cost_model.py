@@ -15,7 +15,7 @@ import numpy as np
 
 from maco.geometry import footprint
 from maco.kernels.cpu_codegen import intrinsics_isa
-from maco.records import Record
+from maco.records import Record, normalized
 from maco.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
                            axis_extents)
 from maco.spec import ConvSpec
@@ -132,12 +132,13 @@ class CostModel:
                 groups.setdefault(r.spec, []).append(r)
         rows, ys = [], []
         for spec, recs in groups.items():
-            best = max(r.gflops for r in recs)
+            speed = [1.0 / v if v < math.inf else 0.0 for v in normalized(recs)]  # errors: 0
+            best = max(speed)
             if best <= 0:
                 continue
-            for r in recs:
+            for r, v in zip(recs, speed):
                 rows.append(features(spec, self.target, r.schedule))
-                ys.append(r.gflops / best)  # errors count as throughput 0
+                ys.append(v / best)
         self.trained_on = {spec for spec, recs in groups.items() if len(recs) >= MIN_TRAINING_RECORDS}
         if len(rows) < MIN_TRAINING_RECORDS or not self.trained_on:
             self.booster = None

@@ -3,8 +3,10 @@ a wrong result becomes a recorded error and never a dead tuner.
 
 The parent builds a batch of kernels first (gcc processes in parallel, cached on disk), then
 hands them to the worker one at a time; the worker loads each from the cache, checks it against
-torch's conv2d on the same data and times it by the protocol in maco.timing (on a GPU: CUDA
-events, maco.gpu_measure). torch baselines are timed by the same worker, beside the kernels.
+torch's conv2d on the same data and times it by the protocol in maco.timing: on the CPU in rounds
+beside the FMA loop doing the same flops (time_with_reference: the record keeps its ratio to it,
+which repeats across spells), on a GPU with CUDA events (maco.gpu_measure). torch baselines are
+timed by the same worker, the same way, beside the kernels.
 """
 from __future__ import annotations
 
@@ -21,14 +23,16 @@ from maco.records import TransientError
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
-from maco.timing import Timing, steady_allocator, time_callable
+from maco.kernels.cpu_peak import fma_reference
+from maco.timing import Timing, steady_allocator, time_with_reference
 
 CHECK_RTOL = 1e-3  # max |y - ref| over max |ref|: fp32 sums of up to ~10^4 terms in another order
 
 
 @dataclass
 class MeasureConfig:
-    repeats: int = 5
+    repeats: int = 2  # per round on the CPU (beside the reference); in all on a GPU: x rounds
+    rounds: int = 3
     min_run_time: float = 2e-3  # seconds per repeat (CPU); the GPU timer grows runs itself
     warmup: int = 2
     timeout: float = 120.0  # seconds one job may take in the worker (data set-up included)
@@ -40,9 +44,9 @@ class MeasureConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise MacoError(f"MeasureConfig.{name} must be a positive number of seconds, got {value!r}")
-        if self.repeats < 1 or self.warmup < 0:
-            raise MacoError(f"MeasureConfig needs repeats >= 1 and warmup >= 0, "
-                            f"got {self.repeats} and {self.warmup}")
+        if self.repeats < 1 or self.rounds < 1 or self.warmup < 0:
+            raise MacoError(f"MeasureConfig needs repeats >= 1, rounds >= 1 and warmup >= 0, "
+                            f"got {self.repeats}, {self.rounds} and {self.warmup}")
 
 
 class Measurer:
@@ -130,7 +134,8 @@ class Measurer:
 
     def _protocol(self) -> dict[str, Any]:
         c = self.config
-        return dict(repeats=c.repeats, min_run_time=c.min_run_time, warmup=c.warmup, check=c.check)
+        return dict(repeats=c.repeats, rounds=c.rounds, min_run_time=c.min_run_time, warmup=c.warmup,
+                    check=c.check)
 
 
 def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target,
@@ -221,9 +226,11 @@ def _run_job(job: dict[str, Any], target: Target, cache: dict) -> dict[str, Any]
             if not err <= CHECK_RTOL:
                 raise MacoError(f"wrong result: max error {err:.3g} of the output's magnitude "
                                 f"(limit {CHECK_RTOL:g})")
+    rounds = job.get("rounds", 1)
     if cuda:
-        timing = _gpu_timer().time(fn, repeats=job["repeats"], warmup=job["warmup"])
+        timing = _gpu_timer().time(fn, repeats=job["repeats"] * rounds, warmup=job["warmup"])
     else:
-        timing = time_callable(fn, repeats=job["repeats"], min_run_time=job["min_run_time"],
-                               warmup=job["warmup"])
+        timing = time_with_reference(fn, fma_reference(spec.flops, target), work=spec.flops,
+                                     rounds=rounds, repeats=job["repeats"],
+                                     min_run_time=job["min_run_time"], warmup=job["warmup"])
     return timing.to_dict()

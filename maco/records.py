@@ -2,23 +2,26 @@
 a crash never leaves half a record. A corrupt line is reported and skipped; the rest is kept."""
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 from maco.errors import MacoError
-from maco.files import MAX_LINE_BYTES, load_json, short
+from maco.files import MAX_LINE_BYTES, load_json, short, write_atomic
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
 from maco.timing import Timing, environment
 
 TIMING_FIELDS = {"median", "min", "max", "stdev", "repeats", "number"}
+REFERENCE_FIELDS = {"reference", "ratio"}  # both or neither: records from before them have neither
 
 FORMAT_VERSION = 1
 
@@ -35,6 +38,7 @@ class Record:
     env: dict[str, Any] = field(default_factory=dict, compare=False)
     time: float = field(default_factory=time.time, compare=False)
     transient: bool = False  # the error may not recur (timeout, dead worker): retried once
+    history: tuple[dict[str, Any], ...] = field(default=(), compare=False)  # earlier timings (--retime)
 
     @property
     def retryable(self) -> bool:
@@ -52,12 +56,19 @@ class Record:
     def gflops(self) -> float:
         return self.spec.flops / self.seconds / 1e9 if self.ok else 0.0
 
+    @property
+    def referenced(self) -> bool:
+        """Timed beside the reference in the same rounds (records from before that are not)."""
+        return self.ok and self.timing.referenced
+
     def to_json(self) -> str:
         d = {"v": FORMAT_VERSION, "spec": self.spec.to_dict(), "target": self.target,
              "schedule": self.schedule.to_dict(), "timing": self.timing.to_dict() if self.timing else None,
              "error": self.error, "env": self.env, "time": self.time}
         if self.transient:
             d["transient"] = True
+        if self.history:
+            d["history"] = list(self.history)
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -91,11 +102,20 @@ class Record:
             raise MacoError(f"record env must be an object, got {short(env)}")
         if not _finite(when):
             raise MacoError(f"record time must be a number, got {short(when)}")
+        history = d.get("history", [])
+        if not isinstance(history, list) or len(history) > MAX_HISTORY:
+            raise MacoError(f"record history must be a list of at most {MAX_HISTORY} timings, got {short(history)}")
+        for old in history:
+            if not isinstance(old, dict) or set(old) != {"timing", "time"} or not _finite(old["time"]):
+                raise MacoError(f"record history entries are {{timing, time}}, got {short(old)}")
+            _check_timing(old["timing"])
         return cls(spec=spec, target=target, schedule=schedule, timing=timing, error=error,
-                   env=env, time=float(when), transient=bool(d.get("transient", False)))
+                   env=env, time=float(when), transient=bool(d.get("transient", False)),
+                   history=tuple(history))
 
 
-RECORD_FIELDS = {"v", "spec", "target", "schedule", "timing", "error", "env", "time", "transient"}
+RECORD_FIELDS = {"v", "spec", "target", "schedule", "timing", "error", "env", "time", "transient", "history"}
+MAX_HISTORY = 64
 FINGERPRINT_TYPES = {"name": str, "kind": str, "model": str, "isa": str, "cores": int, "levels": list}
 
 
@@ -122,8 +142,12 @@ def _check_fingerprint(fp: Any) -> dict[str, Any]:
 
 def _check_timing(d: Any) -> Timing:
     """Seconds that can be true: positive, finite, min <= median <= max, counts >= 1."""
-    if not isinstance(d, dict) or set(d) != TIMING_FIELDS:
-        raise MacoError(f"record timing must have the fields {sorted(TIMING_FIELDS)}, got {short(d)}")
+    if not isinstance(d, dict) or set(d) not in (TIMING_FIELDS, TIMING_FIELDS | REFERENCE_FIELDS):
+        raise MacoError(f"record timing must have the fields {sorted(TIMING_FIELDS)} (and both of "
+                        f"{sorted(REFERENCE_FIELDS)} or neither), got {short(d)}")
+    for key in REFERENCE_FIELDS & set(d):
+        if not _finite(d[key]) or d[key] <= 0:
+            raise MacoError(f"record timing {key} must be a positive number, got {short(d[key])}")
     for key in ("median", "min", "max", "stdev"):
         if not _finite(d[key]) or d[key] < 0 or (key != "stdev" and d[key] <= 0):
             raise MacoError(f"record timing {key} must be a positive number of seconds, got {short(d[key])}")
@@ -185,16 +209,45 @@ class RecordFile:
         if not batch:
             return
         data = "".join(r.to_json() + "\n" for r in batch).encode()
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise MacoError(f"cannot write records file {str(self.path)!r}: {exc.strerror or exc}") from None
+        fd = self._open_locked()
         try:
             if os.fstat(fd).st_size and not self._ends_with_newline(fd):
                 data = b"\n" + data  # a torn last line from a crash stays on its own line
             os.write(fd, data)
             os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _open_locked(self) -> int:
+        """The file, opened for appending and locked (flock): an in-place rewrite (`replace`)
+        holds the same lock while it swaps in the new file, so a writer that waited on the old
+        one opens the new one instead of appending to a file no longer there."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                        return fd
+                except FileNotFoundError:
+                    pass
+                os.close(fd)
+        except OSError as exc:
+            raise MacoError(f"cannot write records file {str(self.path)!r}: {exc.strerror or exc}") from None
+
+    def replace(self, updates: dict[int, Record]) -> None:
+        """Rewrite the file whole and atomically with the records at the given line numbers (as
+        `load_numbered` counts them) replaced; every other line, bad ones too, stays as it was."""
+        fd = self._open_locked()
+        try:
+            with open(self.path, "rb") as fh:
+                lines = fh.read().split(b"\n")
+            for lineno, record in updates.items():
+                if not 1 <= lineno <= len(lines):
+                    raise MacoError(f"records file {str(self.path)!r} has no line {lineno}")
+                lines[lineno - 1] = record.to_json().encode()
+            write_atomic(self.path, b"\n".join(lines))
         finally:
             os.close(fd)
 
@@ -205,7 +258,11 @@ class RecordFile:
 
     def load(self, warn: bool = True) -> list[Record]:
         """All valid records; a line that is unreadable, or a record that fails its checks, goes to
-        `bad_lines` with its line number and, if `warn`, a warning. The file is never rewritten."""
+        `bad_lines` with its line number and, if `warn`, a warning. Loading never rewrites the file."""
+        return [r for _, r in self.load_numbered(warn)]
+
+    def load_numbered(self, warn: bool = True) -> list[tuple[int, Record]]:
+        """load, with each record's line number."""
         self.bad_lines = []
         if self.path.is_dir():
             raise MacoError(f"records file {str(self.path)!r} is a directory; give a .jsonl file")
@@ -219,7 +276,7 @@ class RecordFile:
                     if not line.strip():
                         continue
                     try:
-                        out.append(Record.from_json(line.decode("utf-8", errors="replace")))
+                        out.append((lineno, Record.from_json(line.decode("utf-8", errors="replace"))))
                     except MacoError as exc:
                         self.bad_lines.append((lineno, str(exc)))
         except FileNotFoundError:
@@ -238,22 +295,36 @@ class RecordFile:
 
     def best(self, spec: ConvSpec, target: Target, layout: str | None = None) -> Record | None:
         """The fastest successful record of `spec` on `target` (optionally in one layout)."""
-        best = best_per_layout(self.for_task(spec, target), target)
-        return min((r for (_, lay), r in best.items() if layout in (None, lay)),
-                   key=lambda r: r.seconds, default=None)
+        mine = [r for r in self.for_task(spec, target) if r.ok and layout in (None, r.schedule.layout)]
+        return min(zip(normalized(mine), mine), key=lambda x: x[0], default=(0, None))[1]
+
+
+def normalized(records: Sequence[Record]) -> list[float]:
+    """What to rank successful records by, lower is faster, comparable across spells and days: a
+    record's ratio to the reference timed in the same rounds; a record from before the reference
+    (or whose spec has no referenced record to compare with) its seconds over the median reference
+    seconds of its spec's referenced records, or its plain seconds where none of its spec has one.
+    Within one spec, every value is then on one scale."""
+    refs: dict[ConvSpec, list[float]] = {}
+    for r in records:
+        if r.referenced:
+            refs.setdefault(r.spec, []).append(r.timing.reference)
+    scale = {spec: statistics.median(v) for spec, v in refs.items()}
+    return [r.timing.ratio if r.referenced else r.seconds / scale.get(r.spec, 1.0) if r.ok else math.inf
+            for r in records]
 
 
 def best_per_layout(records: Iterable[Record], target: Target) -> dict[tuple[ConvSpec, str], Record]:
-    """The fastest successful record per (spec, layout) measured on `target`: records of another
-    machine say nothing of this one's kernels."""
+    """The fastest successful record per (spec, layout) measured on `target` (ranked by
+    `normalized`): records of another machine say nothing of this one's kernels."""
     fingerprint = target.fingerprint()
-    best: dict[tuple[ConvSpec, str], Record] = {}
-    for r in records:
-        if r.ok and r.target == fingerprint:
-            key = (r.spec, r.schedule.layout)
-            if key not in best or r.seconds < best[key].seconds:
-                best[key] = r
-    return best
+    mine = [r for r in records if r.ok and r.target == fingerprint]
+    best: dict[tuple[ConvSpec, str], tuple[float, Record]] = {}
+    for rank, r in zip(normalized(mine), mine):
+        key = (r.spec, r.schedule.layout)
+        if key not in best or rank < best[key][0]:
+            best[key] = (rank, r)
+    return {key: r for key, (_, r) in best.items()}
 
 
 def best_in_files(paths: Iterable[str | os.PathLike[str]], target: Target) -> dict[tuple[ConvSpec, str], Record]:

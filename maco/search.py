@@ -15,7 +15,7 @@ from typing import Callable, Protocol, Sequence
 from maco import space
 from maco.errors import MacoError
 from maco.prune import alpha_c_index, alpha_order_ok
-from maco.records import Interrupted, Record, RecordFile, make_record
+from maco.records import Interrupted, Record, RecordFile, make_record, normalized
 from maco.schedule import SPATIAL_AXES, UNROLL_STEPS, Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -71,7 +71,9 @@ class TaskState:
 
     @property
     def best(self) -> Record | None:
-        return min((r for r in self.records if r.ok), key=lambda r: r.seconds, default=None)
+        """The fastest record, ranked by records.normalized (across spells and days)."""
+        ok = [r for r in self.records if r.ok]
+        return min(zip(normalized(ok), ok), key=lambda x: x[0], default=(0.0, None))[1]
 
     def best_seconds(self) -> float:
         best = self.best
@@ -231,8 +233,8 @@ def search_round(state: TaskState, target: Target, model, measurer: MeasureFunct
     measured = state.measured | set(retries)
     first = (retries + [s for s in dict.fromkeys(seeds) if s not in measured and s.layout
                         in config.allowed_layouts and not s.problems(spec, target)])[:n]
-    elites = [r.schedule for r in sorted((r for r in state.records if r.ok), key=lambda r: r.seconds)
-              [:config.elite] if r.schedule.layout in config.allowed_layouts]
+    ranked = sorted((x for x in zip(normalized(state.records), state.records) if x[1].ok), key=lambda x: x[0])
+    elites = [r.schedule for _, r in ranked[:config.elite] if r.schedule.layout in config.allowed_layouts]
     init = _sample(spec, target, rng, max(config.population - len(elites), 2), config) + elites
     fitness = lambda pop: list(model.predict(spec, pop))  # noqa: E731
     candidates = [s for s in evolve(spec, target, init, fitness, rng, config) if s not in measured]

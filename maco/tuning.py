@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
+import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -14,11 +16,11 @@ from maco import kernels
 from maco.cost_model import CostModel
 from maco.errors import MacoError
 from maco.measure import MeasureConfig, Measurer
-from maco.records import Record, RecordFile
+from maco.records import Record, RecordFile, normalized
 from maco.search import MeasureFunction, SearchConfig, TaskState, search_round
 from maco.spec import ConvSpec
 from maco.target import Target, require_memory
-from maco.timing import Timing
+from maco.timing import Timing, environment
 
 # Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
 BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
@@ -218,3 +220,53 @@ def _weight(name: str) -> int:
 def _seconds(result: tuple[Timing | None, str | None]) -> float | None:
     timing, _ = result
     return timing.median if timing else None
+
+
+@dataclass
+class RetimeSummary:
+    retimed: int  # records measured again and rewritten
+    failed: int  # records whose new measurement failed (kept as they were)
+    unreferenced: int  # of `retimed`, records that had no reference before
+    change: float  # median of new seconds / old seconds over `retimed`
+
+
+def retime(records: str | Path, target: Target, top: int = 3, config: MeasureConfig | None = None,
+           progress: bool = True) -> RetimeSummary:
+    """Measure the `top` best records per (spec, layout) of `records` made on `target` again,
+    beside the reference (maco.timing), and rewrite them in place, atomically: each keeps its
+    earlier timing in `history`; every other line stays as it was. A record from before the
+    reference gets one, so records of different days rank on one scale afterwards."""
+    from rich.progress import Progress
+
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise MacoError(f"top must be a positive int, got {top!r}")
+    file = RecordFile(records)
+    if not file.path.is_file():
+        raise MacoError(f"records file {str(file.path)!r} does not exist")
+    fingerprint = target.fingerprint()
+    mine = [(n, r) for n, r in file.load_numbered() if r.ok and r.target == fingerprint]
+    groups: dict[tuple[ConvSpec, str], list[tuple[float, int, Record]]] = {}
+    for rank, (n, r) in zip(normalized([r for _, r in mine]), mine):
+        groups.setdefault((r.spec, r.schedule.layout), []).append((rank, n, r))
+    chosen: dict[ConvSpec, list[tuple[int, Record]]] = {}
+    for key, ranked in groups.items():
+        for _, n, r in sorted(ranked, key=lambda x: x[0])[:top]:
+            chosen.setdefault(key[0], []).append((n, r))
+    updates: dict[int, Record] = {}
+    failed, unreferenced, changes = 0, 0, []
+    with Measurer(target, config) as measurer, Progress(transient=not progress) as bar:
+        job = bar.add_task("re-timing", total=sum(len(v) for v in chosen.values()))
+        for spec, items in chosen.items():
+            for (n, old), (timing, error) in zip(items, measurer(spec, [r.schedule for _, r in items])):
+                bar.advance(job)
+                if timing is None:
+                    failed += 1
+                    continue
+                updates[n] = replace(old, timing=timing, env=environment(), time=time.time(),
+                                     history=old.history + ({"timing": old.timing.to_dict(), "time": old.time},))
+                unreferenced += not old.referenced
+                changes.append(timing.median / old.seconds)
+    if updates:
+        file.replace(updates)
+    return RetimeSummary(len(updates), failed, unreferenced,
+                         statistics.median(changes) if changes else float("nan"))

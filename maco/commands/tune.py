@@ -22,8 +22,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "guided by an XGBoost cost model, trials spread over layers by a task scheduler), timing "
         "every candidate in a worker process. Records are appended to --records; running the same "
         "command again resumes (records already there count towards --trials).")
-    p.add_argument("layer", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2) or "
-                   "a layer spec such as n1_c64_h56_w56_k64_r3_p1")
+    p.add_argument("layer", nargs="?", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2) "
+                   "or a layer spec such as n1_c64_h56_w56_k64_r3_p1 (not with --retime)")
+    p.add_argument("--retime", action="store_true",
+                   help="instead of tuning, measure the best --top records per layer and layout of "
+                   "--records again beside the reference and rewrite them in place (atomically; each "
+                   "keeps its old timing as history), so records of another day rank on today's scale")
+    p.add_argument("--top", type=positive_int, default=3, help="records re-timed per layer and layout (default 3)")
     p.add_argument("--trials", type=nonnegative_int, default=64,
                    help="measurements in total over all layers (default 64)")
     p.add_argument("--no-prune", action="store_true",
@@ -45,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.retime:
+        return run_retime(args)
+    if not args.layer:
+        raise MacoError("give a network or a layer spec to tune (or --retime to re-time --records)")
     layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
     bad = [x for x in layouts if x not in ("NCHW", "NHWC")]
     if bad or not layouts:
@@ -60,6 +69,22 @@ def run(args: argparse.Namespace) -> int:
                           baselines=not args.no_baseline, cluster=cluster)
     print_results(results, target, f"tuned {args.layer} on {target.name} "
                   f"({'full' if args.no_prune else 'MACO-pruned'} space, records: {args.records})")
+    return 0
+
+
+def run_retime(args: argparse.Namespace) -> int:
+    from maco.kernels import resolve_target
+    from maco.measure import MeasureConfig
+    from maco.tuning import retime
+
+    if args.layer:
+        raise MacoError("--retime re-times the records of --records; it takes no layer")
+    check_writable(args.records, "--records")
+    target = resolve_target(args.target)
+    s = retime(args.records, target, top=args.top, config=MeasureConfig(timeout=args.timeout))
+    print(f"re-timed {s.retimed} records of {args.records} on {target.name} ({s.unreferenced} had no "
+          f"reference before; {s.failed} failed and were kept as they were); new / old seconds: "
+          f"median {s.change:.3f}")
     return 0
 
 
