@@ -26,5 +26,6 @@ FIGURES: dict[str, str] = {
     "planners": "planner_runtime",
     "cluster": "cluster_builds",
     "cim": "cim_weight_updates",
+    "repeat": "repeatability",
     "peers": "peers_cpu",
 }

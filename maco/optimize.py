@@ -16,7 +16,7 @@ from maco.files import check_writable
 from maco.kernel_choice import MIN_GAIN
 from maco.layouts.end_to_end import conv_share
 from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input, load_model
-from maco.optimize_report import LayerRow, OptimizeResult, write_outputs
+from maco.optimize_report import LayerRow, OptimizeResult, end_to_end_rows, write_outputs
 from maco.pipeline import build_variants, fastest
 from maco.records import best_in_files
 from maco.kernels import resolve_target
@@ -96,10 +96,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         row.uses_maco = bool(swapped) and any(lay in chosen.get(row.spec, {}) for lay in layouts)
     log(f"[4/4] timing {', '.join(variants)} end to end in the same rounds; the fastest is handed back")
     pick, times = fastest(variants, x)
-    e2e = {label: {"default_s": times.timing("default").median, "planned_s": times.timing(label).median,
-                   "speedup": times.speedup(label), "max_abs_diff": times.max_abs_diff[label],
-                   "chosen": label == pick}
-           for label in variants if label != "default"}
+    e2e = end_to_end_rows(times, pick)
     share = conv_share(variants[pick], x) if pick != "default" else None
     result = OptimizeResult(name, out, rows, plan, e2e, time.perf_counter() - start, variants[pick], pick,
                             x, share, tgt)
