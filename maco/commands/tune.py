@@ -88,19 +88,10 @@ def run_retime(args: argparse.Namespace) -> int:
     return 0
 
 
-def peak_gflops(target: Target) -> float:
-    """The measured FMA peak on CPU when the kernels package can measure it, else the nominal."""
-    if target.kind == "cpu":
-        from maco import kernels
-
-        measure = getattr(kernels, "measure_peak", None)
-        if measure is not None:
-            return float(measure(target))
-    return target.peak_gflops
-
-
 def print_results(results: list[LayerResult], target: Target, title: str) -> None:
-    peak = peak_gflops(target)
+    """The table of a tuning run. "of peak" is the FMA loop's speed on the layer's flops timed in
+    the same rounds as the kernel (its record's reference), so it holds in any spell of the machine;
+    a record from before the reference (or a GPU's) gets the nominal peak, marked with a "~"."""
     rows, speedups = [], []
     for r in results:
         gf = lambda s: r.spec.flops / s / 1e9 if s else None  # noqa: E731
@@ -109,12 +100,17 @@ def print_results(results: list[LayerResult], target: Target, title: str) -> Non
         speedup = torch_best / best_s if best_s and torch_best else None
         if speedup:
             speedups.append(speedup)
-        rows.append((r.name, r.best.schedule.layout if r.best else "-", gf(best_s) or "-",
-                     f"{100 * gf(best_s) / peak:.0f}%" if best_s else "-", gf(r.torch_nchw) or "-",
+        if r.best and r.best.referenced:
+            of_peak = f"{100 / r.best.timing.ratio:.0f}%"
+        elif best_s and target.peak_gflops:
+            of_peak = f"~{100 * gf(best_s) / target.peak_gflops:.0f}%"
+        else:
+            of_peak = "-"
+        rows.append((r.name, r.best.schedule.layout if r.best else "-", gf(best_s) or "-", of_peak,
+                     gf(r.torch_nchw) or "-",
                      gf(r.torch_nhwc) or "-", f"{speedup:.2f}x" if speedup else "-", r.trials))
     print_table(title, ["layer", "layout", "GFLOP/s", "of peak", "torch NCHW", "torch NHWC",
                         "speedup", "trials"], rows)
     if speedups:
         geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-        print(f"geometric-mean speedup over torch's faster layout: {geo:.2f}x "
-              f"({len(speedups)} layers; peak {peak:.0f} GFLOP/s)")
+        print(f"geometric-mean speedup over torch's faster layout: {geo:.2f}x ({len(speedups)} layers)")
