@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from maco.commands.common import positive_int, print_table
-from maco.errors import MacoError
-from maco.files import check_writable, short, write_atomic
-from maco.spec import ConvSpec
+from maco.commands.common import positive_int, print_table, resolve_layers
+from maco.files import check_writable, write_atomic
 from maco.target import CIM_FIELDS, CimArch, Target
 
 
@@ -32,28 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def layers(text: str, batch: int) -> list[tuple[str, ConvSpec]]:
-    """Every conv layer (repeats included: each is scheduled and counted) of a network, a user
-    model, or one layer spec."""
-    try:
-        spec = ConvSpec.parse(text)
-        return [(str(spec), spec.with_batch(batch) if batch != 1 else spec)]
-    except MacoError as exc:
-        error = exc
-    from maco.layouts.networks import NETWORKS, conv_layers, example_input, load_model, network_convs
-
-    if text in NETWORKS:
-        return network_convs(text, batch)
-    if ":" in text:
-        _, model = load_model(text)
-        found = conv_layers(model.eval(), example_input(batch))
-        if not found:
-            raise MacoError(f"{short(text)} has no conv layers")
-        return found
-    raise MacoError(f"{short(text)} is neither a network ({', '.join(NETWORKS)}), a model file "
-                    f"(path/to/file.py:ClassName) nor a layer spec: {error}")
-
-
 def run(args: argparse.Namespace) -> int:
     from maco.kernels.cim_report import analyse, total_reduction
 
@@ -61,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     target = Target.cim(**sizes)
     if args.json:
         check_writable(args.json, "--json")
-    rows = analyse(layers(args.model, args.batch), target)
+    rows = analyse(resolve_layers(args.model, args.batch, every=True), target)
     arch = target.cim_arch
     print_table(
         f"{args.model} on a CIM tile of {arch.cores} cores x {arch.crossbars} crossbars "

@@ -52,20 +52,33 @@ def checked_cluster(address: str | None) -> str | None:
     return check_address(address)
 
 
-def resolve_layers(text: str, batch: int = 1) -> list[tuple[str, ConvSpec]]:
-    """A built-in network name (every distinct conv layer) or a layer spec like n1_c64_h56_w56_k64_r3_p1
-    (a spec is parsed first: it needs no torch, which takes seconds to import)."""
+def resolve_layers(text: str, batch: int = 1, every: bool = False) -> list[tuple[str, ConvSpec]]:
+    """A built-in network name (its distinct conv layers, or with `every` each of its conv layers),
+    a model file `path/to/file.py:ClassName` (with `every`: each of its conv layers), or a layer
+    spec like n1_c64_h56_w56_k64_r3_p1 (parsed first: it needs no torch, which takes seconds to
+    import)."""
     try:
         spec = ConvSpec.parse(text)
         return [(str(spec), spec.with_batch(batch) if batch != 1 else spec)]
     except MacoError as exc:
         error = exc
-    from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
+    from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input, load_model, network_convs
 
     if text in NETWORKS:
+        layers = network_convs(text, batch)
+        if every:
+            return layers
         return [(names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})", spec)
-                for spec, names in distinct_convs(network_convs(text, batch))]
-    raise MacoError(f"{short(text)} is neither a network ({', '.join(NETWORKS)}) nor a layer spec: {error}")
+                for spec, names in distinct_convs(layers)]
+    if every and ":" in text:
+        _, model = load_model(text)
+        found = conv_layers(model.eval(), example_input(batch))
+        if not found:
+            raise MacoError(f"{short(text)} has no conv layers")
+        return found
+    raise MacoError(f"{short(text)} is neither a network ({', '.join(NETWORKS)})"
+                    + (", a model file (path/to/file.py:ClassName)" if every else "")
+                    + f" nor a layer spec: {error}")
 
 
 def print_table(title: str, columns: list[str], rows: Iterable[Iterable[Any]]) -> None:
