@@ -50,3 +50,67 @@ def test_halide_adams2019_matches_torch(tmp_path):
 
     res = peers.run_halide(ConvSpec.parse(TINY), "Adams2019", 0, True, tmp_path)
     assert res["seconds"] > 0  # run_halide raises if the output differs from torch
+
+
+@pytest.mark.skipif(importlib.util.find_spec("halide") is None,
+                    reason="halide not installed (pip install halide==21.0.0, the [peers] extra; CI has none)")
+@pytest.mark.parametrize("layer", ["n1_c6_h9_w11_k40_r3_p1", TINY])
+def test_halide_hand_schedule_matches_torch(tmp_path, layer):
+    """The apps/conv_layer-style hand schedule on a couple of tiles, tails included (40 output
+    channels, 11 and 5 output columns split by 2 and 3): run_halide_hand checks every tile of
+    the sweep against torch and raises on a wrong one."""
+    import halide as hl
+    import numpy as np
+    import torch
+
+    from maco.spec import ConvSpec
+
+    spec = ConvSpec.parse(layer)
+    res = peers.run_halide_hand(spec, 0, True, tmp_path, grid=[(1, 2), (1, 3)])
+    assert res["trials"] == 2 and res["seconds"] > 0
+    assert "tile_w 1 tile_h" in res["note"]
+
+    # and independently of the sweep's own check: one tile against torch
+    x, w, ref = peers._inputs(spec, seed=1)
+    xs, ws = peers._nhwc_padded(spec, x, w)
+    out = np.zeros((spec.n, spec.out_h, spec.out_w, spec.k), np.float32)
+    peers.halide_hand(spec, 1, 3)(hl.Buffer(xs), hl.Buffer(ws), hl.Buffer(out))
+    torch.testing.assert_close(torch.from_numpy(out).permute(0, 3, 1, 2), torch.from_numpy(ref),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_hand_grid_keeps_the_tiles_that_fit():
+    from maco.spec import ConvSpec
+
+    grid = peers.hand_grid(ConvSpec.parse("n1_c192_h13_w13_k384_r3_p1"), 16, 32)
+    assert (2, 13) in grid and (4, 7) in grid  # the width's divisor, the largest 4-wide tile
+    assert all(th <= 13 and tw * th <= 28 for tw, th in grid)
+    assert peers.hand_grid(ConvSpec.parse("n1_c8_h9_w9_k16_r3_p1"), 16, 32) == [
+        (1, h) for h in (2, 3, 4, 5, 7, 8, 9)]
+    assert all(tw * th <= 12 for tw, th in peers.hand_grid(ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1"), 8, 16))
+
+
+def test_runs_keep_the_fastest_and_list_every_run(tmp_path, monkeypatch):
+    secs = iter([2e-3, 1e-3, 4e-3])  # torch-nchw run 1, run 2, run 3
+    monkeypatch.setattr(peers, "_run_worker", lambda *a, **k: {
+        "ok": True, "trials": 0, "tuning_seconds": 0.0, "seconds": next(secs), "note": "torch"})
+    assert peers.main(["--layers", TINY, "--tuners", "torch-nchw", "--runs", "3", "--lock", "",
+                       "--out", str(tmp_path)]) == 0
+    (row,) = _rows(tmp_path)
+    from maco.spec import ConvSpec
+
+    assert float(row["gflops"]) == pytest.approx(ConvSpec.parse(TINY).flops / 1e-3 / 1e9, rel=1e-2)
+    assert row["note"].startswith("fastest of 3 runs (") and row["note"].count(" / ") == 2
+    assert row["note"].endswith("; torch")
+
+
+def test_summary_names_the_halide_a_user_would_ship():
+    rows = [dict(layer="L", tuner="torch-nhwc", gflops="300", tuning_seconds="0", note=""),
+            dict(layer="L", tuner="halide-adams2019", gflops="40", tuning_seconds="20", note=""),
+            dict(layer="L", tuner="halide-adams2019-nhwc", gflops="60", tuning_seconds="2", note=""),
+            dict(layer="L", tuner="halide-hand", gflops="310", tuning_seconds="15",
+                 note="hand schedule, best tile_w 2 tile_h 7 (vector 16)"),
+            dict(layer="L", tuner="maco", gflops="330", tuning_seconds="90", note="")]
+    text = peers.summarise(rows)
+    assert "Halide hand 310 (tile 2x7" in text and "autoscheduler 60 (adams2019-nhwc)" in text
+    assert "ship the hand schedule (fastest Halide on 1 of 1 layers)" in text
