@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv, write_env
-from maco.kernels.cim_report import analyse, total_reduction
+from maco.kernels.cim_report import analyse
 from maco.layouts.networks import network_convs
 from maco.spec import ConvSpec
 from maco.target import Target
