@@ -18,6 +18,8 @@ from torch.nn import functional as F
 from maco import kernels
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.linear import compile_linear
+from maco.errors import MacoError
+from maco.kernels.pool import PoolKernel, plan_for
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -115,6 +117,43 @@ class MacoLinear(nn.Module):
                 f"activation={getattr(self.torch_linear, 'activation', 'none')}, preallocated={self.preallocated}")
 
 
+class MacoPool2d(nn.Module):
+    """`pool` (a torch pooling module) run by a generated kernel (kernels.pool) for the one input
+    shape and memory format it was built for; any other input runs `pool` itself."""
+
+    maco_leaf = True
+
+    def __init__(self, pool: nn.Module, shape: tuple[int, ...], layout: str, target: Target,
+                 preallocate: bool = False):
+        super().__init__()
+        plan = plan_for(pool, shape, layout, target.cores)
+        if plan is None:
+            raise MacoError(f"no generated kernel computes {pool} on an input of shape {shape}")
+        self.torch_pool, self.shape, self.layout = pool, tuple(shape), layout
+        self._kernel = PoolKernel(plan, target)
+        self._format = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+        self._out_shape = plan.out_shape
+        self._out = self._new_output() if preallocate else None
+
+    def _new_output(self) -> torch.Tensor:
+        return torch.empty(self._out_shape, memory_format=self._format)
+
+    @property
+    def preallocated(self) -> bool:
+        return self._out is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (tuple(x.shape) != self.shape or x.dtype != torch.float32 or x.device.type != "cpu"
+                or not x.is_contiguous(memory_format=self._format)):
+            return self.torch_pool(x)
+        out = self._out if self._out is not None else self._new_output()
+        self._kernel(x, out)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.torch_pool}, input {self.shape}, {self.layout}, preallocated={self.preallocated}"
+
+
 def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether the tensor `node` produces can reach the model's output, itself or as a view (through
     ops that may return their input: reshapes, in-place ops, dropout, unknown ones)."""
@@ -124,7 +163,7 @@ def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
             if user.op == "output":
                 return True
             fresh = ((user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)),
-                                                              FRESH_MODULES + (MacoConv2d, MacoLinear)))
+                                                              FRESH_MODULES + (MacoConv2d, MacoLinear, MacoPool2d)))
                      or (user.op == "call_function" and user.target in FRESH_FUNCTIONS))
             if not fresh and user not in seen:
                 seen.add(user)

@@ -25,7 +25,9 @@ from maco.files import check_writable, load_json_file, short, write_atomic
 from maco.kernels import default_schedule, host_target
 from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
 from maco.layouts.layout_plan import LayoutPlan
-from maco.layouts.maco_modules import MacoConv2d, MacoLinear, swap_module
+from maco.kernel_choice import POOLS
+from maco.kernels.pool import plan_for
+from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, swap_module
 from maco.optimize_report import OptimizeResult
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -49,6 +51,7 @@ class Deployment:
     plan: dict[str, Any] | None = None  # LayoutPlan.to_dict()
     convs: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, schedule, preallocate
     linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch, preallocate
+    pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout, preallocate
 
     def to_dict(self) -> dict[str, Any]:
         from maco import __version__
@@ -77,7 +80,8 @@ class Deployment:
             raise MacoError(f"input_shape must be positive ints, got {short(dep.input_shape)}")
         if not isinstance(dep.threads, int) or dep.threads < 1:
             raise MacoError(f"threads must be a positive int, got {short(dep.threads)}")
-        for name, value in (("target", dep.target), ("convs", dep.convs), ("linears", dep.linears)):
+        for name, value in (("target", dep.target), ("convs", dep.convs), ("linears", dep.linears),
+                            ("pools", dep.pools)):
             if not isinstance(value, dict):
                 raise MacoError(f"{name} must be an object, got {short(value)}")
         if not isinstance(dep.fusion, list) or not all(isinstance(f, str) for f in dep.fusion):
@@ -103,6 +107,8 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
                                "preallocate": mod.preallocated}
         elif isinstance(mod, MacoLinear):
             dep.linears[path] = {"batch": mod.batch, "preallocate": mod.preallocated}
+        elif isinstance(mod, MacoPool2d):
+            dep.pools[path] = {"shape": list(mod.shape), "layout": mod.layout, "preallocate": mod.preallocated}
     return dep
 
 
@@ -161,6 +167,16 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise MacoError(f"{str(path)!r}: linear {short(linear_path)} has no valid batch")
         swap_module(gm, linear_path, MacoLinear(linear, batch, host, bool(lin.get("preallocate"))))
+    for pool_path, p in dep.pools.items():
+        pool = _submodule(gm, pool_path, POOLS)
+        shape, layout = (p.get("shape"), p.get("layout")) if isinstance(p, dict) else (None, None)
+        if not (isinstance(shape, list) and len(shape) == 4
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)):
+            raise MacoError(f"{str(path)!r}: pooling {short(pool_path)} has no valid input shape")
+        if layout not in ("NCHW", "NHWC") or plan_for(pool, tuple(shape), layout, host.cores) is None:
+            raise MacoError(f"{str(path)!r}: no generated kernel runs pooling {short(pool_path)} "
+                            f"on {short(shape)} in {short(layout)}")
+        swap_module(gm, pool_path, MacoPool2d(pool, tuple(shape), layout, host, bool(p.get("preallocate"))))
     gm.meta["maco"] = dep
     return gm
 
@@ -177,13 +193,14 @@ def _fusion(model: nn.Module) -> list[str]:
     return sorted(out)
 
 
-def _submodule(gm: nn.Module, path: Any, kind: type) -> nn.Module:
+def _submodule(gm: nn.Module, path: Any, kind: type | tuple[type, ...]) -> nn.Module:
     try:
         mod = gm.get_submodule(path) if isinstance(path, str) else None
     except AttributeError:
         mod = None
     if not isinstance(mod, kind):
-        raise MacoError(f"the saved model names {short(path)}, which is no {kind.__name__} of this model")
+        names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise MacoError(f"the saved model names {short(path)}, which is no {names} of this model")
     return mod
 
 

@@ -12,7 +12,8 @@ from torch import nn
 
 from maco.kernels.baselines import torch_conv
 from maco.kernels.linear import MAX_BATCH
-from maco.layouts.maco_modules import MacoConv2d, MacoLinear, call_sites, escapes, swap_module
+from maco.kernels.pool import plan_for
+from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, call_sites, escapes, swap_module
 from maco.records import Record
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -22,7 +23,8 @@ from maco.timing import interleaved_rounds, steady_allocator
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
 Chosen = dict[ConvSpec, dict[str, Schedule]]  # spec -> layout -> schedule
 Ratios = dict[ConvSpec, dict[str, float]]  # spec -> layout -> torch's time over MACO's
-LinearRatios = dict[str, float]  # module path -> torch's time over MACO's
+ModuleRatios = dict[str, float]  # module path -> torch's time over MACO's
+POOLS = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 
 
 def faster_kernels(torch_seconds: dict[tuple[ConvSpec, str], float],
@@ -82,21 +84,48 @@ def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratio
     return ratios
 
 
-def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> LinearRatios:
+def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
     """Swap (in place) each Linear of `gm` that a generated kernel (kernels.linear) runs at least
-    MIN_GAIN faster than torch's, both timed here on the input the layer sees in the model, in
-    interleaved rounds; returns module path -> torch's time over MACO's for every linear tried."""
+    MIN_GAIN faster than torch's; returns module path -> torch's time over MACO's for each tried."""
+    def make(linear: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
+        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] > MAX_BATCH:
+            return None
+        return MacoLinear(linear, x.shape[0], target, preallocate=preallocate)
+    return _faster_modules(gm, example_input, (nn.Linear,), make, rounds)
+
+
+def faster_pools(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
+    """Swap (in place) each pooling module of `gm` that a generated kernel (kernels.pool) runs at
+    least MIN_GAIN faster than torch's, in the memory format its input has in the model."""
+    def make(pool: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
+        if x.dim() != 4 or x.dtype != torch.float32:
+            return None
+        layout = ("NCHW" if x.is_contiguous() else
+                  "NHWC" if x.is_contiguous(memory_format=torch.channels_last) else None)
+        if layout is None or plan_for(pool, tuple(x.shape), layout, target.cores) is None:
+            return None
+        return MacoPool2d(pool, tuple(x.shape), layout, target, preallocate=preallocate)
+    return _faster_modules(gm, example_input, POOLS, make, rounds)
+
+
+def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, ...],
+                    make: Callable[[nn.Module, torch.Tensor, bool], nn.Module | None],
+                    rounds: int) -> ModuleRatios:
+    """Each module of `types` called in `gm`, and the generated-kernel module `make` builds for the
+    input it sees in the model (None: none fits), timed beside it here in interleaved rounds on
+    that input; swapped in place where MACO wins by MIN_GAIN (its output preallocated when the
+    module is called once and its output stays inside the model)."""
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
-    seen: dict[str, tuple[nn.Linear, torch.Tensor]] = {}
+    seen: dict[str, tuple[nn.Module, torch.Tensor]] = {}
 
     def keep(path: str) -> Callable[[nn.Module, tuple], None]:
         def hook(mod: nn.Module, args: tuple) -> None:
-            seen.setdefault(path, (mod, args[0].detach().clone()))
+            seen.setdefault(path, (mod, args[0].detach().clone(memory_format=torch.preserve_format)))
         return hook
 
     calls = call_sites(gm)
     hooks = [gm.get_submodule(path).register_forward_pre_hook(keep(path)) for path in calls
-             if isinstance(gm.get_submodule(path), nn.Linear)]
+             if isinstance(gm.get_submodule(path), types)]
     try:
         with torch.inference_mode():
             gm(*inputs)
@@ -104,12 +133,12 @@ def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, round
         for hook in hooks:
             hook.remove()
     steady_allocator()
-    ratios: LinearRatios = {}
-    for path, (linear, x) in seen.items():
-        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] > MAX_BATCH:
+    ratios: ModuleRatios = {}
+    for path, (module, x) in seen.items():
+        maco = make(module, x, False)
+        if maco is None:
             continue
-        maco = MacoLinear(linear, x.shape[0], target)
-        runs = {"torch": lambda linear=linear, x=x: linear(x), "maco": lambda maco=maco, x=x: maco(x)}
+        runs = {"torch": lambda module=module, x=x: module(x), "maco": lambda maco=maco, x=x: maco(x)}
         with torch.inference_mode():
             for fn in runs.values():
                 fn()
@@ -117,6 +146,5 @@ def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, round
         ratios[path] = statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
         if ratios[path] >= MIN_GAIN:
             sites = calls[path]
-            swap_module(gm, path, MacoLinear(linear, x.shape[0], target,
-                                             preallocate=len(sites) == 1 and not escapes(gm, sites[0])))
+            swap_module(gm, path, make(module, x, len(sites) == 1 and not escapes(gm, sites[0])))
     return ratios

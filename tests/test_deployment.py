@@ -14,9 +14,9 @@ from maco.deployment import Deployment, describe, load, save
 from maco.errors import MacoError
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
-from maco.layouts.maco_modules import MacoConv2d, MacoLinear, use_maco_kernels
+from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, swap_module, use_maco_kernels
 from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
-from maco.kernel_choice import faster_linears
+from maco.kernel_choice import faster_linears, faster_pools
 
 HOST = kernels.host_target()
 
@@ -31,6 +31,7 @@ def _optimized(net: str):
     gm = p.apply(fused)
     use_maco_kernels(gm, p, {s: {"NHWC": kernels.default_schedule(s, HOST, "NHWC")} for s in specs}, HOST)
     faster_linears(gm, x, HOST, rounds=1)
+    faster_pools(gm, x, HOST, rounds=1)
     return model, x, gm, describe(gm, "planned_maco", x, HOST, p)
 
 
@@ -52,6 +53,7 @@ def test_a_saved_model_loads_to_the_same_outputs(tmp_path, net):
     torch.testing.assert_close(got, again, rtol=1e-5, atol=1e-5)
     assert sum(isinstance(m, MacoConv2d) for m in loaded.modules()) == len(dep.convs) > 0
     assert sum(isinstance(m, MacoLinear) for m in loaded.modules()) == len(dep.linears)
+    assert sum(isinstance(m, MacoPool2d) for m in loaded.modules()) == len(dep.pools)
     save(loaded, tmp_path / "again.maco")  # a loaded model saves to the same description
     assert json.loads((tmp_path / "again.maco").read_text())["convs"] == json.loads(
         (tmp_path / "m.maco").read_text())["convs"]
@@ -121,3 +123,29 @@ def test_optimize_saves_and_the_cli_refuses_an_unwritable_save(tmp_path, capsys)
     blocker.write_text("x")
     assert main(["optimize", "--save", str(blocker / "m.maco"), "--out", str(tmp_path / "out")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_pooling_kernels_are_saved_and_checked_on_load(tmp_path):
+    model, x, gm, _ = _optimized("resnet18")
+    p = plan(fuse(model, x), x, latency={(s, lay): (1.0 if lay == "NHWC" else 2.0)
+                                          for s, _ in distinct_convs(conv_layers(model, x)) for lay in ("NCHW", "NHWC")},
+             conversion=lambda shape, a, b: 1e-9)
+    if not isinstance(gm.get_submodule("maxpool"), MacoPool2d):  # faster_pools kept torch's: swap it anyway
+        swap_module(gm, "maxpool", MacoPool2d(gm.get_submodule("maxpool"), (1, 64, 112, 112), "NHWC", HOST))
+    dep = describe(gm, "planned_maco", x, HOST, p)
+    assert {k: dep.pools["maxpool"][k] for k in ("shape", "layout")} == {"shape": [1, 64, 112, 112], "layout": "NHWC"}
+    _save(dep, tmp_path / "m.maco")
+    loaded = load(tmp_path / "m.maco", build("resnet18"))
+    assert isinstance(loaded.get_submodule("maxpool"), MacoPool2d)
+    with torch.inference_mode():
+        assert float((model(x) - loaded(x)).abs().max() / model(x).abs().max()) < 1e-4
+    for bad, match in (({"shape": [1, 64, "112", 112], "layout": "NHWC"}, "no valid input shape"),
+                       ({"shape": [1, 64, 112, 112], "layout": "NCWH"}, "no generated kernel runs pooling")):
+        dep.pools["maxpool"] = bad
+        _save(dep, tmp_path / "bad.maco")
+        with pytest.raises(MacoError, match=match):
+            load(tmp_path / "bad.maco", build("resnet18"))
+    dep.pools = {"layer1": {"shape": [1, 64, 56, 56], "layout": "NHWC"}}
+    _save(dep, tmp_path / "bad.maco")
+    with pytest.raises(MacoError, match="no MaxPool2d/AvgPool2d"):
+        load(tmp_path / "bad.maco", build("resnet18"))
