@@ -176,12 +176,12 @@ class ClusterMeasurer:
             results[k] = _result(r)
         return results  # type: ignore[return-value]
 
-    def baseline(self, spec: ConvSpec, layout: str = "NCHW") -> tuple[Timing | None, str | None]:
-        """torch's conv2d timed on a machine of the target, as Measurer.baseline."""
+    def baseline(self, spec: ConvSpec, layout: str = "NCHW") -> Result:
+        """torch's conv2d timed on a machine of the target, as Measurer.baseline, with that
+        machine's environment (its baseline record names the node)."""
         job = {"op": "torch", "spec": spec.to_dict(), "layout": layout}
-        timing, error, _ = _result(self.pool.run(measure, [(self.target.to_dict(), self.config, job, [])],
-                                                 lost=self._lost)[0])
-        return timing, error
+        return _result(self.pool.run(measure, [(self.target.to_dict(), self.config, job, [])],
+                                     lost=self._lost)[0])
 
     @staticmethod
     def _lost(reason: str) -> tuple[None, str, bool, None]:

@@ -1,5 +1,7 @@
 """Tuning records: one JSON object per line, appended atomically, so a run can be resumed and
-a crash never leaves half a record. A corrupt line is reported and skipped; the rest is kept."""
+a crash never leaves half a record. A corrupt line is reported and skipped; the rest is kept.
+Besides kernel records, a file holds baseline lines (Baseline: torch's conv timed by the tuner),
+which `load` leaves out and `load_baselines` returns."""
 from __future__ import annotations
 
 import fcntl
@@ -75,9 +77,10 @@ class Record:
     def from_json(cls, line: str) -> "Record":
         """A record checked as strictly as a schedule: spec, schedule (against the spec), target
         fingerprint and timing; anything else is a MacoError saying what is wrong."""
-        d = load_json(line, "record line", MAX_LINE_BYTES)
-        if not isinstance(d, dict) or d.get("v") != FORMAT_VERSION:
-            raise MacoError(f"unknown record format version {short(d.get('v') if isinstance(d, dict) else d)}")
+        return cls.from_dict(_load_line(line))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Record":
         unknown = set(d) - RECORD_FIELDS
         if unknown:
             raise MacoError(f"unknown record field(s) {short(sorted(map(str, unknown)))}")
@@ -97,11 +100,7 @@ class Record:
         timing = _check_timing(d.get("timing")) if d.get("timing") is not None else None
         if timing is None and error is None:
             raise MacoError("a record has a timing or an error")
-        env, when = d.get("env") or {}, d.get("time", 0.0)
-        if not isinstance(env, dict):
-            raise MacoError(f"record env must be an object, got {short(env)}")
-        if not _finite(when):
-            raise MacoError(f"record time must be a number, got {short(when)}")
+        env, when = _check_env_time(d)
         history = d.get("history", [])
         if not isinstance(history, list) or len(history) > MAX_HISTORY:
             raise MacoError(f"record history must be a list of at most {MAX_HISTORY} timings, got {short(history)}")
@@ -117,6 +116,84 @@ class Record:
 RECORD_FIELDS = {"v", "spec", "target", "schedule", "timing", "error", "env", "time", "transient", "history"}
 MAX_HISTORY = 64
 FINGERPRINT_TYPES = {"name": str, "kind": str, "model": str, "isa": str, "cores": int, "levels": list}
+BASELINE_FIELDS = {"v", "baseline", "spec", "target", "layout", "timing", "env", "time"}
+BASELINE_KINDS = ("torch",)  # whose conv a baseline line times
+LAYOUTS = ("NCHW", "NHWC")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """torch's own conv of one spec in one layout on one target, timed by the tuner's worker the
+    way kernels are (beside the same reference): what `maco optimize` and the torch.compile
+    backend plan layouts with, so both plan from the same numbers. A line of its own kind
+    ({"baseline": "torch", "layout": ..., no "schedule"}), never a Record, so nothing that ranks
+    or learns from schedules sees one."""
+
+    spec: ConvSpec
+    target: dict[str, Any]  # Target.fingerprint()
+    layout: str
+    timing: Timing
+    env: dict[str, Any] = field(default_factory=dict, compare=False)
+    time: float = field(default_factory=time.time, compare=False)
+    kind: str = "torch"
+
+    @property
+    def seconds(self) -> float:
+        return self.timing.median
+
+    def to_json(self) -> str:
+        d = {"v": FORMAT_VERSION, "baseline": self.kind, "spec": self.spec.to_dict(), "target": self.target,
+             "layout": self.layout, "timing": self.timing.to_dict(), "env": self.env, "time": self.time}
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> "Baseline":
+        return cls.from_dict(_load_line(line))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Baseline":
+        """Checked as strictly as a record: known fields only, a valid spec and fingerprint, a
+        layout torch runs, a timing that can be true; anything else is a MacoError."""
+        unknown = set(d) - BASELINE_FIELDS
+        if unknown:
+            raise MacoError(f"unknown baseline field(s) {short(sorted(map(str, unknown)))}")
+        missing = BASELINE_FIELDS - {"env", "time"} - set(d)
+        if missing:
+            raise MacoError(f"a baseline needs {', '.join(sorted(missing))}")
+        if d["baseline"] not in BASELINE_KINDS:
+            raise MacoError(f"baseline must be one of {BASELINE_KINDS}, got {short(d['baseline'])}")
+        if d["layout"] not in LAYOUTS:
+            raise MacoError(f"baseline layout must be one of {LAYOUTS}, got {short(d['layout'])}")
+        spec = ConvSpec.from_dict(d["spec"])
+        target = _check_fingerprint(d["target"])
+        timing = _check_timing(d["timing"])
+        env, when = _check_env_time(d)
+        return cls(spec, target, d["layout"], timing, env, float(when), d["baseline"])
+
+
+Entry = Record | Baseline
+
+
+def parse_line(line: str) -> Entry:
+    """One line of a records file: a Baseline if it says so ("baseline" key), else a Record."""
+    d = _load_line(line)
+    return Baseline.from_dict(d) if "baseline" in d else Record.from_dict(d)
+
+
+def _load_line(line: str) -> dict[str, Any]:
+    d = load_json(line, "record line", MAX_LINE_BYTES)
+    if not isinstance(d, dict) or d.get("v") != FORMAT_VERSION:
+        raise MacoError(f"unknown record format version {short(d.get('v') if isinstance(d, dict) else d)}")
+    return d
+
+
+def _check_env_time(d: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    env, when = d.get("env") or {}, d.get("time", 0.0)
+    if not isinstance(env, dict):
+        raise MacoError(f"record env must be an object, got {short(env)}")
+    if not _finite(when):
+        raise MacoError(f"record time must be a number, got {short(when)}")
+    return env, when
 
 
 def _finite(value: Any) -> bool:
@@ -181,6 +258,12 @@ def make_record(spec: ConvSpec, target: Target, schedule: Schedule, timing: Timi
                   env=environment() if env is None else env, transient=isinstance(error, TransientError))
 
 
+def make_baseline(spec: ConvSpec, target: Target, layout: str, timing: Timing,
+                  env: dict[str, Any] | None = None) -> Baseline:
+    """A baseline of torch's conv timed by this process's worker (or another machine's: `env`)."""
+    return Baseline(spec, target.fingerprint(), layout, timing, environment() if env is None else env)
+
+
 def _capped_lines(fh: Any, limit: int) -> Iterator[bytes | None]:
     """The lines of a binary file, each read with at most `limit` bytes in memory; None stands
     for a longer line (its rest is skipped), so one huge line cannot exhaust memory."""
@@ -204,8 +287,8 @@ class RecordFile:
         self.path = Path(path)
         self.bad_lines: list[tuple[int, str]] = []  # (line number, reason) found by the last load
 
-    def append(self, records: Record | Iterable[Record]) -> None:
-        batch = [records] if isinstance(records, Record) else list(records)
+    def append(self, records: Entry | Iterable[Entry]) -> None:
+        batch = [records] if isinstance(records, (Record, Baseline)) else list(records)
         if not batch:
             return
         data = "".join(r.to_json() + "\n" for r in batch).encode()
@@ -262,7 +345,15 @@ class RecordFile:
         return [r for _, r in self.load_numbered(warn)]
 
     def load_numbered(self, warn: bool = True) -> list[tuple[int, Record]]:
-        """load, with each record's line number."""
+        """load, with each record's line number (baseline lines are counted, not returned)."""
+        return [(n, e) for n, e in self.load_entries(warn) if isinstance(e, Record)]
+
+    def load_baselines(self, warn: bool = True) -> list[Baseline]:
+        """The valid baseline lines (torch's conv timed by the tuner); bad lines as in `load`."""
+        return [e for _, e in self.load_entries(warn) if isinstance(e, Baseline)]
+
+    def load_entries(self, warn: bool = True) -> list[tuple[int, Entry]]:
+        """Every valid line, record or baseline, with its line number; bad lines as in `load`."""
         self.bad_lines = []
         if self.path.is_dir():
             raise MacoError(f"records file {str(self.path)!r} is a directory; give a .jsonl file")
@@ -276,7 +367,7 @@ class RecordFile:
                     if not line.strip():
                         continue
                     try:
-                        out.append((lineno, Record.from_json(line.decode("utf-8", errors="replace"))))
+                        out.append((lineno, parse_line(line.decode("utf-8", errors="replace"))))
                     except MacoError as exc:
                         self.bad_lines.append((lineno, str(exc)))
         except FileNotFoundError:
@@ -330,3 +421,22 @@ def best_per_layout(records: Iterable[Record], target: Target) -> dict[tuple[Con
 def best_in_files(paths: Iterable[str | os.PathLike[str]], target: Target) -> dict[tuple[ConvSpec, str], Record]:
     """best_per_layout over the records of every file in `paths`."""
     return best_per_layout([r for path in paths for r in RecordFile(path).load()], target)
+
+
+def latest_baselines(baselines: Iterable[Baseline], target: Target) -> dict[tuple[ConvSpec, str], Baseline]:
+    """Per (spec, layout): the newest baseline measured on `target` with the torch running here
+    (another torch version's conv says little of this one's). Newest, so a re-measurement
+    replaces an old one; one rule, so every reader of the same files picks the same numbers."""
+    fingerprint, version = target.fingerprint(), environment().get("torch")
+    latest: dict[tuple[ConvSpec, str], Baseline] = {}
+    for b in baselines:
+        key = (b.spec, b.layout)
+        if b.target == fingerprint and b.env.get("torch") == version and (
+                key not in latest or b.time >= latest[key].time):
+            latest[key] = b
+    return latest
+
+
+def baselines_in_files(paths: Iterable[str | os.PathLike[str]], target: Target) -> dict[tuple[ConvSpec, str], Baseline]:
+    """latest_baselines over the baselines of every file in `paths`."""
+    return latest_baselines([b for path in paths for b in RecordFile(path).load_baselines()], target)

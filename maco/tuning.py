@@ -16,11 +16,11 @@ from maco import kernels
 from maco.cost_model import CostModel
 from maco.errors import MacoError
 from maco.measure import MeasureConfig, Measurer
-from maco.records import Record, RecordFile, normalized
+from maco.records import LAYOUTS, Record, RecordFile, latest_baselines, make_baseline, normalized
 from maco.search import MeasureFunction, SearchConfig, TaskState, search_round
 from maco.spec import ConvSpec
 from maco.target import Target, require_memory
-from maco.timing import Timing, environment
+from maco.timing import environment
 
 # Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
 BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
@@ -185,16 +185,37 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
         result = tune(tasks, target, trials, measurer, records=records, config=config, seed=seed,
                       progress=progress)
         bar.update(job, completed=trials)
-        out = []
-        for task, state in zip(tasks, result.states):
-            nchw = nhwc = None
-            if baselines:
-                bar.update(job, description=f"timing torch on {task.name}")
-                nchw = _seconds(measurer.baseline(task.spec, "NCHW"))
-                nhwc = _seconds(measurer.baseline(task.spec, "NHWC"))
-            out.append(LayerResult(task.name, task.spec, task.weight, state.best, len(state.records),
-                                   nchw, nhwc))
+        torch_s = {}
+        if baselines:
+            bar.update(job, description="timing torch's conv (layers without a baseline in the records)")
+            torch_s = measure_baselines([t.spec for t in tasks], target, records, measurer=measurer)
+        out = [LayerResult(task.name, task.spec, task.weight, state.best, len(state.records),
+                           torch_s.get((task.spec, "NCHW")), torch_s.get((task.spec, "NHWC")))
+               for task, state in zip(tasks, result.states)]
     return out
+
+
+def measure_baselines(specs: Sequence[ConvSpec], target: Target, records: str | Path,
+                      layouts: Sequence[str] = LAYOUTS, measurer: Any = None) -> dict[tuple[ConvSpec, str], float]:
+    """torch's seconds per (spec, layout) for planning: the records' baseline where they have one
+    (records.latest_baselines), else timed by the tuner's worker (`measurer`, or one started here
+    only if something is missing) and appended to `records` as a baseline. So `maco optimize` and
+    the torch.compile backend, reading the same file, plan with the same numbers. A layout torch
+    fails to time is left out."""
+    file = RecordFile(records)
+    have = latest_baselines(file.load_baselines(), target)
+    todo = [(spec, layout) for spec in dict.fromkeys(specs) for layout in layouts if (spec, layout) not in have]
+    new = []
+    if todo:
+        with ExitStack() as stack:
+            measurer = measurer or stack.enter_context(Measurer(target))
+            for spec, layout in todo:
+                timing, _, *env = measurer.baseline(spec, layout)
+                if timing is not None:
+                    new.append(make_baseline(spec, target, layout, timing, env=env[0] if env else None))
+        file.append(new)
+    seconds = {key: b.seconds for key, b in have.items() if key[0] in specs and key[1] in layouts}
+    return seconds | {(b.spec, b.layout): b.seconds for b in new}
 
 
 def _measurer(target: Target, config: MeasureConfig, cluster: str | None, stack: ExitStack) -> Any:
@@ -215,11 +236,6 @@ def _weight(name: str) -> int:
         except ValueError:
             pass
     return 1
-
-
-def _seconds(result: tuple[Timing | None, str | None]) -> float | None:
-    timing, _ = result
-    return timing.median if timing else None
 
 
 @dataclass
