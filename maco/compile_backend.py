@@ -3,9 +3,11 @@ without a separate run: BatchNorm folded, epilogues fused, layouts planned, MACO
 where they beat torch in this process, and the fastest variant kept.
 
     fast = torch.compile(model.eval(), backend="maco", options={"tune": "none"})
-    options: records  a records file or folder (tuned schedules; a folder: every *.jsonl in it)
+    options: records  a records file or folder (tuned schedules and torch baselines; a folder:
+                      every *.jsonl in it)
              tune     none (the bound-derived defaults where no record has the layer), quick or
-                      normal (tune the missing layers first, into the records file)
+                      normal (tune the missing layers first, into the records file, and time
+                      torch's conv in the tuner's worker where the records have no baseline)
              layouts  the layouts the planner may choose, e.g. "NHWC" (default NCHW,NHWC)
              cache    the kernel cache folder (default $MACO_CACHE or ~/.cache/maco/kernels)
 
@@ -34,8 +36,9 @@ from maco.files import short
 from maco.layouts.latency import measure_layouts
 from maco.layouts.networks import conv_layers, distinct_convs
 from maco.pipeline import build_variants, fastest
-from maco.records import best_in_files
-from maco.tuning import BUDGETS, tune_layers
+from maco.records import Baseline, baselines_in_files, best_in_files
+from maco.spec import ConvSpec
+from maco.tuning import BUDGETS, measure_baselines, tune_layers
 
 log = logging.getLogger("maco")
 TUNES = ("none", "quick", "normal")
@@ -206,26 +209,27 @@ def _kind(node: fx.Node) -> str:
 
 def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str, Any]) -> nn.Module:
     """build_variants on the lifted graph: candidates from the records (or the defaults, or a quick
-    or normal tuning of the missing layers), torch timed here, the fastest variant kept."""
+    or normal tuning of the missing layers), torch's seconds from the records' baselines (timed
+    here only where they have none), the fastest variant kept."""
     target = kernels.host_target()
     x = inputs[0] if len(inputs) == 1 else tuple(inputs)
     specs = [spec for spec, _ in distinct_convs(conv_layers(model, x))]
     layouts = opts["layouts"]
     files = opts.get("records") or []
-    if opts["tune"] != "none":
+    if opts["tune"] != "none" and files:
         missing = [spec for spec in specs if not any(key[0] == spec for key in best_in_files(files, target))]
-        if missing and files:
+        if missing:  # their torch baselines are timed by the same worker, into the records
             tune_layers([(str(s), s) for s in missing], target, BUDGETS[opts["tune"]] * len(missing),
-                        records=files[0], layouts=layouts, baselines=False)
+                        records=files[0], layouts=layouts)
+        stored = baselines_in_files(files, target)
+        unbased = [spec for spec in specs if any((spec, lay) not in stored for lay in layouts)]
+        if unbased:  # tuned before baselines were recorded: the worker times torch for them now
+            measure_baselines(unbased, target, files[0], layouts)
     best = best_in_files(files, target)
     candidates: dict[tuple, Any] = {}
-    torch_seconds = {}
+    torch_seconds = planning_seconds(specs, layouts, baselines_in_files(files, target))
     for spec in specs:
-        # the fastest of 9 runs: at compile time the medians of a few short runs strayed up to 2x from
-        # the tuner's worker (which `maco optimize` plans with) and moved the plan; the minima agree
-        timed = measure_layouts(spec, layouts, "cpu", rounds=3, repeats=3, min_run_time=2e-3)
         for layout in layouts:
-            torch_seconds[(spec, layout)] = timed[layout].min
             try:
                 candidates[(spec, layout)] = best.get((spec, layout)) or kernels.default_schedule(spec, target, layout)
             except MacoError:
@@ -236,3 +240,22 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
              times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
              sum(r >= 1.02 for r in built.linears.values()) if pick == "planned_maco" else 0)
     return built.models[pick]
+
+
+def planning_seconds(specs: list[ConvSpec], layouts: tuple[str, ...],
+                     stored: dict[tuple[ConvSpec, str], Baseline]) -> dict[tuple[ConvSpec, str], float]:
+    """torch's seconds per (spec, layout) to plan with: the records' baseline seconds as stored,
+    exactly what `maco optimize` plans with from the same file (its tuner's worker timed them;
+    timing torch here, right after MACO kernels ran, read up to 1.5x slower and moved the plan).
+    Stored seconds, not rescaled by the reference: rescaling would need the reference timed in
+    this process, the very timing avoided. A spec without a baseline in every layout is timed
+    here in all of them, so its layouts are compared on one clock (the fastest of 9 runs: medians
+    of a few short runs at compile time strayed up to 2x)."""
+    seconds = {}
+    for spec in specs:
+        if all((spec, layout) in stored for layout in layouts):
+            seconds.update({(spec, layout): stored[(spec, layout)].seconds for layout in layouts})
+            continue
+        timed = measure_layouts(spec, layouts, "cpu", rounds=3, repeats=3, min_run_time=2e-3)
+        seconds.update({(spec, layout): timed[layout].min for layout in layouts})
+    return seconds

@@ -80,6 +80,8 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
                      maco={lay: best[(r.spec, lay)].seconds for lay in ("NCHW", "NHWC") if (r.spec, lay) in best},
                      torch={k: v for k, v in (("NCHW", r.torch_nchw), ("NHWC", r.torch_nhwc)) if v})
             for r in tuned]
+    # the records' torch baselines where present, else the tuner's fresh timings, which it appended
+    # there (tuning.measure_baselines): the torch.compile backend plans from the same file's numbers
     torch_seconds = {(row.spec, lay): s for row in rows for lay, s in row.torch.items()}
     log("[2/4] re-timing the kernels that beat torch in this process; folding BatchNorm, fusing "
         "epilogues, planning layouts")

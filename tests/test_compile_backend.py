@@ -104,3 +104,103 @@ def test_bad_options_are_named():
         check_options({"tune": "forever"})
     with pytest.raises(MacoError, match="layouts must name"):
         check_options({"layouts": "NCWH"})
+
+
+TWO_CONVS = '''
+import torch
+from torch import nn
+
+class TwoConvs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 24, 1)
+        self.fc = nn.Linear(24, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.conv2(y))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(y, 1), 1))
+'''
+
+
+def _records_with_baselines(path, specs, baselines=True):
+    """A records file `maco optimize` tunes nothing more in (the quick budget per spec is there)
+    and, if `baselines`, torch baselines far apart: conv1 plans NCHW, conv2 NHWC, whatever the
+    in-process ratios and conversions."""
+    from maco.records import make_baseline
+    from maco.tuning import BUDGETS
+
+    host = kernels.host_target()
+    records = RecordFile(path)
+    for i, spec in enumerate(specs):
+        records.append([make_record(spec, host, kernels.default_schedule(spec, host, lay),
+                                    Timing(1e-3, 1e-3, 1e-3, 0.0, 3, 10, 1e-3, 1.0))
+                        for lay in ("NCHW", "NHWC") for _ in range(BUDGETS["quick"] // 2)])
+        if baselines:
+            fast, slow = ("NCHW", "NHWC") if i == 0 else ("NHWC", "NCHW")
+            records.append([make_baseline(spec, host, fast, Timing(1e-3, 1e-3, 1e-3, 0.0, 3, 10, 1e-3, 1.0)),
+                            make_baseline(spec, host, slow, Timing(1e-1, 1e-1, 1e-1, 0.0, 3, 10, 1e-3, 100.0))])
+
+
+def _spy_backend(monkeypatch):
+    """Calls of the in-process torch timing, and the plans the backend builds."""
+    import maco.compile_backend as backend
+
+    timed, plans = [], []
+    real = backend.build_variants
+
+    def build(*args, **kw):
+        built = real(*args, **kw)
+        plans.append(built.plan)
+        return built
+    monkeypatch.setattr(backend, "measure_layouts", lambda *a, **kw: timed.append(a) or pytest.fail("timed torch"))
+    monkeypatch.setattr(backend, "build_variants", build)
+    return timed, plans
+
+
+def test_with_baselines_the_backend_plans_as_optimize_does(tmp_path, monkeypatch):
+    from maco.layouts.networks import load_model
+    from maco.optimize import optimize
+    from maco.records import RecordFile as File
+
+    (tmp_path / "two.py").write_text(TWO_CONVS)
+    text = f"{tmp_path / 'two.py'}:TwoConvs"
+    model = _randomize_bn(load_model(text)[1])
+    x = torch.randn(1, 3, 20, 20, generator=torch.Generator().manual_seed(0))
+    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
+    path = tmp_path / "records" / "r.jsonl"
+    path.parent.mkdir()
+    _records_with_baselines(path, specs)
+    before = path.read_bytes()
+    timed, plans = _spy_backend(monkeypatch)
+    fast = _compiled(model, records=str(path), tune="none")
+    with torch.inference_mode():
+        assert _rel(model(x), fast(x)) < 1e-4
+    assert timed == [] and len(plans) == 1
+    result = optimize(text, budget="quick", out=tmp_path / "out", records=path, input_shape=tuple(x.shape),
+                      log=lambda s: None)
+    assert path.read_bytes() == before  # optimize tuned nothing and timed no torch: all in the records
+    layouts = [[(lp.spec, lp.layout) for lp in p.convs] for p in (plans[0], result.plan)]
+    assert layouts[0] == layouts[1] == [(str(specs[0]), "NCHW"), (str(specs[1]), "NHWC")]
+    assert len(File(path).load_baselines()) == 4
+
+
+def test_tuning_backend_times_missing_baselines_in_the_worker(tmp_path, monkeypatch):
+    """Records tuned before baselines: with tune quick the backend has the tuner's worker time torch
+    into the records (as optimize would) instead of timing it in the user's process."""
+    from maco.records import baselines_in_files
+
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
+    path = tmp_path / "maco_records.jsonl"
+    _records_with_baselines(path, specs, baselines=False)
+    timed, plans = _spy_backend(monkeypatch)
+    fast = _compiled(model, records=str(tmp_path), tune="quick")
+    with torch.inference_mode():
+        assert _rel(model(x), fast(x)) < 1e-4
+    assert timed == [] and len(plans) == 1
+    assert set(baselines_in_files([path], kernels.host_target())) == {(s, lay) for s in specs for lay in ("NCHW", "NHWC")}
