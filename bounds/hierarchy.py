@@ -22,20 +22,28 @@ them. Two statements follow:
    a level whose balance is far below that has slack, and any tile meeting the balance is as
    good as the optimum for speed. The bound-derived default schedules reach 89-99% of the FMA
    peak, so they meet every level's balance, which a condition that asks for the optimum at
-   every level (the pruning before this module) does not accept.
+   every level (the one-level pruning rules) does not accept.
+
+3. Per tile level (`tile_conditions`, `chunk_intensity`, `nominal_balance`): the traffic of a
+   level is its own tile's as channel chunks slide past it, so statement 2 becomes one condition
+   per tile level and chunk, which maco.prune checks and maco.space counts exactly.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
+import numpy as np
 import sympy as sp
 
 from maco.bounds.simulate import schedule_loops
 from maco.errors import MacoError
+from maco.factors import divisors
 from maco.geometry import input_window
 from maco.schedule import INPUT_AXES, SPATIAL_AXES, WEIGHT_AXES, Schedule
-from maco.spec import ConvSpec
+from maco.spec import DTYPE_BYTES, ConvSpec
+from maco.target import Target
 
 OUTPUT_AXES = SPATIAL_AXES
 
@@ -121,3 +129,107 @@ def level_balance() -> dict[str, sp.Expr]:
     best = sp.simplify(on_capacity.subs(p, best_p))
     return {"optimal_xy": best_p, "optimal_intensity": best,
             "condition": sp.Ge(TILE_INTENSITY, beta)}
+
+
+# -- statement 3: the tile conditions per level (what maco.prune checks) ------------------------
+# A CPU nest S0 S1 R0 S2 R1 S3 slides channel chunks (R0, c1 channels each) past its tiles:
+#   registers <- L1: the register tile S3 reduces one chunk, then its accumulators go back to L1
+#   L1 <- L2:       the register tile sweeps the S2 tile within a chunk; L1 has to hold that
+#                   chunk's inputs and weights for the sweep, plus the S2 tile's outputs
+#   L2 <- L3:       the core's tile S1, past whose outputs the chunks slide
+# On a GPU the thread tile is in registers (fed by shared memory) and the block tile in shared
+# memory (fed by L2); both keep their outputs in registers for the whole reduction.
+# Each level's traffic is its tile's: every chunk brings its inputs and weights once, and the
+# outputs cross once if the level holds them between chunks, else once per chunk (load + store,
+# the first chunk only stores). Reuse across tiles of the same level is not credited: the loops
+# around a tile visit the other tiles' data before they come back (tests check the model against
+# the replayed nest, tests/test_hierarchy.py).
+P, Z, Wt, C, c, Q, Bt = sp.symbols("P Z W C c Q beta", positive=True)
+#: elements crossing a level per tile: C channels of Q inputs and Z*W weights, P*Z outputs kept
+KEPT_TRAFFIC = C * (Q + Z * Wt) + P * Z
+#: the same when the outputs go out and come back for every chunk of c channels
+RELOADED_TRAFFIC = C * (Q + Z * Wt) + P * Z * (2 * C / c - 1)
+
+
+def tile_conditions() -> dict[str, sp.Expr]:
+    """The per-level conditions, derived with sympy (P pixels, Z filters, W = kh*kw taps, C channels
+    in chunks of c, Q input patch per channel, beta the level's balance, MACs per element):
+
+    kept        intensity P*Z*W*C / KEPT_TRAFFIC, independent of the chunk: a level that holds the
+                tile's outputs and one chunk is fed at the tile's own reuse
+    one_level   its limit for many channels with Q = P*W/R: TILE_INTENSITY (level_balance), the
+                one-level optimum's quantity: the one-level rules asked for its maximum at every
+                level, a level that is no bottleneck only needs it >= beta
+    reloaded    intensity P*Z*W*C / RELOADED_TRAFFIC: grows with the chunk, equals kept at c = C
+    least_chunk the smallest chunk with reloaded >= beta (where the tile's operands alone reach
+                beta): a level that cannot hold the outputs needs chunks at least this deep
+    condition   intensity >= beta: the level is the bottleneck otherwise
+    """
+    macs = P * Z * Wt * C
+    kept = macs / KEPT_TRAFFIC
+    reloaded = macs / RELOADED_TRAFFIC
+    R = sp.symbols("R", positive=True)
+    one_level = sp.limit(kept.subs(Q, P * Wt / R), C, sp.oo)
+    least = sp.solve(sp.Eq(reloaded, Bt), c)[0]
+    return {"kept": kept, "one_level": sp.simplify(one_level), "reloaded": reloaded,
+            "least_chunk": sp.simplify(least), "condition": sp.Ge(sp.Symbol("I", positive=True), Bt)}
+
+
+def _patch(spec: ConvSpec, oh: Any, ow: Any) -> Any:
+    """Input rows x columns one channel of an oh x ow output block reads (padding not stored)."""
+    ih, iw = input_window(spec, oh, ow)
+    return np.minimum(ih, spec.h) * np.minimum(iw, spec.w)
+
+
+def tile_footprint(spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any) -> Any:
+    """Elements a level holds for a tile and one chunk: its outputs, the chunk's inputs and weights."""
+    return g * (n * k * oh * ow + chunk * (n * _patch(spec, oh, ow) + k * spec.kh * spec.kw))
+
+
+def chunk_intensity(spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any,
+                    kept: Any) -> Any:
+    """MACs per element crossing a level whose tile is n images x g groups x k filters x oh x ow
+    outputs sliding over the channels in chunks of `chunk`; `kept`: the level holds the outputs
+    between chunks (tile_conditions' kept and reloaded, numpy-friendly)."""
+    cg, taps = spec.c_per_group, spec.kh * spec.kw
+    outputs = n * g * k * oh * ow
+    passes = np.where(kept, 1.0, 2.0 * cg / chunk - 1.0)
+    return outputs * cg * taps / (g * cg * (n * _patch(spec, oh, ow) + k * taps) + outputs * passes)
+
+
+def best_tile_intensity(spec: ConvSpec, max_outputs: int) -> float:
+    """The most a tile of at most `max_outputs` outputs (one image and group) reaches with its
+    outputs kept: what the layer allows a level whose tiles must leave every processor work."""
+    k, oh, ow = np.meshgrid(*[np.array(divisors(e)) for e in (spec.k_per_group, spec.out_h, spec.out_w)],
+                            indexing="ij")
+    fits = k * oh * ow <= max(1, max_outputs)
+    return float(np.max(np.where(fits, chunk_intensity(spec, 1, 1, k, oh, ow, spec.c_per_group, True), 0)))
+
+
+#: bytes per cycle each level is fed with from the next level out, per core (CPU) or per SM (GPU):
+#: nominal figures of current cores (two vector loads a cycle from L1; a 64-byte line a cycle from
+#: L2, half a line from L3, a quarter from DRAM) and of the H100 (128 B a cycle from shared memory
+#: into registers, ~32 B a cycle per SM from L2, about what 5.5 TB/s over 132 SMs at 1.98 GHz gives).
+#: A real machine is often slower, so its balance is higher: maco.prune divides by its tolerance.
+FEED_BYTES = {"cpu": (64.0, 32.0, 16.0, 8.0), "cuda": {"shared": 32.0, "L2": 16.0}}
+
+
+def nominal_balance(target: Target) -> dict[str, float]:
+    """MACs per element each level must receive for the cores to run at their FMA peak: the
+    core's (or SM's) multiply-adds per cycle over the elements per cycle the next level out feeds
+    it (FEED_BYTES). A property of the target, not a measurement, so pruning repeats; the
+    measured one is kernels.cpu_peak.machine_balance (2-core Zen 4/5 VMs with 16 lanes: L1
+    1.2-1.5, L2 2.3-3, where these give 2 and 4)."""
+    macs = target.fma_units * target.simd_width
+    out: dict[str, float] = {}
+    if target.kind == "cpu":
+        out["registers"] = macs / (2.0 * target.simd_width)  # two vector loads a cycle
+        caches = [lvl.name for lvl in target.levels if lvl.name != "registers"]
+        for name, feed in zip(caches, FEED_BYTES["cpu"] + (FEED_BYTES["cpu"][-1],) * len(caches)):
+            out[name] = macs / (feed / DTYPE_BYTES)
+    elif target.kind == "cuda":
+        out["registers"] = macs / (128.0 / DTYPE_BYTES)
+        for lvl in target.levels:
+            if lvl.name in FEED_BYTES["cuda"]:
+                out[lvl.name] = macs / (FEED_BYTES["cuda"][lvl.name] / DTYPE_BYTES)
+    return out

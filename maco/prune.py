@@ -1,49 +1,66 @@
-"""MACO pruning: keep the schedules whose tiles follow the optimal-dataflow conditions of the bounds.
+"""MACO pruning: keep the schedules in which no memory level is the bottleneck.
 
-The bounds (maco.bounds, DESIGN.md) say: at a memory level of S elements shared by Np
-processors, each processor should own an output tile x*y*z (x along ow, y along oh, z along k)
-with x*y = R*z (R: maco.geometry.tile_reuse) and footprint x*y*z + x'*y' + z*kh*kw ~ S/Np, sliding over the
-input channels one at a time (alpha = 1). MACO keeps the schedules that satisfy these at every
-level:
+A level is the bottleneck when the tile it serves moves fewer multiply-adds per element across
+its boundary than the cores need to run at their FMA peak there (the level's balance). The
+conditions are derived in maco.bounds.hierarchy (statement 3): every level sits between the tile
+below it and the level above, so what matters at a level is the reuse of its own tile as channel
+chunks slide past it, not how close that tile is to the one-level optimum x*y = R*z (the rules
+before this module asked for that optimum at L1 and L2 as if each were the only fast memory, and
+dropped the bound-derived defaults, which run at ~93% of the FMA peak).
 
-Which tile sits in which memory level (CPU nest S0 S1 R0 S2 R1 S3):
-  registers  <- S3, the register tile: its accumulators must fit the free vector registers
-                (a hard limit of the space) and its outputs fill at least `register_fill` of
-                their lanes (the level holds registers x lanes elements: a scalar tile of 28
-                outputs fills 28 of 448 on AVX-512, and runs 10-40x slower than a vector one).
-  L1         <- the tile of one S1 iteration (S2*S3 factors): the block whose outputs stay in
-                L1 while the R0 loop streams channel chunks through it.
-  L2         <- the tile of one S0 iteration (S1*S2*S3): one parallel work item of a core.
-  L3 and any further level <- the S0 level, i.e. the whole layer split over the cores: it is
-                fixed by the spec, the schedule has nothing to choose there, so it is not used.
+Which tile sits in which level (CPU nest S0 S1 R0 S2 R1 S3, c1 channels per R0 chunk):
+  registers <- L1  S3, the register tile: it reduces one chunk, then its accumulators go back to L1
+                   (the outputs cross once per chunk). Its accumulators must also fit the free
+                   vector registers (a hard limit of the space) and fill at least `register_fill`
+                   of them: of their lanes where the layer has whole vectors of filters per group
+                   (a scalar tile of 28 outputs fills 28 of 448 lanes on AVX-512 and ran 10-40x
+                   slower than a vector one), of the registers themselves where it has not
+                   (depthwise and 24-filter layers on 16 lanes: the default's tile is scalar
+                   there), and there no more than a tile of one image and group can fill (7 on
+                   a 7x7 depthwise layer).
+  L1 <- L2         S2: the register tile sweeps it within a chunk; L1 keeps its outputs between
+                   chunks when they and one chunk's inputs and weights fit L1's share.
+  L2 <- L3         S2 again: R0 sits between S1 and S2, so the outputs the chunks slide past are
+                   the S2 tile's (the defaults that slide chunks make it the core's whole share);
+                   S1 only orders the S2 tiles.
+  L3 and further   the whole layer split over the cores: fixed by the spec, not used.
+A level that holds its tile with every channel is not judged: the loops around the tile may then
+reuse its data across tiles, which the tile alone does not bound. Otherwise the tile's traffic is
+within about 2.2x of the exact replay of the nest through an LRU cache, at most 1.2x in 90% of random
+schedules (tests/test_hierarchy.py), so the condition is necessary up to about the tolerance.
 GPU nest (block, vthread, thread, inner, inner):
-  registers  <- the thread tile (f1*f3*f4): between gpu_accumulators[0] and [1] accumulators,
-                and whole warps (threads per block a multiple of 32).
-  shared     <- the block tile (f1*f2*f3*f4), per block (S/Np with Np resident blocks per SM).
-  L2         <- the whole grid: fixed by the spec, not used.
+  registers <- shared  the thread tile (outputs in registers all along), at most
+                       gpu_accumulators[1] accumulators (nvcc spills past ~64).
+  shared <- L2         the block tile (outputs in the threads' registers all along).
+  L2                   the whole grid: fixed by the spec, not used.
 
-Conditions at a cache level, with the per-processor tile of n, g, k=z, oh=y, ow=x outputs:
-  ratio   n*y*x / (R*z) within [1/tolerance, tolerance]           (x*y ~ R*z);
-          only the lower side when z already spans all K filters of the group, only the upper
-          side when n*y*x already spans every output pixel (the tile cannot grow that way)
-  fill    fill_low * min(S/Np, F(layer)/cores) <= F(tile) <= S/Np  (F: footprint with alpha = 1;
-          a level never needs more than the layer's share of one core or SM)
-and for the whole nest, alpha = 1: every tile slides over the input channels one at a time with
+The condition at a level: intensity(tile, chunk) >= min(balance, what the layer allows) /
+tolerance, where the balance is maco.bounds.hierarchy.nominal_balance(target) (a property of the
+target, so pruning repeats) and "what the layer allows" is the intensity of the best tile small
+enough to give every processor work (every core, every resident block and thread slot of the
+GPU): a level is not asked for more than the layer can give it. `tolerance` (2) covers machines
+slower than the nominal feeds: the measured balances of the project's hosts lie below the
+nominal ones by less than that.
+
+And for the whole nest, alpha = 1: every tile slides over the input channels one at a time with
 the whole kh x kw window per channel, i.e. the kernel window is not split by the outer reduction
 level (kh0 = kw0 = 1), and the innermost reduction loops take the channels in the layout's unit
 (`alpha_order_ok`): c outermost where a channel's window is whole rows of one plane (NCHW, and
 the GPU kernels' shared-memory windows), c innermost where channels are the contiguous axis (CPU
 NHWC: a cache line of channels slides by at each tap).
 
+Every condition looks at one tile level and the chunk c1, so maco.space still counts the pruned
+space exactly and samples it uniformly (per chunk, over the divisor grids).
+
 Relaxation (maco.space.prune_plan, which counts the space under each try), so that a valid conv
 never gets an empty pruned space: if the conditions of one level alone leave nothing, that level
-is relaxed step by step (tolerance x2, lower fill /2,
-capacity x2, register lower bounds /2, the warp rule dropped); after `max_relax` steps the level is
-dropped. If all levels together still leave nothing, levels are relaxed the same way from the
-outermost inwards. The plan says what was relaxed (PrunePlan.notes).
+is relaxed step by step (its need /2, register lower bounds /2, the warp rule dropped); after
+`max_relax` steps the level is dropped. If all levels together still leave nothing, levels are
+relaxed the same way from the outermost inwards. The plan says what was relaxed (PrunePlan.notes).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from math import ceil
 from typing import Any
@@ -51,25 +68,27 @@ from typing import Any
 import numpy as np
 
 from maco.bounds.conv import best_lower_bound
-from maco.bounds.hierarchy import intensity
+from maco.bounds.hierarchy import best_tile_intensity, chunk_intensity, intensity, nominal_balance, tile_footprint
 from maco.errors import MacoError
-from maco.geometry import footprint, tile_reuse
-from maco.schedule import REGISTER_RESERVE, Schedule, gpu_max_accumulators
+from maco.factors import divisors
+from maco.schedule import GPU_MAX_THREADS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, gpu_max_accumulators
 from maco.spec import ConvSpec
 from maco.target import Target
 
 WARP = 32
+FILL_LOW_DEFAULT = 0.25
 
 
 @dataclass(frozen=True)
 class PruneConfig:
     """Tolerances of the pruning conditions (see the module docstring)."""
 
-    tolerance: float = 2.0  # x*y / (R*z) within [1/tolerance, tolerance]
-    fill_low: float = 0.25  # footprint >= fill_low * min(S/Np, layer footprint / cores)
+    tolerance: float = 2.0  # a level's tile may fall short of its nominal balance by this factor
+    fill_low: float = FILL_LOW_DEFAULT  # no longer used: the balance rules have no footprint floor
     register_fill: float = 0.5  # CPU: accumulators >= this share of the free vector registers
-    gpu_accumulators: tuple[int, int] = (8, 64)  # GPU: accumulators per thread (nvcc spills past ~64)
-    warp: bool = True  # GPU: threads per block a multiple of the warp size
+    gpu_accumulators: tuple[int, int] = (1, 64)  # GPU: accumulators per thread (nvcc spills past ~64)
+    warp: bool = False  # GPU: threads per block a multiple of the warp size (the batch-1 defaults
+    #                     use 7-, 14- and 28-wide rows, so whole warps are not asked by default)
     alpha_one: bool = True  # one channel at a time, whole window (kh0 = kw0 = 1; alpha_order_ok)
     max_relax: int = 3  # relaxation steps of a level before it is dropped
 
@@ -78,6 +97,9 @@ class PruneConfig:
             raise MacoError(f"PruneConfig.tolerance must be >= 1, got {self.tolerance}")
         if not 0.0 <= self.fill_low <= 1.0:
             raise MacoError(f"PruneConfig.fill_low must be in [0, 1], got {self.fill_low}")
+        if self.fill_low != FILL_LOW_DEFAULT:
+            warnings.warn("PruneConfig.fill_low no longer changes the pruning (a level is checked "
+                          "by its balance, maco.prune)", DeprecationWarning, stacklevel=3)
         if not 0.0 <= self.register_fill <= 1.0:
             raise MacoError(f"PruneConfig.register_fill must be in [0, 1], got {self.register_fill}")
         lo, hi = self.gpu_accumulators
@@ -88,40 +110,39 @@ class PruneConfig:
 
 
 @dataclass(frozen=True)
-class CacheRule:
-    """The ratio and fill conditions at one cache level, on one tile level of the nest."""
+class LevelRule:
+    """A memory level must not be the bottleneck: its tile, sliding over channel chunks, moves at
+    least `need` multiply-adds per element across the level's boundary (maco.bounds.hierarchy)."""
 
     level: str
-    tile: str  # which tile: "S2" (one S1 iteration), "S1" (one S0 iteration), "block"
-    capacity: float  # footprint upper bound, elements (S/Np)
-    floor: float  # footprint lower bound, elements
-    tolerance: float
+    tile: str  # "S3" (register tile), "S2", "S1" on CPU; "thread", "block" on GPU
+    need: float  # MACs per element: min(balance, what the layer allows) / tolerance, relaxed
+    capacity: float  # elements of the level per processor: the tile keeps its outputs there
+    #                  between chunks when they and one chunk fit (0: never, the registers)
+    balance: float  # the level's nominal balance (for messages)
     relaxed: int = 0
 
-    def _ratio_ok(self, spec: ConvSpec, r: float, n: Any, k: Any, oh: Any, ow: Any) -> Any:
-        """x*y/(R*z) within the tolerance, one-sided where the tile already spans the layer: a tile
-        with all filters (z = K) cannot grow z, one with every output pixel cannot grow x*y, so the
-        optimum moves past x*y = R*z there (as maco.bounds.optimal_tile does)."""
-        pixels = n * oh * ow
-        ratio = pixels / (r * k)
-        return (((ratio >= 1.0 / self.tolerance) | (pixels >= spec.n * spec.out_h * spec.out_w))
-                & ((ratio <= self.tolerance) | (k >= spec.k_per_group)))
+    def intensity(self, spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any) -> Any:
+        kept = tile_footprint(spec, n, g, k, oh, ow, chunk) <= self.capacity
+        return chunk_intensity(spec, n, g, k, oh, ow, chunk, kept)
 
-    def ok(self, spec: ConvSpec, r: float, n: Any, g: Any, k: Any, oh: Any, ow: Any) -> Any:
-        fp = footprint(spec, ow, oh, k, images=n, groups=g)
-        return self._ratio_ok(spec, r, n, k, oh, ow) & (fp >= self.floor) & (fp <= self.capacity)
+    def holds_all(self, spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any) -> Any:
+        """The level holds the tile with every channel: the loops around it may reuse its data
+        across tiles, which the tile alone does not bound, so the level is not judged."""
+        return tile_footprint(spec, n, g, k, oh, ow, spec.c_per_group) <= self.capacity
 
-    def why(self, spec: ConvSpec, r: float, t: dict[str, int]) -> list[str]:
-        ratio = t["n"] * t["oh"] * t["ow"] / (r * t["k"])
-        fp = footprint(spec, t["ow"], t["oh"], t["k"], images=t["n"], groups=t["g"])
-        out = []
-        if not self._ratio_ok(spec, r, t["n"], t["k"], t["oh"], t["ow"]):
-            out.append(f"{self.level}: {self.tile} tile has x*y/(R*z) = {ratio:.3g}, outside "
-                       f"[{1 / self.tolerance:.3g}, {self.tolerance:.3g}]")
-        if not self.floor <= fp <= self.capacity:
-            out.append(f"{self.level}: {self.tile} tile footprint {fp} outside "
-                       f"[{self.floor:.0f}, {self.capacity:.0f}] elements")
-        return out
+    def ok(self, spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any) -> Any:
+        return (self.holds_all(spec, n, g, k, oh, ow)
+                | (self.intensity(spec, n, g, k, oh, ow, chunk) >= self.need * (1 - 1e-9)))
+
+    def why(self, spec: ConvSpec, t: dict[str, int], chunk: int) -> list[str]:
+        if self.ok(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], chunk):
+            return []
+        have = float(self.intensity(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], chunk))
+        shape = "x".join(str(t[a]) for a in SPATIAL_AXES)
+        return [f"{self.level}: {self.tile} tile {shape} (n g k oh ow) in chunks of {chunk} channels moves "
+                f"{have:.3g} MACs per element across it, below the {self.need:.3g} needed "
+                f"(balance {self.balance:.3g})"]
 
 
 @dataclass(frozen=True)
@@ -134,11 +155,24 @@ class RegisterRule:
     relaxed: int = 0
 
     def ok(self, acc: Any, threads: Any = None, filled: Any = None) -> Any:
-        """`filled`: the tile's outputs in units of one register's lanes (CPU; default `acc`)."""
+        """`filled`: how many registers the tile fills (CPU, register_filled; default `acc`)."""
         good = ((acc if filled is None else filled) >= self.acc_min) & (acc <= self.acc_max)
         if self.warp and threads is not None:
             good = good & (threads % self.warp == 0)
         return good
+
+
+def register_filled(spec: ConvSpec, target: Target, outputs: Any, acc: Any) -> Any:
+    """Registers' worth a CPU register tile fills: its outputs over the lanes where the layer has
+    whole vectors of filters per group, else its accumulators (module docstring)."""
+    return outputs / target.simd_width if spec.k_per_group % target.simd_width == 0 else acc
+
+
+def _one_group_accumulators(spec: ConvSpec, free: int) -> int:
+    """The most scalar accumulators (<= free) a register tile of one image and group can have."""
+    tiles = np.multiply.outer(np.multiply.outer(divisors(spec.k_per_group), divisors(spec.out_h)),
+                              divisors(spec.out_w))
+    return int(tiles[tiles <= free].max())
 
 
 @dataclass(frozen=True)
@@ -146,9 +180,8 @@ class PrunePlan:
     """The conditions in force for one conv on one target, after any relaxation."""
 
     registers: RegisterRule | None
-    caches: tuple[CacheRule, ...]
+    levels: tuple[LevelRule, ...]
     alpha_one: bool
-    reuse: float
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -160,9 +193,9 @@ class PrunePlan:
         if self.registers:
             parts.append(f"registers: {self.registers.acc_min}..{self.registers.acc_max} accumulators"
                          + (f", threads % {self.registers.warp}" if self.registers.warp else ""))
-        for c in self.caches:
-            parts.append(f"{c.level}: {c.tile} tile, x*y/(R*z) in [1/{c.tolerance:g}, {c.tolerance:g}], "
-                         f"footprint {c.floor:.0f}..{c.capacity:.0f}")
+        for r in self.levels:
+            parts.append(f"{r.level}: {r.tile} tile moves >= {r.need:.3g} MACs per element "
+                         f"(balance {r.balance:.3g})")
         if self.alpha_one:
             parts.append("alpha = 1 (kh0 = kw0 = 1, c in the layout's unit: outermost NCHW, innermost CPU NHWC)")
         return "; ".join(parts + list(self.notes))
@@ -170,50 +203,53 @@ class PrunePlan:
 
 # -- building the plan -----------------------------------------------------------------------
 def levels(spec: ConvSpec, target: Target) -> list[tuple[str, str]]:
-    """(memory level, tile) pairs that pruning uses, innermost first (registers handled apart)."""
+    """(memory level, tile) pairs that pruning checks, innermost first."""
     names = [lvl.name for lvl in target.levels if lvl.name != "registers"]
     if target.kind == "cpu":
-        return list(zip(names, ("S2", "S1")))
-    return [("shared", "block")] if "shared" in names else []
+        return [("registers", "S3")] + [(name, "S2") for name in names[:2]]
+    return [("registers", "thread")] + ([("shared", "block")] if "shared" in names else [])
+
+
+def _slots(target: Target, tile: str) -> int:
+    """Tiles of this level that run at once: one per core, or per resident block / thread of a GPU."""
+    if target.kind == "cpu":
+        return target.cores
+    resident = target.level("shared").processors if any(l.name == "shared" for l in target.levels) else 1
+    return target.cores * resident * (GPU_MAX_THREADS if tile == "thread" else 1)
 
 
 def rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, int]) -> PrunePlan:
     """The conditions with each level relaxed `steps[level]` times (past max_relax: dropped)."""
-    r = tile_reuse(spec)
-    layer = footprint(spec, spec.out_w, spec.out_h, spec.k_per_group, images=spec.n, groups=spec.groups)
     notes = []
-
-    def relax_note(name: str) -> None:
+    balance = nominal_balance(target)
+    outputs = spec.n * spec.groups * spec.k_per_group * spec.out_h * spec.out_w
+    registers, found = None, []
+    for name, tile in levels(spec, target):
         s = steps.get(name, 0)
         if s > config.max_relax:
             notes.append(f"{name} conditions dropped (nothing satisfied them)")
-        elif s:
-            notes.append(f"{name} conditions relaxed {s} step(s)")
-
-    registers = None
-    s = steps.get("registers", 0)
-    relax_note("registers")
-    if s <= config.max_relax:
-        if target.kind == "cpu":
-            free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
-            registers = RegisterRule(max(1, ceil(config.register_fill * free / 2 ** s)), free, 0, s)
-        else:
-            hard = gpu_max_accumulators(target)
-            lo, hi = config.gpu_accumulators
-            registers = RegisterRule(max(1, lo >> s), min(hard, hi << s),
-                                     WARP if (config.warp and s == 0) else 0, s)
-    caches = []
-    for name, tile in levels(spec, target):
-        s = steps.get(name, 0)
-        relax_note(name)
-        if s > config.max_relax:
             continue
-        lvl = target.level(name)
-        share = lvl.elements_per_processor
-        floor = config.fill_low * min(share, layer / target.cores)
-        caches.append(CacheRule(name, tile, share * 2.0 ** s, floor / 2.0 ** s,
-                                config.tolerance * 2.0 ** s, s))
-    return PrunePlan(registers, tuple(caches), config.alpha_one, r, tuple(notes))
+        if s:
+            notes.append(f"{name} conditions relaxed {s} step(s)")
+        if name == "registers":
+            if target.kind == "cpu":
+                free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
+                floor = config.register_fill * free
+                if spec.k_per_group % target.simd_width:  # no more than one image and group allow
+                    floor = min(floor, _one_group_accumulators(spec, free))
+                registers = RegisterRule(max(1, ceil(floor / 2 ** s)), free, 0, s)
+            else:
+                lo, hi = config.gpu_accumulators
+                registers = RegisterRule(max(1, lo >> s), min(gpu_max_accumulators(target), hi << s),
+                                         WARP if (config.warp and s == 0) else 0, s)
+        most = outputs // _slots(target, tile)
+        if name == "registers":  # and no more than the register tile can hold
+            most = min(most, registers.acc_max * (target.simd_width if target.kind == "cpu" else 1))
+        allows = best_tile_intensity(spec, most)
+        need = min(balance[name], allows) / config.tolerance / 2.0 ** s
+        capacity = 0 if name == "registers" or target.kind != "cpu" else target.level(name).elements_per_processor
+        found.append(LevelRule(name, tile, need, capacity, balance[name], s))
+    return PrunePlan(registers, tuple(found), config.alpha_one, tuple(notes))
 
 
 # -- membership of one schedule --------------------------------------------------------------
@@ -243,13 +279,13 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
             out.append(f"alpha = 1: inner_order {schedule.inner_order} does not visit c {where} "
                        f"({schedule.layout})")
     if schedule.kind == "cpu":
-        tiles = {"S2": {a: schedule.tile(a, 2) for a in ("n", "g", "k", "oh", "ow")},
-                 "S1": {a: schedule.tile(a, 1) for a in ("n", "g", "k", "oh", "ow")}}
-        acc, threads = schedule.accumulators, None
-        filled = np.prod(list(schedule.register_tile().values())) / target.simd_width
+        tiles = {f"S{lvl}": {a: schedule.tile(a, lvl) for a in SPATIAL_AXES} for lvl in (1, 2, 3)}
+        chunk, acc, threads = schedule.factors("c")[1], schedule.accumulators, None
+        filled = register_filled(spec, target, int(np.prod(list(tiles["S3"].values()))), acc)
     else:
-        tiles = {"block": schedule.gpu_block_tile()}
-        acc = int(np.prod(list(schedule.gpu_thread_tile().values())))
+        tiles = {"thread": schedule.gpu_thread_tile(), "block": schedule.gpu_block_tile()}
+        chunk = spec.c_per_group  # the outputs stay in registers for the whole reduction
+        acc = int(np.prod(list(tiles["thread"].values())))
         threads, filled = schedule.gpu_threads, None
     if p.registers is not None:
         if not p.registers.ok(acc, filled=filled):
@@ -257,8 +293,8 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
             out.append(f"registers: {acc} accumulators{fill}, outside {p.registers.acc_min}..{p.registers.acc_max}")
         if p.registers.warp and threads % p.registers.warp:
             out.append(f"registers: {threads} threads per block are not whole warps of {p.registers.warp}")
-    for rule in p.caches:
-        out += rule.why(spec, p.reuse, tiles[rule.tile])
+    for rule in p.levels:
+        out += rule.why(spec, tiles[rule.tile], chunk)
     return out
 
 
@@ -266,7 +302,8 @@ def balance_reasons(schedule: Schedule, spec: ConvSpec, target: Target, balance:
                     tolerance: float = 2.0) -> list[str]:
     """The cache levels that would be the schedule's bottleneck (maco.bounds.hierarchy): its whole
     nest crosses the level's outer boundary with fewer multiply-adds per element than the cores
-    need there to run at their peak (`balance`, kernels.cpu_peak.machine_balance), or, where the
+    need there to run at their peak (`balance`: measured, kernels.cpu_peak.machine_balance, or
+    nominal, maco.bounds.hierarchy.nominal_balance over the tolerance), or, where the
     layer itself cannot reach that (its I/O lower bound at this level's size), fewer than
     1/`tolerance` of what the bound allows. Empty: no level is."""
     out = []

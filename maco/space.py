@@ -20,12 +20,12 @@ by maco.space_cim; its pruning is maco.prune_cim.
 
 Counting is exact and never enumerates schedules. A CPU tiling of an axis is a chain of
 divisors t3 | t2 | t1 | extent (t_l = product of the factors from level l inwards); the
-conditions only look at one level of all axes at a time, so the count is a sum over the joint
-divisor grids of the three levels, taken level by level with divisibility matrices (a zeta
-transform over the product of divisor lattices). On GPU a spatial axis reduces to
+conditions only look at one level of all axes at a time and at the channel chunk c1, so for each
+chunk the count is a sum over the joint divisor grids of the three levels, taken level by level
+with divisibility matrices (a zeta transform over the product of divisor lattices). On GPU a spatial axis reduces to
 (threads t, thread tile r) with multiplicity tau3(r) (the ordered (f1, f3, f4)); the joint grid
 of these pairs is bucketed by block tile (t*r per axis) and shared memory is checked per block
-tile and stage. Sampling walks the same tables with exact integer weights, so it is uniform over
+tile and stage; the thread tile's level rule is a mask on the joint entries. Sampling walks the same tables with exact integer weights, so it is uniform over
 the (pruned) space without rejection.
 """
 from __future__ import annotations
@@ -98,13 +98,14 @@ def _grid(values: Sequence[np.ndarray]) -> list[np.ndarray]:
     return [v.reshape([-1 if i == j else 1 for j in range(len(values))]) for i, v in enumerate(values)]
 
 
-def _cache_mask(rules, tile: str, spec: ConvSpec, axes: list[np.ndarray]) -> np.ndarray | bool:
+def _level_mask(rules, tile: str, spec: ConvSpec, axes: list[np.ndarray], chunk: int) -> np.ndarray | bool:
+    """Where the level rules on this tile level hold (maco.prune.LevelRule), for one chunk."""
     if rules is None:
         return True
     mask = True
-    for rule in rules.caches:
+    for rule in rules.levels:
         if rule.tile == tile:
-            mask = mask & rule.ok(spec, rules.reuse, *axes)
+            mask = mask & rule.ok(spec, *axes, chunk)
     return mask
 
 
@@ -114,10 +115,11 @@ class _Cpu:
     divs: list[np.ndarray]
     div_of: list[np.ndarray]  # div_of[a][i, j]: divs[a][i] divides divs[a][j]
     vec: np.ndarray  # (2, grid): register tile + vector axis choice valid
-    n3: np.ndarray
-    n2: np.ndarray
-    n1: np.ndarray
-    c1: tuple[int, ...]
+    c1: tuple[int, ...]  # the chunks (R1 factor of c); the tables below are per chunk, or one
+    #                      table for every chunk where no rule looks at the chunk
+    n3: list[np.ndarray]
+    n2: list[np.ndarray]
+    n1: list[np.ndarray]
     kh1: tuple[int, ...]
     kw1: tuple[int, ...]
     layout_orders: tuple[tuple[str, tuple[str, ...]], ...]  # (layout, inner order) pairs
@@ -148,32 +150,40 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
         acc = -(-outputs // _vector_width(target, g[SPATIAL_AXES.index(axis)]))
         ok = acc <= free
         if rules is not None and rules.registers is not None:
-            ok = ok & rules.registers.ok(acc, filled=outputs / target.simd_width)
+            ok = ok & rules.registers.ok(acc, filled=prune.register_filled(spec, target, outputs, acc))
         vec.append(ok)
     vec = np.stack(vec).astype(np.int64)
-    n3 = vec.sum(axis=0)
-    n2 = _up(n3, div_of) * _cache_mask(rules, "S2", spec, g)
-    n1 = _up(n2, div_of) * _cache_mask(rules, "S1", spec, g)
-    c1 = divisors(ext["c"])
+    c1 = tuple(divisors(ext["c"]))
+    n3, n2, n1 = [], [], []
+    # the level rules see the chunk, so each chunk has its own tables (one for all without them)
+    for chunk in c1 if rules is not None and rules.levels else (None,):
+        n3.append(vec.sum(axis=0) * _level_mask(rules, "S3", spec, g, chunk))
+        n2.append(_up(n3[-1], div_of) * _level_mask(rules, "S2", spec, g, chunk))
+        n1.append(_up(n2[-1], div_of) * _level_mask(rules, "S1", spec, g, chunk))
     kh1, kw1 = _window(spec.kh, rules), _window(spec.kw, rules)
     layout_orders = tuple((lay, o) for lay in LAYOUTS for o in _orders(rules, "cpu", lay))
     annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * len(layout_orders) * len(WEIGHT_PACKINGS)
-    size = int(n1.sum()) * len(c1) * len(kh1) * len(kw1) * annotations
-    return _Cpu(divs, div_of, vec, n3, n2, n1, c1, kh1, kw1, layout_orders, size)
+    tilings = sum(int(n.sum()) for n in n1) * (len(c1) if len(n1) == 1 else 1)
+    size = tilings * len(kh1) * len(kw1) * annotations
+    return _Cpu(divs, div_of, vec, c1, n3, n2, n1, kh1, kw1, layout_orders, size)
 
 
 def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> Schedule:
-    shape = t.n1.shape
-    i1 = np.unravel_index(_choice(t.n1, rng), shape)
+    # per chunk tables: the chunk first; one table for all chunks: the chunk after the tiles, as
+    # the space drew before the level rules (seeded draws of the full space stay the same)
+    j = _choice(np.array([int(n.sum()) for n in t.n1], dtype=np.int64), rng) if len(t.n1) > 1 else 0
+    n1, n2, n3 = t.n1[j], t.n2[j], t.n3[j]
+    shape = n1.shape
+    i1 = np.unravel_index(_choice(n1, rng), shape)
 
     def below(weights: np.ndarray, upper: tuple) -> tuple:
         mask = np.ones(shape, dtype=bool)
-        for ax, j in enumerate(upper):
-            mask = mask & t.div_of[ax][:, j].reshape([-1 if a == ax else 1 for a in range(len(shape))])
+        for ax, i in enumerate(upper):
+            mask = mask & t.div_of[ax][:, i].reshape([-1 if a == ax else 1 for a in range(len(shape))])
         return np.unravel_index(_choice(weights * mask, rng), shape)
 
-    i2 = below(t.n2, i1)
-    i3 = below(t.n3, i2)
+    i2 = below(n2, i1)
+    i3 = below(n3, i2)
     axes = [a for a, ok in zip(CPU_VECTOR_AXES, t.vec[(slice(None),) + i3]) if ok]
     vaxis = axes[rng.randrange(len(axes))]
     ext = axis_extents(spec)
@@ -181,7 +191,8 @@ def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> 
     for ax, a in enumerate(SPATIAL_AXES):
         t1, t2, t3 = (int(t.divs[ax][i[ax]]) for i in (i1, i2, i3))
         spatial.append((ext[a] // t1, t1 // t2, t2 // t3, t3))
-    c1, kh1, kw1 = (rng.choice(x) for x in (t.c1, t.kh1, t.kw1))
+    c1 = t.c1[j] if len(t.n1) > 1 else rng.choice(t.c1)
+    kh1, kw1 = (rng.choice(x) for x in (t.kh1, t.kw1))
     reduction = ((ext["c"] // c1, c1), (spec.kh // kh1, kh1), (spec.kw // kw1, kw1))
     width = target.simd_width if spatial[SPATIAL_AXES.index(vaxis)][3] % target.simd_width == 0 else 1
     parallel, unroll = rng.choice(CPU_PARALLEL), rng.choice(UNROLL_STEPS)
@@ -201,6 +212,7 @@ class _Gpu:
     weight: np.ndarray  # joint entry multiplicity: prod over axes of tau3(thread tile)
     threads: np.ndarray  # joint entry threads per block (without the channel split)
     acc: np.ndarray  # joint entry accumulators per thread
+    thread_ok: np.ndarray  # joint entry meets the thread tile's level rule (maco.prune)
     block_dims: list[np.ndarray]
     combos: list[tuple]  # (cc, split, khc, kwc, layout, buffers, stage_out, multiplicity)
     combo_w: list[int]
@@ -214,9 +226,10 @@ def _c_splits(c: int, cc: int, split: int) -> list[tuple[int, int]]:
     return [(c1, cc // c1) for c1 in divisors(cc) if c1 % split == 0]
 
 
-def _thread_ok(target: Target, rules, threads: np.ndarray, acc: np.ndarray, split: int) -> np.ndarray:
-    """Thread-level validity (and the register rule of pruning) of joint entries for one split."""
-    ok = (acc <= gpu_max_accumulators(target)) & (threads * split <= GPU_MAX_THREADS)
+def _thread_ok(target: Target, rules, threads: np.ndarray, acc: np.ndarray, split: int,
+               level_ok: np.ndarray | bool = True) -> np.ndarray:
+    """Thread-level validity (and the register rules of pruning) of joint entries for one split."""
+    ok = (acc <= gpu_max_accumulators(target)) & (threads * split <= GPU_MAX_THREADS) & level_ok
     if rules is not None and rules.registers is not None:
         ok = ok & rules.registers.ok(acc, threads * split)
     return ok
@@ -242,12 +255,16 @@ def _gpu(spec: ConvSpec, target: Target, rules) -> _Gpu:
     threads = prod(p[m, 0] for p, m in zip(pairs, mesh))
     acc = prod(p[m, 1] for p, m in zip(pairs, mesh))
     weight = prod(w[m] for w, m in zip(mult, mesh))
-    block_w = {split: np.bincount(block, weights=weight * _thread_ok(target, rules, threads, acc, split),
+    thread_ok = np.asarray(_level_mask(rules, "thread", spec, [p[m, 1] for p, m in zip(pairs, mesh)],
+                                       spec.c_per_group), dtype=bool) & np.ones(len(acc), bool)
+    block_w = {split: np.bincount(block, weights=weight * _thread_ok(target, rules, threads, acc, split,
+                                                                     thread_ok),
                                   minlength=n_blocks).astype(np.int64) for split in GPU_SPLITS}
     mesh = [m.astype(np.int16 if len(p) < 2 ** 15 else np.int32) for m, p in zip(mesh, pairs)]
     bd = [b.ravel() for b in np.meshgrid(*[np.array(d, dtype=np.int64) for d in divs], indexing="ij")]
     bdict = dict(zip(SPATIAL_AXES, bd))
-    shared_ok = np.asarray(_cache_mask(rules, "block", spec, bd), dtype=bool) & np.ones(n_blocks, bool)
+    shared_ok = np.asarray(_level_mask(rules, "block", spec, bd, spec.c_per_group), dtype=bool) \
+        & np.ones(n_blocks, bool)
     limit = gpu_max_shared_bytes(target)
     combos, combo_w = [], []
     khs, kws = _window(spec.kh, rules), _window(spec.kw, rules)
@@ -271,7 +288,7 @@ def _gpu(spec: ConvSpec, target: Target, rules) -> _Gpu:
     orders = _orders(rules, "cuda", "NCHW")  # the GPU rule does not depend on the layout
     size = sum(combo_w) * len(UNROLL_STEPS) * len(orders) * len(WEIGHT_PACKINGS)
     joint = dict(zip(SPATIAL_AXES, mesh))
-    return _Gpu(pairs, joint, starts, weight, threads.astype(np.int32), acc.astype(np.int32), bd, combos,
+    return _Gpu(pairs, joint, starts, weight, threads.astype(np.int32), acc.astype(np.int32), thread_ok, bd, combos,
                 combo_w, block_w, orders, size)
 
 
@@ -286,12 +303,13 @@ def _sample_gpu(spec: ConvSpec, target: Target, t: _Gpu, rules, rng: random.Rand
     cc, split, khc, kwc, layout, buffers, stage_out, _ = combo
     bdict = dict(zip(SPATIAL_AXES, t.block_dims))
     smem = gpu_shared_bytes(spec, bdict, cc, khc, kwc, layout, buffers, stage_out, split)
-    ok = (smem <= gpu_max_shared_bytes(target)) & np.asarray(_cache_mask(rules, "block", spec, t.block_dims))
+    ok = (smem <= gpu_max_shared_bytes(target)) & np.asarray(_level_mask(rules, "block", spec, t.block_dims,
+                                                                          spec.c_per_group))
     b = _choice(t.block_w[split] * ok, rng)
     lo, hi = t.starts[b], t.starts[b + 1]
     seg = [t.joint[a][lo:hi] for a in SPATIAL_AXES]
     j = _choice(t.weight[lo:hi] * _thread_ok(target, rules, t.threads[lo:hi].astype(np.int64),
-                                              t.acc[lo:hi].astype(np.int64), split), rng)
+                                              t.acc[lo:hi].astype(np.int64), split, t.thread_ok[lo:hi]), rng)
     ext = axis_extents(spec)
     spatial = []
     for i, a in enumerate(SPATIAL_AXES):
@@ -320,7 +338,7 @@ def prune_plan(spec: ConvSpec, target: Target, config: prune.PruneConfig | None 
     """MACO's pruning conditions for `spec` on `target` (maco.prune), relaxed until the pruned
     space is not empty."""
     config = config or prune.PruneConfig()
-    names = ["registers"] + [name for name, _ in prune.levels(spec, target)]
+    names = [name for name, _ in prune.levels(spec, target)]
     steps = {name: 0 for name in names}
     if count_with(spec, target, prune.rules(spec, target, config, steps)) > 0:
         return prune.rules(spec, target, config, steps)

@@ -1,6 +1,8 @@
-"""MACO pruning: the conditions on hand-computed tiles, tolerances as parameters, relaxation, and
-that pruned samples really satisfy x*y ~ R*z and the fill bounds at every level."""
+"""MACO pruning: the level conditions on hand-computed tiles, tolerances as parameters, relaxation,
+that pruned samples really meet every level's balance, exact counts and uniform draws where the
+level rules bite (against brute force), and that the bound-derived defaults are kept."""
 import random
+from dataclasses import replace
 from math import prod
 
 import pytest
@@ -9,7 +11,7 @@ from tests.targets import AVX2
 from maco import geometry
 from maco import prune, space
 from maco.errors import MacoError
-from maco.prune import CacheRule, PruneConfig, RegisterRule
+from maco.prune import LevelRule, PruneConfig, RegisterRule
 from maco.schedule import SPATIAL_AXES, Schedule
 from maco.spec import ConvSpec
 from maco.target import MemoryLevel, Target
@@ -61,64 +63,68 @@ def test_footprint_matches_the_bounds_convention():
                                   "n1_c64_h56_w56_k128_r3_s2_p1", "n1_c64_h56_w56_k128_r1_s2",
                                   "n1_c64_h27_w27_k192_r5_p2", "n1_c3_h224_w224_k64_r11_s4_p2"])
 @pytest.mark.parametrize("target", [HOST, H100])
-def test_the_bounds_optimal_tiles_pass_the_ratio_condition(text, target):
-    """The I/O-optimal integer tile of maco.bounds at each level satisfies x*y ~ R*z as pruning
-    checks it (one-sided where the tile spans the layer)."""
+def test_the_bounds_optimal_tiles_meet_every_level(text, target):
+    """The I/O-optimal integer tile of maco.bounds at each cache level, taken as that level's tile
+    with whole channels, meets the level's balance: the one-level optimum is one of the tiles a
+    level is content with."""
     bounds = pytest.importorskip("maco.bounds")
-    if not hasattr(bounds, "optimal_tile"):
-        pytest.skip("maco.bounds.optimal_tile not built yet")
     spec = ConvSpec.parse(text)
     plan = space.prune_plan(spec, target)
-    for rule in plan.caches:
+    for rule in plan.levels:
+        if rule.level == "registers":
+            continue
         level = target.level(rule.level)
         t = bounds.optimal_tile(spec, level.elements, level.processors)
-        why = rule.why(spec, plan.reuse, dict(n=1, g=1, k=t.z, oh=t.y, ow=t.x))
-        assert not [w for w in why if "x*y/(R*z)" in w], (rule.level, str(t), why)
+        assert not rule.why(spec, dict(n=1, g=1, k=t.z, oh=t.y, ow=t.x), spec.c_per_group), (rule, str(t))
 
 
-def test_cache_rule_by_hand():
-    spec = RESNET_3X3
-    rule = CacheRule("L1", "S2", capacity=8192, floor=2048, tolerance=2.0)
-    # x*y = 8*14 = 112, R*z = 9*16 = 144: ratio 0.78 within [0.5, 2]; footprint 1792+160*... in range
-    fp = geometry.footprint(spec, 8, 14, 16, images=1, groups=1)
-    assert 2048 <= fp <= 8192 and rule.ok(spec, 9.0, 1, 1, 16, 14, 8)
-    assert not rule.ok(spec, 9.0, 1, 1, 32, 14, 8)  # ratio 112/288 < 1/2
-    # one-sided where the tile spans the layer: all 64 filters may take x*y > 2*R*z ...
-    wide = CacheRule("L2", "S1", capacity=131072, floor=0, tolerance=2.0)
-    assert wide.ok(spec, 9.0, 1, 1, 64, 28, 56) and not wide.ok(spec, 9.0, 1, 1, 32, 28, 56)
-    # ... and a tile of every output pixel may take x*y < R*z/2
-    small = ConvSpec.parse("n1_c64_h7_w7_k512_r3_p1")
-    assert wide.ok(small, 9.0, 1, 1, 128, 7, 7) and not wide.ok(small, 9.0, 1, 1, 128, 7, 1)
-    assert not rule.ok(spec, 9.0, 1, 1, 2, 4, 4)  # ratio fine (16/18) but footprint far below the floor
-    assert rule.why(spec, 9.0, dict(n=1, g=1, k=64, oh=14, ow=8))[0].startswith("L1: S2 tile has x*y/(R*z)")
+def test_level_rule_by_hand():
+    spec = RESNET_3X3  # 64 channels, 3x3
+    # 2 x 7 outputs (oh, ow), 16 filters: patch 4 x 9 = 36 per channel, weights 16*9 = 144
+    # per channel; MACs 224 * 64 * 9 = 129024. Outputs kept: 64*180 + 224 = 11744 elements
+    # (10.99 MACs per element); chunks of 4 channels, outputs reloaded: 11520 + 224*31 (6.99)
+    fp4 = 224 + 4 * (36 + 144)  # outputs + one chunk: 944 elements
+    held = LevelRule("L1", "S2", need=8.0, capacity=fp4, balance=16.0)
+    spilled = LevelRule("L1", "S2", need=8.0, capacity=fp4 - 1, balance=16.0)
+    assert held.intensity(spec, 1, 1, 16, 2, 7, 4) == pytest.approx(129024 / 11744)
+    assert spilled.intensity(spec, 1, 1, 16, 2, 7, 4) == pytest.approx(129024 / (11520 + 224 * 31))
+    assert held.ok(spec, 1, 1, 16, 2, 7, 4) and not spilled.ok(spec, 1, 1, 16, 2, 7, 4)
+    assert spilled.ok(spec, 1, 1, 16, 2, 7, 64)  # whole channels: the outputs cross once
+    why = spilled.why(spec, dict(n=1, g=1, k=16, oh=2, ow=7), 4)
+    assert len(why) == 1 and why[0].startswith("L1: S2 tile 1x1x16x2x7") and "6.99" in why[0] and "8" in why[0]
+    # a level that holds the tile with every channel is not judged (reuse across tiles)
+    whole = LevelRule("L2", "S2", need=1e9, capacity=224 + 64 * 180, balance=16.0)
+    assert whole.ok(spec, 1, 1, 16, 2, 7, 1) and not whole.ok(spec, 1, 1, 32, 2, 7, 1)
     regs = RegisterRule(6, 12, warp=32)
     assert regs.ok(6) and regs.ok(12) and not regs.ok(5) and not regs.ok(13)
     assert regs.ok(8, 64) and not regs.ok(8, 48)
 
 
+def _intensity(spec: ConvSpec, t: dict, chunk: int, capacity: float) -> float:
+    """MACs per element crossing a level for a tile and chunk, by hand (maco.bounds.hierarchy)."""
+    ih = min(spec.h, (t["oh"] - 1) * spec.stride[0] + (spec.kh - 1) * spec.dilation[0] + 1)
+    iw = min(spec.w, (t["ow"] - 1) * spec.stride[1] + (spec.kw - 1) * spec.dilation[1] + 1)
+    taps, cg, outputs = spec.kh * spec.kw, spec.c_per_group, prod(t.values())
+    operands = t["g"] * (t["n"] * ih * iw + t["k"] * taps)  # per channel
+    held = outputs + chunk * operands <= capacity
+    if outputs + cg * operands <= capacity:
+        return float("inf")  # the level holds the tile with every channel: not judged
+    return outputs * cg * taps / (cg * operands + outputs * (1 if held else 2 * cg / chunk - 1))
+
+
 def _levels_hold(s: Schedule, spec: ConvSpec, target: Target, plan) -> None:
     """Recompute every condition of the plan by hand for one schedule."""
-    r = plan.reuse
     if s.kind == "cpu":
-        tiles = {"S2": {a: s.tile(a, 2) for a in SPATIAL_AXES}, "S1": {a: s.tile(a, 1) for a in SPATIAL_AXES}}
-        acc = s.accumulators
+        tiles = {f"S{lvl}": {a: s.tile(a, lvl) for a in SPATIAL_AXES} for lvl in (1, 2, 3)}
+        acc, chunk = s.accumulators, s.factors("c")[1]
     else:
-        tiles = {"block": s.gpu_block_tile()}
-        acc = prod(s.gpu_thread_tile().values())
+        tiles = {"thread": s.gpu_thread_tile(), "block": s.gpu_block_tile()}
+        acc, chunk = prod(tiles["thread"].values()), spec.c_per_group
         if plan.registers.warp:
             assert s.gpu_threads % 32 == 0
     assert plan.registers.acc_min <= acc <= plan.registers.acc_max
-    for rule in plan.caches:
-        t = tiles[rule.tile]
-        ratio = t["n"] * t["oh"] * t["ow"] / (r * t["k"])
-        all_pixels = t["n"] * t["oh"] * t["ow"] == spec.n * spec.out_h * spec.out_w
-        all_filters = t["k"] == spec.k_per_group
-        assert 1 / rule.tolerance <= ratio or all_pixels
-        assert ratio <= rule.tolerance or all_filters
-        ih = (t["oh"] - 1) * spec.stride[0] + (spec.kh - 1) * spec.dilation[0] + 1
-        iw = (t["ow"] - 1) * spec.stride[1] + (spec.kw - 1) * spec.dilation[1] + 1
-        fp = t["g"] * (t["n"] * t["k"] * t["oh"] * t["ow"] + t["n"] * ih * iw + t["k"] * spec.kh * spec.kw)
-        assert rule.floor <= fp <= rule.capacity
+    for rule in plan.levels:
+        assert _intensity(spec, tiles[rule.tile], chunk, rule.capacity) >= rule.need * (1 - 1e-9)
     assert s.factors("kh")[0] == 1 and s.factors("kw")[0] == 1
     # alpha = 1 in the layout's unit: c innermost in CPU NHWC, else outermost
     assert s.inner_order.index("c") == (2 if (s.kind, s.layout) == ("cpu", "NHWC") else 0)
@@ -128,9 +134,10 @@ def _levels_hold(s: Schedule, spec: ConvSpec, target: Target, plan) -> None:
 def test_pruned_samples_meet_every_condition(target):
     spec = RESNET_3X3
     plan = space.prune_plan(spec, target)
-    assert not plan.relaxed  # the paper's default tolerances are satisfiable on this layer
-    names = {c.level for c in plan.caches}
-    assert names == ({"L1", "L2"} if target.kind == "cpu" else {"shared"})
+    assert not plan.relaxed  # the default tolerances are satisfiable on this layer
+    names = {(r.level, r.tile) for r in plan.levels}
+    assert names == ({("registers", "S3"), ("L1", "S2"), ("L2", "S2")} if target.kind == "cpu"
+                     else {("registers", "thread"), ("shared", "block")})
     for s in space.sample_many(spec, target, 200, random.Random(1), pruned=True):
         _levels_hold(s, spec, target, plan)
 
@@ -162,15 +169,18 @@ def test_scalar_register_tiles_do_not_fill_the_register_level():
 
 
 def test_tolerance_is_a_parameter_and_monotone():
-    sizes = [space.space_size(RESNET_3X3, HOST, pruned=True, config=PruneConfig(tolerance=t))
-             for t in (1.5, 2.0, 4.0, 16.0)]
+    spec = ConvSpec.parse("n1_c256_h14_w14_k512_r1_s2")  # 1x1: shallow chunks starve a level
+    sizes = [space.space_size(spec, HOST, pruned=True, config=PruneConfig(tolerance=t))
+             for t in (1.0, 2.0, 4.0, 16.0)]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
-    loose = PruneConfig(fill_low=0.0, register_fill=0.0, tolerance=1e9, alpha_one=False)
-    # with every condition wide open, pruning keeps all but the cache capacity limits
-    assert space.space_size(RESNET_3X3, HOST, pruned=True, config=loose) < space.space_size(RESNET_3X3, HOST)
-    fills = [space.space_size(RESNET_3X3, HOST, pruned=True, config=PruneConfig(fill_low=f))
-             for f in (0.5, 0.25, 0.0)]
+    loose = space.prune_plan(spec, HOST, PruneConfig(register_fill=0.0, tolerance=1e9, alpha_one=False))
+    # with the levels' needs wide open, they drop nothing
+    assert space.count_with(spec, HOST, loose) == space.count_with(spec, HOST, replace(loose, levels=()))
+    fills = [space.space_size(spec, HOST, pruned=True, config=PruneConfig(register_fill=f))
+             for f in (0.5, 0.25, 0.0)]  # (0.75 asks for 9 registers, which no tile fills: relaxed)
     assert fills == sorted(fills)
+    with pytest.warns(DeprecationWarning, match="fill_low"):
+        PruneConfig(fill_low=0.5)
 
 
 def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
@@ -189,7 +199,7 @@ def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
 @pytest.mark.parametrize("target", [HOST, H100])
 def test_even_extreme_tolerances_leave_a_non_empty_pruned_space(text, target):
     spec = ConvSpec.parse(text)
-    strict = PruneConfig(tolerance=1.0, fill_low=1.0, register_fill=1.0, gpu_accumulators=(64, 64),
+    strict = PruneConfig(tolerance=1.0, register_fill=1.0, gpu_accumulators=(64, 64), warp=True,
                          max_relax=2)
     assert space.space_size(spec, target, pruned=True, config=strict) > 0
     s = space.sample(spec, target, 0, pruned=True, config=strict)
@@ -197,27 +207,26 @@ def test_even_extreme_tolerances_leave_a_non_empty_pruned_space(text, target):
 
 
 def test_relaxation_widens_by_documented_steps():
-    # x*y = 9*z exactly is impossible with divisors of 56 (no factor 3): L1 must widen once to 2
-    plan = space.prune_plan(RESNET_3X3, HOST, PruneConfig(tolerance=1.0))
-    l1 = next(rule for rule in plan.caches if rule.level == "L1")
-    assert l1.relaxed == 1 and l1.tolerance == pytest.approx(2.0) and l1.capacity == 2 * 8192
-    assert "L1 conditions relaxed 1 step(s)" in plan.notes
     # 12 accumulators exactly is impossible on 7x7x512 (no factor 3): the register floor halves
     spec = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")
     plan = space.prune_plan(spec, HOST, PruneConfig(register_fill=1.0))
     assert plan.registers.relaxed == 1 and plan.registers.acc_min == 6
+    assert "registers conditions relaxed 1 step(s)" in plan.notes
+    regs = next(r for r in plan.levels if r.level == "registers")
+    assert regs.relaxed == 1  # the register level's balance relaxes with it (its need halves)
+    strict = next(r for r in space.prune_plan(spec, HOST, PruneConfig(tolerance=1.0)).levels
+                  if r.level == "registers")
+    assert regs.need == pytest.approx(strict.need / 2 / 2)  # tolerance 2, one step
     # and with the default tolerances these layers need no relaxation at all
     assert not space.prune_plan(spec, HOST).relaxed and not space.prune_plan(RESNET_3X3, HOST).relaxed
 
 
 def test_a_level_that_can_never_hold_is_dropped():
-    # an 11x11 window's weights alone overflow a 1 KiB L1 share: every tile fails that level
-    tiny = Target("tiny", "cpu", (HOST.level("registers"), MemoryLevel("L1", 256), MemoryLevel("L2", 1 << 20)),
-                  cores=1, simd_width=HOST.simd_width)
-    spec = ConvSpec.parse("n1_c3_h64_w64_k64_r11_s4_p2")
-    plan = space.prune_plan(spec, tiny, PruneConfig(max_relax=1))
-    assert [c.level for c in plan.caches] == ["L2"] and "L1 conditions dropped" in plan.describe()
-    assert space.space_size(spec, tiny, pruned=True, config=PruneConfig(max_relax=1)) > 0
+    spec = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")
+    plan = space.prune_plan(spec, HOST, PruneConfig(register_fill=1.0, max_relax=0))
+    assert plan.registers is None and "registers conditions dropped" in plan.describe()
+    assert [r.level for r in plan.levels] == ["L1", "L2"]
+    assert space.space_size(spec, HOST, pruned=True, config=PruneConfig(register_fill=1.0, max_relax=0)) > 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(tolerance=0.5), dict(fill_low=1.5), dict(register_fill=-1),

@@ -1,0 +1,92 @@
+"""The level conditions of MACO pruning (maco.prune, derived in maco.bounds.hierarchy): exact counts
+and uniform draws where they bite (against brute force), and that the bound-derived default
+schedules of every distinct conv of the five networks stay in the pruned space."""
+import math
+import random
+from dataclasses import replace
+from functools import lru_cache
+
+import pytest
+
+from maco import prune, space
+from maco.kernels import default_schedule
+from maco.spec import ConvSpec
+from maco.target import MemoryLevel, Target
+from tests.targets import AVX2, GENERIC
+from tests.test_space import CPU_ANNOTATIONS, _chi2, _tiles, _valid_cpu
+
+# A small CPU with 8 FMA pipes: its balance (8 MACs per element into registers, 4 into L1, 8 into
+# L2) makes the level rules bite on layers small enough to enumerate.
+BITE = Target("bite", "cpu", (MemoryLevel("registers", 8 * 4 * 4, 1, 4), MemoryLevel("L1", 512),
+                              MemoryLevel("L2", 4096), MemoryLevel("L3", 65536, 2)),
+              cores=2, simd_width=4, isa="generic", fma_units=16)
+SMALL = ["n1_c8_h2_w4_k4_r1", "n1_c4_h6_w6_k8_r3_s2_p1", "n1_c8_h3_w3_k8_r1"]
+
+
+def _brute(spec, target, plan):
+    return [s for s in _valid_cpu(spec, target) if not prune.reasons(s, spec, target, plan)]
+
+
+@pytest.mark.parametrize("text", SMALL)
+def test_count_matches_brute_force_where_the_levels_bite(text):
+    spec = ConvSpec.parse(text)
+    plan = space.prune_plan(spec, BITE)
+    assert not plan.relaxed
+    without = replace(plan, levels=())
+    assert space.count_with(spec, BITE, plan) < space.count_with(spec, BITE, without)  # they bite
+    kept = _brute(spec, BITE, plan)
+    assert kept and space.space_size(spec, BITE, pruned=True) == len(kept) * CPU_ANNOTATIONS
+    # and each level alone counts exactly too
+    for rule in plan.levels:
+        alone = replace(without, levels=(rule,))
+        assert space.count_with(spec, BITE, alone) == len(_brute(spec, BITE, alone)) * CPU_ANNOTATIONS
+
+
+def test_sampling_is_uniform_where_the_levels_bite():
+    spec = ConvSpec.parse(SMALL[0])
+    points = _brute(spec, BITE, space.prune_plan(spec, BITE))
+    draws = space.sample_many(spec, BITE, 4000, random.Random(5), pruned=True)
+    assert all(space.contains(s, spec, BITE, pruned=True) for s in draws[:300])
+    assert _chi2(draws, points, _tiles) > 1e-3
+    assert _chi2(draws, points, lambda s: (s.factors("c")[1], s.layout, s.vector_axis)) > 1e-3
+
+
+@lru_cache(maxsize=None)
+def _network_convs():
+    from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
+
+    seen = {}
+    for net in NETWORKS:
+        for spec, names in distinct_convs(network_convs(net)):
+            seen.setdefault(spec, f"{net}.{names[0]}")
+    return list(seen.items())
+
+
+@pytest.mark.parametrize("target", [AVX2, GENERIC, Target.named("host")], ids=lambda t: t.name)
+def test_the_cpu_defaults_are_in_the_pruned_space(target):
+    """Every distinct conv of resnet18, alexnet, vgg11, resnet50 and mobilenet_v2, both layouts."""
+    convs = _network_convs()
+    assert len(convs) > 60
+    dropped = [(name, layout, why) for spec, name in convs for layout in ("NCHW", "NHWC")
+               for why in [space.why_not(default_schedule(spec, target, layout), spec, target, pruned=True)] if why]
+    assert not dropped, dropped[:3]
+
+
+def test_the_gpu_defaults_are_in_the_pruned_space():
+    from maco.kernels.cuda_schedule import default_schedule as gpu_default
+
+    h100 = Target.h100()
+    dropped = [(name, layout, why) for spec, name in _network_convs() for layout in ("NCHW", "NHWC")
+               for why in [space.why_not(gpu_default(spec, h100, layout), spec, h100, pruned=True)] if why]
+    assert not dropped, dropped[:3]
+
+
+@pytest.mark.parametrize("target", [AVX2, Target.named("host")], ids=lambda t: t.name)
+def test_the_pruned_space_is_a_hundredth_or_less(target):
+    """The issue's target: full / pruned >= 100 (geomean over the distinct convs; the count is the
+    same per layout, since no rule looks at it apart from alpha = 1's orders, two per layout)."""
+    if target.simd_width < 8:
+        pytest.skip(f"{target.name} has {target.simd_width} lanes: fewer register tiles to choose from")
+    logs = [math.log(space.space_size(spec, target) / space.space_size(spec, target, pruned=True))
+            for spec, _ in _network_convs()]
+    assert math.exp(sum(logs) / len(logs)) >= 100
