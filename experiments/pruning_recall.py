@@ -10,26 +10,30 @@ layer once, in a fresh shuffled order, so a slow spell of the VM hits all of the
 schedule's time is the median of its rounds. Every measurement is appended to --data (a records
 file), so a rerun only measures what is missing.
 
-Then for each rule of the pruning plan in force (maco.space.prune_plan: the register rule, the
-cache rule of each level, alpha = 1) alone, for all of them together ("all"), for the balance
-conditions of maco.bounds.hierarchy ("balance": no cache level is the bottleneck, with this
-machine's balance measured by kernels.cpu_peak.machine_balance) and for the register and alpha
-rules with the balance conditions in place of the one-level ratio rules ("derived"; without alpha:
-"registers + balance"), it reports:
+Then for each rule of the pruning plan in force (maco.space.prune_plan: the registers' rules,
+each cache level's balance rule on its tile, alpha = 1) alone, for all of them together ("MACO
+pruning"), for the balance conditions on the whole nest (maco.prune.balance_reasons: "nest
+balance", no cache level is the bottleneck of the nest's replayed traffic, maco.bounds.hierarchy)
+and for the register and alpha rules with those in place of the per-level rules ("registers +
+alpha + nest balance"), it reports:
   removed     how many of the measured top 5% (by time; at least 3) the rule drops
   recall      the share of that top 5% the rule keeps
   near_recall the share it keeps of the schedules within 20% of the best measured (the top 5% of
               a uniform sample holds mediocre schedules on layers where few draws are good)
-  reduction   full space size / space size under the rule (exact counts; for balance and derived
+  reduction   full space size / space size under the rule (exact counts; for the nest balance rules
               estimated from --draws uniform draws of the full space)
-and whether the default is in the pruned space and how far it is from the best measured.
+and whether the default is in the pruned space and how far it is from the best measured. Every
+balance is the target's nominal one over the pruning's tolerance (maco.bounds.hierarchy.
+nominal_balance), never a measured one, so an analysis repeats; --analyse-only takes the target
+from the records in --data (the machine they were measured on), not this host.
 
     python experiments/pruning_recall.py --quick             # 2 layers, 60 samples per layout
     python experiments/pruning_recall.py [--networks resnet18,alexnet,vgg11] [--samples 150]
                                          [--rounds 2] [--records results/records_cpu.jsonl]
 
 results/pruning_data.jsonl.gz holds the measurements behind the committed CSV (ResNet-18, 100 samples
-per layout, 2 rounds): `gunzip -k` it to extend them rather than measure again.
+per layout, 2 rounds, on an AMD EPYC with AVX-512): `gunzip -k` it to extend them rather than
+measure again, or analyse a copy: `--analyse-only --networks resnet18 --samples 100 --data COPY`.
 
 Writes <out>/pruning_recall.csv (one row per layer, layout and rule) and .png (recall against
 reduction per rule: mean recall, geomean reduction over the layers).
@@ -40,6 +44,7 @@ import json
 import math
 import random
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -81,6 +86,19 @@ def candidates(spec: Any, target: Any, samples: int, seed: int, best: dict) -> d
     return out
 
 
+def recorded(spec: Any, target: Any, done: dict[tuple, list]) -> dict[str, list]:
+    """Per layout: the default, then every schedule `done` (measured(data)) holds for `spec`."""
+    from maco import kernels
+
+    out = {}
+    for layout in LAYOUTS:
+        picks = [kernels.default_schedule(spec, target, layout)]
+        picks += [runs[0].schedule for (sp, _), runs in done.items() if sp == spec and runs
+                  and runs[0].schedule.layout == layout]
+        out[layout] = list({_key(s): s for s in picks}.values())
+    return out
+
+
 def measured(data: Any, target: Any) -> dict[tuple, list]:
     """(spec, schedule key) -> the records `data` holds for it on `target` (read once per run)."""
     done: dict[tuple, list] = defaultdict(list)
@@ -118,21 +136,51 @@ def measure(spec: Any, schedules: list, target: Any, rounds: int, data: Any, don
     return out
 
 
+ALL = "MACO pruning"
+
+
 def rule_plans(spec: Any, target: Any) -> dict[str, Any]:
-    """The plan in force, and each of its rules alone (a PrunePlan holding only that rule)."""
+    """The plan in force, and each of its rules alone (a PrunePlan holding only that rule; the
+    registers' accumulator rule and their level's balance count as one)."""
     from maco.space import prune_plan
 
     plan = prune_plan(spec, target)
-    alone = replace(plan, registers=None, caches=(), alpha_one=False)
+    alone = replace(plan, registers=None, levels=(), alpha_one=False)
+    regs = tuple(r for r in plan.levels if r.level == "registers")
     out = {}
-    if plan.registers is not None:
-        out["registers"] = replace(alone, registers=plan.registers)
-    for rule in plan.caches:
-        out[f"{rule.level} ({rule.tile} tile)"] = replace(alone, caches=(rule,))
+    if plan.registers is not None or regs:
+        out["registers"] = replace(alone, registers=plan.registers, levels=regs)
+    for rule in plan.levels:
+        if rule.level != "registers":
+            out[f"{rule.level} ({rule.tile} tile)"] = replace(alone, levels=(rule,))
     if plan.alpha_one:
         out["alpha = 1"] = replace(alone, alpha_one=True)
-    out["all"] = plan
+    out[ALL] = plan
     return out
+
+
+def analysis_balance(target: Any) -> dict[str, float]:
+    """The cache levels' balance the nest balance rules ask for: nominal over the tolerance."""
+    from maco.bounds.hierarchy import nominal_balance
+    from maco.prune import PruneConfig
+
+    return {name: b / PruneConfig().tolerance for name, b in nominal_balance(target).items() if name != "registers"}
+
+
+def data_target(data: Any) -> Any:
+    """The CPU target the records in `data` were measured on (the most frequent fingerprint)."""
+    from collections import Counter
+
+    from maco.errors import MacoError
+    from maco.target import MemoryLevel, Target
+
+    seen = Counter(json.dumps(r.target, sort_keys=True) for r in data.load() if r.target.get("kind") == "cpu")
+    if not seen:
+        raise MacoError(f"{data.path} holds no CPU records to analyse")
+    fp = json.loads(seen.most_common(1)[0][0])
+    width = {"avx512": 16, "avx2": 8}.get(fp["isa"], 4)
+    return Target(name=fp["name"], kind="cpu", cores=fp["cores"], simd_width=width, isa=fp["isa"],
+                  model=fp["model"], levels=tuple(MemoryLevel(n, c, p, width) for n, c, p in fp["levels"]))
 
 
 def analyse(layer: str, spec: Any, layout: str, schedules: list, seconds: dict, target: Any,
@@ -150,14 +198,11 @@ def analyse(layer: str, spec: Any, layout: str, schedules: list, seconds: dict, 
     default = schedules[0]
     full = space.count_with(spec, target)
     plans = rule_plans(spec, target)
-    alpha_registers = replace(plans["all"], caches=())
+    alpha_registers = replace(plans[ALL], levels=tuple(r for r in plans[ALL].levels if r.level == "registers"))
     checks = {name: (lambda s, plan=plan: prune.reasons(s, spec, target, plan)) for name, plan in plans.items()}
-    checks["balance"] = lambda s: prune.balance_reasons(s, spec, target, balance)
-    checks["derived"] = lambda s: (prune.reasons(s, spec, target, alpha_registers)
-                                   or prune.balance_reasons(s, spec, target, balance))
-    if "registers" in plans:
-        checks["registers + balance"] = lambda s: (prune.reasons(s, spec, target, plans["registers"])
-                                                   or prune.balance_reasons(s, spec, target, balance))
+    checks["nest balance"] = lambda s: prune.balance_reasons(s, spec, target, balance)
+    checks["registers + alpha + nest balance"] = lambda s: (prune.reasons(s, spec, target, alpha_registers)
+                                                            or prune.balance_reasons(s, spec, target, balance))
     rows = []
     d = seconds[_key(default)]
     for name, check in checks.items():
@@ -171,7 +216,7 @@ def analyse(layer: str, spec: Any, layout: str, schedules: list, seconds: dict, 
                      "top": len(top), "removed": removed, "recall": 1 - removed / len(top), "near": len(near),
                      "near_recall": near_kept, "reduction": reduction,
                      "default_kept": not check(default), "default_vs_best": timed[0][0] / d if d else float("nan"),
-                     "plan": plans["all"].describe() if name == "all" else ""})
+                     "plan": plans[ALL].describe() if name == ALL else ""})
     return rows
 
 
@@ -179,7 +224,7 @@ def summary_by_rule(rows: list[dict]) -> dict[str, tuple[float, float, int]]:
     """Per rule: (mean recall, geomean reduction, layer-layouts whose default it drops)."""
     by: dict[str, list] = defaultdict(list)
     for r in rows:
-        by[r["rule"].split(" (")[0]].append(r)
+        by[r["rule"]].append(r)
     return {rule: (sum(num(r, "recall") for r in rs) / len(rs), geomean([num(r, "reduction") for r in rs]),
                    sum(str(r["default_kept"]) != "True" for r in rs),
                    sum(num(r, "near_recall") for r in rs) / len(rs)) for rule, rs in by.items()}
@@ -189,7 +234,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, (rule, (recall, reduction, _, _)) in enumerate(summary_by_rule(rows).items()):
-        ax.scatter(reduction, recall, s=60, color=f"C{i}", marker="*" if rule == "all" else "o", label=rule)
+        ax.scatter(reduction, recall, s=60, color=f"C{i}", marker="*" if rule == ALL else "o", label=rule)
     ax.set_xscale("log")
     ax.set_xlabel("space reduction (full / kept, geomean over layers and layouts)")
     ax.set_ylabel(f"recall of the measured top {TOP:.0%} (mean)")
@@ -206,7 +251,7 @@ def summarise(rows: list[dict[str, str]]) -> str:
     """REPORT.md: per rule, recall of the top 5% and reduction; the pruned space and the defaults."""
     parts = [f"{rule}: recall {recall:.0%} (within 20% of the best: {near:.0%}), {reduction:.3g}x smaller"
              for rule, (recall, reduction, _, near) in summary_by_rule(rows).items()]
-    alls = [r for r in rows if r["rule"] == "all"]
+    alls = [r for r in rows if r["rule"] == ALL]
     dropped = sum(str(r["default_kept"]) != "True" for r in alls)
     return (f"{len(alls)} layer-layouts: " + "; ".join(parts)
             + f"; the pruned space drops the default on {dropped} of {len(alls)}")
@@ -224,21 +269,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="records of searches: their 3 best per layer and layout are measured too")
     ap.add_argument("--draws", type=int, default=2000,
                     help="uniform draws per layer and layout that estimate the balance rules' reduction (default 2000)")
-    ap.add_argument("--analyse-only", action="store_true", help="no measuring: analyse what --data holds")
+    ap.add_argument("--analyse-only", action="store_true",
+                    help="no measuring: analyse every schedule --data holds, on the target its records name")
     args = ap.parse_args(argv)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from maco import space
     from maco.kernels import host_target
-    from maco.kernels.cpu_peak import machine_balance
     from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
     from maco.measure import Measurer
     from maco.records import RecordFile
     from maco.spec import ConvSpec
 
-    target = host_target()
     out = out_dir(args)
     data = RecordFile(args.data or out / DEFAULT_DATA.name)
+    target = data_target(data) if args.analyse_only else host_target()
     if args.quick:
         layers = [("resnet18.layer1.0.conv1", ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")),
                   ("resnet18.layer3.0.conv2", ConvSpec.parse("n1_c256_h14_w14_k256_r3_p1"))]
@@ -255,15 +300,18 @@ def main(argv: list[str] | None = None) -> int:
                         key=lambda r: r.seconds):
             if len(best[(r.spec, r.schedule.layout)]) < 3:
                 best[(r.spec, r.schedule.layout)].append(r)
-    balance = machine_balance(target)
-    print("machine balance (MACs per element a level's boundary must carry for the FMA peak): "
+    balance = analysis_balance(target)
+    print(f"{target.model}: nominal balance over the tolerance (MACs per element a level's boundary must carry): "
           + ", ".join(f"{k} {v:.3g}" for k, v in balance.items()))
-    plan = {(name, spec): candidates(spec, target, args.samples, args.seed, best) for name, spec in layers}
+    done = measured(data, target)
+    if args.analyse_only:  # what was measured: the draws, the defaults and the searches' best then
+        plan = {(name, spec): recorded(spec, target, done) for name, spec in layers}
+    else:
+        plan = {(name, spec): candidates(spec, target, args.samples, args.seed, best) for name, spec in layers}
     total = sum(len(v) for c in plan.values() for v in c.values()) * args.rounds
     rows: list[dict] = []
-    done = measured(data, target)
     path = out / "pruning_recall.csv"
-    with Measurer(target) as measurer, Progress(TextColumn("[bold]measuring"), BarColumn(), MofNCompleteColumn(),
+    with (nullcontext() if args.analyse_only else Measurer(target)) as measurer, Progress(TextColumn("[bold]measuring"), BarColumn(), MofNCompleteColumn(),
                                                 TimeElapsedColumn(), TextColumn("{task.description}")) as progress:
         job = progress.add_task("", total=total)
         for (name, spec), per_layout in plan.items():
@@ -281,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("nothing measured yet")
         return 1
-    write_env(path, samples=args.samples, rounds=args.rounds, seed=args.seed, top=TOP, balance=balance)
+    if args.analyse_only:  # the environment above is the analysis'; the timings are the records'
+        write_env(path, analysis_only=True, measured_on=target.model, top=TOP, balance=balance,
+                  schedules=sum(len(v) for c in plan.values() for v in c.values()))
+    else:
+        write_env(path, samples=args.samples, rounds=args.rounds, seed=args.seed, top=TOP, balance=balance)
     plot(rows, out / "pruning_recall.png")
     print_table(f"per rule over {len(rows) // max(1, len(summary_by_rule(rows)))} layer-layouts",
                 ["rule", "mean recall of top 5%", "of those within 20% of best", "geomean reduction",
