@@ -19,6 +19,7 @@ from maco import kernels
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.linear import compile_linear
 from maco.errors import MacoError
+from maco.kernels.depthwise import MAX_TAPS, DepthwiseKernel, DepthwisePlan, is_depthwise
 from maco.kernels.pool import PoolKernel, plan_for
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -154,6 +155,54 @@ class MacoPool2d(nn.Module):
         return f"{self.torch_pool}, input {self.shape}, {self.layout}, preallocated={self.preallocated}"
 
 
+class MacoDepthwise2d(nn.Module):
+    """A depthwise `conv` (a Conv2d or FusedConv2d without a residual) run by a generated kernel
+    (kernels.depthwise) for the one input shape and layout it was built for; any other input
+    runs `conv` itself."""
+
+    maco_leaf = True
+
+    def __init__(self, conv: nn.Conv2d, spec: ConvSpec, layout: str, target: Target, preallocate: bool = False):
+        super().__init__()
+        activation, residual = epilogue_of(conv)
+        if not depthwise_can_run(conv, spec):
+            raise MacoError(f"no generated depthwise kernel computes {conv} ({spec})")
+        self.spec, self.layout, self.torch_conv = spec, layout, conv
+        self._plan = DepthwisePlan(spec, layout, conv.bias is not None, activation, target.cores)
+        self._kernel = DepthwiseKernel(self._plan, target)
+        self._weight = self._plan.pack_weight(conv.weight.detach().numpy())
+        self._bias = None if conv.bias is None else conv.bias.detach().numpy().astype("float32").copy()
+        self._format = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+        self._out = self._new_output() if preallocate else None
+
+    def _new_output(self) -> torch.Tensor:
+        return torch.empty(self.spec.output_shape, memory_format=self._format)
+
+    @property
+    def preallocated(self) -> bool:
+        return self._out is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (tuple(x.shape) != self.spec.input_shape or x.dtype != torch.float32 or x.device.type != "cpu"
+                or not x.is_contiguous(memory_format=self._format)):
+            return self.torch_conv(x)
+        out = self._out if self._out is not None else self._new_output()
+        self._kernel(x, self._weight, self._bias, out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{self.spec}, layout={self.layout}, activation={self._plan.activation}, "
+                f"preallocated={self.preallocated}")
+
+
+def depthwise_can_run(conv: nn.Module, spec: ConvSpec) -> bool:
+    """Whether kernels.depthwise computes this conv module: depthwise, zero padding, no residual,
+    an activation it fuses."""
+    activation, residual = epilogue_of(conv)
+    return (isinstance(conv, nn.Conv2d) and is_depthwise(spec) and conv.padding_mode == "zeros"
+            and residual == "none" and activation in ACTIVATIONS and spec.kh * spec.kw <= MAX_TAPS)
+
+
 def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether the tensor `node` produces can reach the model's output, itself or as a view (through
     ops that may return their input: reshapes, in-place ops, dropout, unknown ones)."""
@@ -163,7 +212,7 @@ def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
             if user.op == "output":
                 return True
             fresh = ((user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)),
-                                                              FRESH_MODULES + (MacoConv2d, MacoLinear, MacoPool2d)))
+                                                              FRESH_MODULES + (MacoConv2d, MacoLinear, MacoPool2d, MacoDepthwise2d)))
                      or (user.op == "call_function" and user.target in FRESH_FUNCTIONS))
             if not fresh and user not in seen:
                 seen.add(user)

@@ -27,7 +27,8 @@ from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.kernel_choice import POOLS
 from maco.kernels.pool import plan_for
-from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, swap_module
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, depthwise_can_run,
+                                       swap_module)
 from maco.optimize_report import OptimizeResult
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -52,6 +53,7 @@ class Deployment:
     convs: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, schedule, preallocate
     linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch, preallocate
     pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout, preallocate
+    depthwise: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, layout, preallocate
 
     def to_dict(self) -> dict[str, Any]:
         from maco import __version__
@@ -81,7 +83,7 @@ class Deployment:
         if not isinstance(dep.threads, int) or dep.threads < 1:
             raise MacoError(f"threads must be a positive int, got {short(dep.threads)}")
         for name, value in (("target", dep.target), ("convs", dep.convs), ("linears", dep.linears),
-                            ("pools", dep.pools)):
+                            ("pools", dep.pools), ("depthwise", dep.depthwise)):
             if not isinstance(value, dict):
                 raise MacoError(f"{name} must be an object, got {short(value)}")
         if not isinstance(dep.fusion, list) or not all(isinstance(f, str) for f in dep.fusion):
@@ -109,6 +111,8 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
             dep.linears[path] = {"batch": mod.batch, "preallocate": mod.preallocated}
         elif isinstance(mod, MacoPool2d):
             dep.pools[path] = {"shape": list(mod.shape), "layout": mod.layout, "preallocate": mod.preallocated}
+        elif isinstance(mod, MacoDepthwise2d):
+            dep.depthwise[path] = {"spec": str(mod.spec), "layout": mod.layout, "preallocate": mod.preallocated}
     return dep
 
 
@@ -177,6 +181,15 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
             raise MacoError(f"{str(path)!r}: no generated kernel runs pooling {short(pool_path)} "
                             f"on {short(shape)} in {short(layout)}")
         swap_module(gm, pool_path, MacoPool2d(pool, tuple(shape), layout, host, bool(p.get("preallocate"))))
+    for conv_path, d in dep.depthwise.items():
+        conv = _submodule(gm, conv_path, nn.Conv2d)
+        spec = ConvSpec.parse(d.get("spec")) if isinstance(d, dict) and isinstance(d.get("spec"), str) else None
+        if spec is None or spec != _spec_of(conv, spec.input_shape):
+            raise MacoError(f"{str(path)!r}: depthwise conv {short(conv_path)} is not the saved {short(spec)}")
+        if d.get("layout") not in ("NCHW", "NHWC") or not depthwise_can_run(conv, spec):
+            raise MacoError(f"{str(path)!r}: no generated kernel runs depthwise conv {short(conv_path)} "
+                            f"({spec}) in {short(d.get('layout'))}")
+        swap_module(gm, conv_path, MacoDepthwise2d(conv, spec, d["layout"], host, bool(d.get("preallocate"))))
     gm.meta["maco"] = dep
     return gm
 
@@ -191,6 +204,14 @@ def _fusion(model: nn.Module) -> list[str]:
         elif isinstance(inner, (FusedConv2d, FusedLinear)):
             out.append(f"{path} {inner.activation} {getattr(inner, 'residual', 'none')}")
     return sorted(out)
+
+
+def _spec_of(conv: nn.Conv2d, shape: tuple[int, ...]) -> ConvSpec | None:
+    """The conv's spec on an input of `shape`, None where that input does not fit it."""
+    try:
+        return ConvSpec.from_module(conv, shape)
+    except MacoError:
+        return None
 
 
 def _submodule(gm: nn.Module, path: Any, kind: type | tuple[type, ...]) -> nn.Module:

@@ -13,7 +13,8 @@ from torch import nn
 from maco.kernels.baselines import torch_conv
 from maco.kernels.linear import MAX_BATCH
 from maco.kernels.pool import plan_for
-from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, call_sites, escapes, swap_module
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, call_sites,
+                                       depthwise_can_run, escapes, swap_module)
 from maco.records import Record
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -98,14 +99,34 @@ def faster_pools(gm: fx.GraphModule, example_input: Any, target: Target, rounds:
     """Swap (in place) each pooling module of `gm` that a generated kernel (kernels.pool) runs at
     least MIN_GAIN faster than torch's, in the memory format its input has in the model."""
     def make(pool: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
-        if x.dim() != 4 or x.dtype != torch.float32:
-            return None
-        layout = ("NCHW" if x.is_contiguous() else
-                  "NHWC" if x.is_contiguous(memory_format=torch.channels_last) else None)
-        if layout is None or plan_for(pool, tuple(x.shape), layout, target.cores) is None:
+        layout = _layout(x)
+        if layout is None or x.dtype != torch.float32 or plan_for(pool, tuple(x.shape), layout, target.cores) is None:
             return None
         return MacoPool2d(pool, tuple(x.shape), layout, target, preallocate=preallocate)
     return _faster_modules(gm, example_input, POOLS, make, rounds)
+
+
+def faster_depthwise(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
+    """Swap (in place) each depthwise conv of `gm` (run by torch or by a MacoConv2d) that a
+    generated depthwise kernel (kernels.depthwise) runs at least MIN_GAIN faster, in the memory
+    format its input has in the model."""
+    def make(conv: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
+        conv = conv.torch_conv if isinstance(conv, MacoConv2d) else conv
+        layout = _layout(x)
+        if layout is None or x.dtype != torch.float32:
+            return None
+        spec = ConvSpec.from_module(conv, tuple(x.shape))
+        if not depthwise_can_run(conv, spec):
+            return None
+        return MacoDepthwise2d(conv, spec, layout, target, preallocate=preallocate)
+    return _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
+
+
+def _layout(x: torch.Tensor) -> str | None:
+    """The layout a 4-d tensor is stored in (NCHW when both apply), None when neither."""
+    if x.dim() != 4:
+        return None
+    return "NCHW" if x.is_contiguous() else "NHWC" if x.is_contiguous(memory_format=torch.channels_last) else None
 
 
 def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, ...],

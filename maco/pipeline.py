@@ -1,6 +1,6 @@
 """From per-layer latencies to the model handed back, shared by `maco optimize` and the
-torch.compile backend: fold and fuse, plan layouts, swap in the MACO kernels (convs, linear and
-pooling layers) that win in this process, then time every variant in the same rounds and keep the fastest whose output is right."""
+torch.compile backend: fold and fuse, plan layouts, swap in the MACO kernels (convs, depthwise convs,
+linear and pooling layers) that win in this process, then time every variant in the same rounds and keep the fastest whose output is right."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from maco.kernel_choice import MIN_GAIN, Chosen, Ratios, faster_kernels, faster_linears, faster_pools
+from maco.kernel_choice import MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears, faster_pools
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
@@ -33,6 +33,7 @@ class Variants:
     swapped: list[str] = field(default_factory=list)  # conv module paths running MACO kernels
     linears: dict[str, float] = field(default_factory=dict)  # linear path -> torch time / MACO time
     pools: dict[str, float] = field(default_factory=dict)  # pooling path -> torch time / MACO time
+    depthwise: dict[str, float] = field(default_factory=dict)  # depthwise conv path -> its time / MACO's
 
 
 def build_variants(model: nn.Module, example_input: Any, target: Target,
@@ -53,9 +54,10 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     swapped = use_maco_kernels(planned_maco, plan, chosen, target) if cpu else []
     linears = faster_linears(planned_maco, example_input, target) if cpu else {}
     pools = faster_pools(planned_maco, example_input, target) if cpu else {}
-    if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values())):
+    depthwise = faster_depthwise(planned_maco, example_input, target) if cpu else {}
+    if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values())):
         models["planned_maco"] = planned_maco
-    return Variants(models, plan, chosen, ratios, swapped, linears, pools)
+    return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise)
 
 
 def fastest(models: Mapping[str, Any], example_input: Any, rounds: int = 3) -> tuple[str, ModelTimes]:
