@@ -116,7 +116,8 @@ def unsupported(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
 
 def lift_parameters(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[fx.GraphModule | None, Any]:
     """The graph with each conv2d / batch_norm / linear on parameter inputs turned back into a
-    Conv2d / BatchNorm2d / Linear module holding those tensors (shared, not copied), and the
+    Conv2d / BatchNorm2d / Linear module holding those tensors (shared, not copied), each pooling
+    call turned into its module (as `maco optimize` sees a model), and the
     positions of the inputs left (the activations). (None, why) when a parameter is also used
     some other way."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -150,6 +151,8 @@ def lift_parameters(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[fx.G
 
 
 def _as_module(node: fx.Node, value: dict[fx.Node, Any], weights: set[fx.Node]) -> nn.Module | None:
+    if node.op == "call_function" and node.target in POOL_FUNCTIONS:
+        return _as_pool(node)
     if node.op != "call_function" or node.target not in WEIGHT_USES:
         return None
     args = [_arg(node, i, k, d) for i, (k, d) in enumerate(_SIGNATURES[node.target])]
@@ -197,6 +200,31 @@ _SIGNATURES = {
 _SIGNATURES[F.conv2d] = _SIGNATURES[torch.conv2d]
 
 
+# pooling calls become the modules `maco optimize` sees in a model, so that the pipeline can swap
+# in MACO's pooling kernels here too (kernel_choice.faster_pools looks for modules)
+POOL_FUNCTIONS = {
+    F.max_pool2d: [("input", None), ("kernel_size", None), ("stride", None), ("padding", 0), ("dilation", 1),
+                   ("ceil_mode", False), ("return_indices", False)],
+    F.avg_pool2d: [("input", None), ("kernel_size", None), ("stride", None), ("padding", 0), ("ceil_mode", False),
+                   ("count_include_pad", True), ("divisor_override", None)],
+    F.adaptive_avg_pool2d: [("input", None), ("output_size", None)],
+    F.adaptive_max_pool2d: [("input", None), ("output_size", None), ("return_indices", False)],
+}
+
+
+def _as_pool(node: fx.Node) -> nn.Module | None:
+    args = [_arg(node, i, k, d) for i, (k, d) in enumerate(POOL_FUNCTIONS[node.target])][1:]
+    if not node.args or any(isinstance(a, fx.Node) for a in args) or (
+            node.target in (F.max_pool2d, F.adaptive_max_pool2d) and args[-1]):
+        return None  # computed sizes, or indices asked for: torch runs the call as it is
+    if node.target is F.max_pool2d:
+        kernel, stride, padding, dilation, ceil_mode, _ = args
+        return nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil_mode)
+    if node.target is F.avg_pool2d:
+        return nn.AvgPool2d(*args)
+    return (nn.AdaptiveAvgPool2d if node.target is F.adaptive_avg_pool2d else nn.AdaptiveMaxPool2d)(args[0])
+
+
 def _arg(node: fx.Node, index: int, name: str | None, default: Any) -> Any:
     if index < len(node.args):
         return node.args[index]
@@ -204,7 +232,7 @@ def _arg(node: fx.Node, index: int, name: str | None, default: Any) -> Any:
 
 
 def _kind(node: fx.Node) -> str:
-    return {F.batch_norm: "bn", F.linear: "fc"}.get(node.target, "conv")
+    return {F.batch_norm: "bn", F.linear: "fc"}.get(node.target, "pool" if node.target in POOL_FUNCTIONS else "conv")
 
 
 def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str, Any]) -> nn.Module:

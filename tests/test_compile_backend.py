@@ -204,3 +204,37 @@ def test_tuning_backend_times_missing_baselines_in_the_worker(tmp_path, monkeypa
         assert _rel(model(x), fast(x)) < 1e-4
     assert timed == [] and len(plans) == 1
     assert set(baselines_in_files([path], kernels.host_target())) == {(s, lay) for s in specs for lay in ("NCHW", "NHWC")}
+
+
+class Pools(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        a = F.max_pool2d(y, 3, 2, 1, ceil_mode=True)
+        b = F.avg_pool2d(y, 2, count_include_pad=False, padding=1)
+        c, idx = F.max_pool2d(y, 2, return_indices=True)
+        return (F.adaptive_avg_pool2d(a, 1) + F.adaptive_max_pool2d(b, (1, 1)) + c.amax((2, 3), keepdim=True)
+                + idx.float().mean())
+
+
+def test_pooling_calls_become_modules_the_pipeline_can_swap():
+    from maco.compile_backend import lift_parameters
+
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append((gm, example_inputs))
+        return gm.forward
+    model, x = Pools().eval(), torch.randn(1, 3, 15, 15)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        torch.compile(model, backend=capture)(x)
+        gm, inputs = seen[0]
+        lifted, keep = lift_parameters(gm, inputs)
+        kinds = sorted(type(m).__name__ for _, m in lifted.named_children())
+        assert kinds == ["AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "AvgPool2d", "Conv2d", "MaxPool2d"]  # not the indices
+        torch.testing.assert_close(lifted(*[inputs[i] for i in keep])[0], model(x))
+        assert _rel(model(x), _compiled(model, tune="none")(x)) < 1e-4
