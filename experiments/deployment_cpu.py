@@ -4,9 +4,11 @@ the paper). Per network:
   backend_none     torch.compile(model, backend="maco", options={"tune": "none"}): the bound-derived
                    default schedules, nothing tuned
   backend_records  torch.compile(model, backend="maco", options={"records": DIR, "tune": "quick"}):
-                   the layers missing from DIR are tuned into it first (quick budget)
+                   the layers missing from DIR are tuned into it first (quick budget), and torch's
+                   conv is timed by the tuner's worker where DIR has no baseline for it
   optimize         maco.optimize.optimize(net, budget="quick", records=DIR/maco_records.jsonl,
-                   save=FILE): the main job on the same records (they count toward its budget)
+                   save=FILE): the main job on the same records (they count toward its budget);
+                   both plan layouts from the same torch baselines in the records
   load             maco.load(FILE, a freshly built model): rebuilt without tuning (warm build cache)
 
 All four and torch eager NCHW are timed in the same interleaved rounds (maco.layouts.end_to_end.
@@ -19,12 +21,14 @@ concat; PreActNet: BN-ReLU-conv order, dilated and grouped convs, hardswish and 
 
     python experiments/deployment_cpu.py --quick              # ResNet-18
     python experiments/deployment_cpu.py [--networks resnet18,firenet] [--batch 2] [--records DIR]
+    python experiments/deployment_cpu.py --networks resnet18 --start-from results/records_cpu.jsonl
 
 Writes <out>/deployment_cpu.csv (rows appended per batch size), .png and .env.json.
 """
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -194,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7, quick 3)")
     ap.add_argument("--records", type=Path, default=None,
                     help="folder for the records, optimize outputs and saved models (default: a temporary one)")
+    ap.add_argument("--start-from", type=Path, default=None,
+                    help="a records file copied into the records folder first, as its maco_records.jsonl (tuned "
+                         "records; the file itself is never written)")
     args = ap.parse_args(argv)
+    if args.start_from and not args.start_from.is_file():
+        ap.error(f"--start-from {args.start_from} is not a file")
     from maco.layouts.networks import NETWORKS as KNOWN
 
     nets = ["resnet18"] if args.quick else [n.strip() for n in args.networks.split(",") if n.strip()]
@@ -209,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="maco-deployment-") as tmp:
         folder = args.records or Path(tmp)
+        if args.start_from:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(args.start_from, folder / "maco_records.jsonl")
         for net in nets:
             rows += run_network(net, args.batch, folder, rounds)
             write_csv(path, kept + rows, COLUMNS, floats=".5g")  # each network kept as soon as it is done
