@@ -27,7 +27,8 @@ from maco.target import Target
 
 FUNCTION = "maco_depthwise"
 LAYOUTS = ("NCHW", "NHWC")
-MAX_TAPS = 64  # kh * kw whose weights a channel block keeps in registers (beyond: torch)
+MAX_TAPS = 64  # kh * kw a channel block names as weight vectors (past ~25 they spill; timing decides)
+TILE = 4  # NHWC: outputs of a row computed together (stride 1: they share most input vectors)
 
 
 def is_depthwise(spec: ConvSpec) -> bool:
@@ -65,46 +66,19 @@ class DepthwisePlan:
 
     @cached_property
     def source(self) -> str:
+        what = f"MACO depthwise conv: {self.spec}, {self.layout}, bias={self.bias}, activation={self.activation}"
+        if self.layout == "NHWC":
+            return f"{comment(what)}\n{_nhwc(self)}"
+        return self._nchw_source(what)
+
+    def _nchw_source(self, what: str) -> str:
         s = self.spec
         n, c, h, w, oh, ow = s.n, s.c, s.h, s.w, s.out_h, s.out_w
         (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
         act = {"none": "v", "relu": "(v > 0.f ? v : 0.f)",
                "relu6": "(v > 0.f ? (v < 6.f ? v : 6.f) : 0.f)"}[self.activation]
         init = "b[ch]" if self.bias else "0.f"
-        if self.layout == "NHWC":
-            cb = next(b for b in (16, 8, 4, 2, 1) if c % b == 0)
-            body = f"""
-  #pragma omp parallel for collapse(2) schedule(static) num_threads({self.threads})
-  for (long img = 0; img < {n}; img++)
-    for (long i = 0; i < {oh}; i++)
-      for (long c0 = 0; c0 < {c}; c0 += {cb}) {{
-        float wr[{s.kh * s.kw}][{cb}];
-        for (int t = 0; t < {s.kh * s.kw}; t++)
-          for (int ch = 0; ch < {cb}; ch++) wr[t][ch] = w[t * {c} + c0 + ch];
-        for (long j = 0; j < {ow}; j++) {{
-          float acc[{cb}];
-          #pragma omp simd
-          for (int ch = 0; ch < {cb}; ch++) acc[ch] = {init.replace("ch]", "c0 + ch]")};
-          #pragma GCC unroll {s.kh}
-          for (int r = 0; r < {s.kh}; r++) {{
-            const long ih = i * {sh} - {ph} + r * {dh};
-            if (ih < 0 || ih >= {h}) continue;
-            #pragma GCC unroll {s.kw}
-            for (int q = 0; q < {s.kw}; q++) {{
-              const long iw = j * {sw} - {pw} + q * {dw};
-              if (iw < 0 || iw >= {w}) continue;
-              const float *restrict xi = x + ((img * {h} + ih) * {w} + iw) * {c} + c0;
-              #pragma omp simd
-              for (int ch = 0; ch < {cb}; ch++) acc[ch] += xi[ch] * wr[r * {s.kw} + q][ch];
-            }}
-          }}
-          float *restrict yo = y + ((img * {oh} + i) * {ow} + j) * {c} + c0;
-          #pragma omp simd
-          for (int ch = 0; ch < {cb}; ch++) {{ const float v = acc[ch]; yo[ch] = {act}; }}
-        }}
-      }}"""
-        else:
-            body = f"""
+        body = f"""
   #pragma omp parallel for collapse(2) schedule(static) num_threads({self.threads})
   for (long img = 0; img < {n}; img++)
     for (long ch = 0; ch < {c}; ch++) {{
@@ -132,13 +106,82 @@ class DepthwisePlan:
         for (long j = 0; j < {ow}; j++) {{ const float v = acc[j]; yc[i * {ow} + j] = {act}; }}
       }}
     }}"""
-        what = f"MACO depthwise conv: {s}, {self.layout}, bias={self.bias}, activation={self.activation}"
         return f"""{comment(what)}
 #include <omp.h>
 
 void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b, float *restrict y) {{{body}
 }}
 """
+
+
+def _nhwc(plan: DepthwisePlan) -> str:
+    """NHWC: per output row and block of `cb` channels (one vector), the window's weights as named
+    vector variables (registers); the interior of the row (every tap inside the image) in steps
+    of TILE outputs, whose shared input vectors the compiler loads once; the border one output at
+    a time with each tap checked."""
+    s = plan.spec
+    n, c, h, w, oh, ow = s.n, s.c, s.h, s.w, s.out_h, s.out_w
+    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
+    cb = next(b for b in (16, 8, 4, 2, 1) if c % b == 0)
+    taps = [(r, q) for r in range(s.kh) for q in range(s.kw)]
+    lo = -(-pw // sw)  # first output column whose whole window is inside the image
+    hi = max(lo, (w - 1 - (s.kw - 1) * dw + pw) // sw + 1)  # one past the last
+    hi = min(hi, ow)
+    lo = min(lo, hi)
+    act = {"none": "v", "relu": "vmax(v, zero)", "relu6": "vmin(vmax(v, zero), six)"}[plan.activation]
+    L = []
+    e = L.append
+    e(f"typedef float vf __attribute__((vector_size({4 * cb}), aligned(4)));")
+    e(f"typedef int vi __attribute__((vector_size({4 * cb}), aligned(4)));")
+    e("static inline vf ld(const float *p) { return *(const vf *)p; }")  # vf is 4-byte aligned: vmovups
+    e("static inline void st(float *p, vf v) { *(vf *)p = v; }")
+    e("static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
+    e("static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
+    e(f"void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b, float *restrict y) {{")
+    e("  const vf zero = {0}; const vf six = zero + 6.f; (void)six;")
+    e(f"  #pragma omp parallel for collapse(3) schedule(static) num_threads({plan.threads})")
+    e(f"  for (long img = 0; img < {n}; img++)")
+    e(f"  for (long i = 0; i < {oh}; i++)")
+    e(f"  for (long c0 = 0; c0 < {c}; c0 += {cb}) {{")
+    for t, (r, q) in enumerate(taps):
+        e(f"    const vf w{t} = ld(w + {t * c} + c0);")
+    e(f"    const vf bv = {'ld(b + c0)' if plan.bias else 'zero'};")
+    e(f"    float *restrict yr = y + (img * {oh} + i) * {ow * c} + c0;")
+    for r in range(s.kh):
+        e(f"    const long ih{r} = i * {sh} - {ph} + {r * dh};")
+        e(f"    const int in{r} = ih{r} >= 0 && ih{r} < {h};")
+        e(f"    const float *restrict x{r} = x + (img * {h} + (in{r} ? ih{r} : 0)) * {w * c} + c0;")
+
+    def output(j: str, checked: bool) -> None:
+        e(f"      {{ vf v = bv; const long iw = {j} * {sw} - {pw};")
+        for t, (r, q) in enumerate(taps):
+            cond = f"in{r}" + (f" && iw + {q * dw} >= 0 && iw + {q * dw} < {w}" if checked else "")
+            e(f"        if ({cond}) v += ld(x{r} + (iw + {q * dw}) * {c}) * w{t};")
+        e(f"        st(yr + {j} * {c}, {act}); }}")
+
+    e(f"    for (long j = 0; j < {lo}; j++)")
+    output("j", True)
+    tile = TILE
+    e(f"    long j = {lo};")
+    e(f"    for (; j + {tile} <= {hi}; j += {tile}) {{")
+    e(f"      vf {', '.join(f'a{u} = bv' for u in range(tile))};")
+    for r in range(s.kh):
+        e(f"      if (in{r}) {{")
+        for q in range(s.kw):
+            t = r * s.kw + q
+            for u in range(tile):
+                e(f"        a{u} += ld(x{r} + ((j + {u}) * {sw} - {pw} + {q * dw}) * {c}) * w{t};")
+        e("      }")
+    for u in range(tile):
+        e(f"      {{ const vf v = a{u}; st(yr + (j + {u}) * {c}, {act}); }}")
+    e("    }")
+    e(f"    for (; j < {hi}; j++)")
+    output("j", False)
+    e(f"    for (j = {hi}; j < {ow}; j++)")
+    output("j", True)
+    e("  }")
+    e("}")
+    return "\n".join(L) + "\n"
 
 
 class DepthwiseKernel:
