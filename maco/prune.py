@@ -60,7 +60,6 @@ relaxed the same way from the outermost inwards. The plan says what was relaxed 
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from math import ceil
 from typing import Any
@@ -76,7 +75,6 @@ from maco.spec import ConvSpec
 from maco.target import Target
 
 WARP = 32
-FILL_LOW_DEFAULT = 0.25
 
 
 @dataclass(frozen=True)
@@ -84,7 +82,6 @@ class PruneConfig:
     """Tolerances of the pruning conditions (see the module docstring)."""
 
     tolerance: float = 2.0  # a level's tile may fall short of its nominal balance by this factor
-    fill_low: float = FILL_LOW_DEFAULT  # no longer used: the balance rules have no footprint floor
     register_fill: float = 0.5  # CPU: accumulators >= this share of the free vector registers
     gpu_accumulators: tuple[int, int] = (1, 64)  # GPU: accumulators per thread (nvcc spills past ~64)
     warp: bool = False  # GPU: threads per block a multiple of the warp size (the batch-1 defaults
@@ -95,11 +92,6 @@ class PruneConfig:
     def __post_init__(self) -> None:
         if not self.tolerance >= 1.0:
             raise MacoError(f"PruneConfig.tolerance must be >= 1, got {self.tolerance}")
-        if not 0.0 <= self.fill_low <= 1.0:
-            raise MacoError(f"PruneConfig.fill_low must be in [0, 1], got {self.fill_low}")
-        if self.fill_low != FILL_LOW_DEFAULT:
-            warnings.warn("PruneConfig.fill_low no longer changes the pruning (a level is checked "
-                          "by its balance, maco.prune)", DeprecationWarning, stacklevel=3)
         if not 0.0 <= self.register_fill <= 1.0:
             raise MacoError(f"PruneConfig.register_fill must be in [0, 1], got {self.register_fill}")
         lo, hi = self.gpu_accumulators

@@ -50,7 +50,7 @@ def test_spec_strings(text, capsys):
 @SETTINGS
 @given(flag=st.sampled_from([
     ("tune", "--trials"), ("tune", "--timeout"), ("tune", "--round"), ("tune", "--batch"),
-    ("bench", "--repeats"), ("bench", "--batch"), ("space", "--fill"), ("space", "--tolerance"),
+    ("bench", "--repeats"), ("bench", "--batch"), ("space", "--tolerance"),
     ("space", "--samples"), ("bound", "--S"), ("bound", "--np"), ("plan", "--rounds"),
     ("plan", "--time-limit"), ("collect", "--rounds"), ("collect", "--max-gflop"), ("layers", "--batch")]),
     value=NUMBER_TEXT)

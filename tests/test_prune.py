@@ -179,8 +179,6 @@ def test_tolerance_is_a_parameter_and_monotone():
     fills = [space.space_size(spec, HOST, pruned=True, config=PruneConfig(register_fill=f))
              for f in (0.5, 0.25, 0.0)]  # (0.75 asks for 9 registers, which no tile fills: relaxed)
     assert fills == sorted(fills)
-    with pytest.warns(DeprecationWarning, match="fill_low"):
-        PruneConfig(fill_low=0.5)
 
 
 def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
@@ -229,7 +227,7 @@ def test_a_level_that_can_never_hold_is_dropped():
     assert space.space_size(spec, HOST, pruned=True, config=PruneConfig(register_fill=1.0, max_relax=0)) > 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(tolerance=0.5), dict(fill_low=1.5), dict(register_fill=-1),
+@pytest.mark.parametrize("kwargs", [dict(tolerance=0.5), dict(register_fill=-1),
                                     dict(gpu_accumulators=(9, 4)), dict(max_relax=-1)])
 def test_bad_config_names_the_value(kwargs):
     name, value = next(iter(kwargs.items()))

@@ -33,7 +33,6 @@ positive_int = _number(int, 1, True)
 nonnegative_int = _number(int, 0, True)
 positive_float = _number(float, 0, False)
 nonnegative_float = _number(float, 0, True)
-fraction = _number(float, 0, True, 1)
 
 
 def add_cluster_argument(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from maco.commands.common import (fraction, nonnegative_int, positive_float, positive_int, print_table,
+from maco.commands.common import (nonnegative_int, positive_float, positive_int, print_table,
                                   resolve_layers)
 
 
@@ -13,16 +13,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "space", help="schedule-space sizes per conv layer, unpruned and MACO-pruned",
         description="Count the schedule space of each conv layer exactly (perfect tilings times "
         "annotation choices; the CPU sketch SSRSRS or the GPU sketch SSSRRSRS) and the space left "
-        "after MACO pruning (x*y ~ R*z and footprint ~ S/Np at every memory level, alpha = 1), "
+        "after MACO pruning (the register tile fills the registers, each cache level's tile reaches the "
+        "level's balance as channel chunks slide past it, alpha = 1), "
         "with the ratio. Pruning that had to be relaxed for a layer is noted.")
     p.add_argument("layer", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2: its "
                    "distinct conv layers) or a layer spec such as n1_c64_h56_w56_k64_r3_p1")
     p.add_argument("--target", default="host", help="host (this CPU, default) or h100 (GPU sketch)")
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     p.add_argument("--tolerance", type=positive_float, default=2.0,
-                   help="pruning tolerance on x*y / (R*z) (default 2: within a factor of 2)")
-    p.add_argument("--fill", type=fraction, default=0.25,
-                   help="least share of a level a tile's footprint must fill (default 0.25)")
+                   help="how far a level's tile may fall short of its balance (default 2: a factor of 2)")
     p.add_argument("--samples", type=nonnegative_int, default=0, metavar="N",
                    help="also print N schedules drawn uniformly from the pruned space of each layer, "
                    "one JSON object per line")
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from maco.target import Target
 
     target = Target.named(args.target)
-    config = prune.PruneConfig(tolerance=args.tolerance, fill_low=args.fill)
+    config = prune.PruneConfig(tolerance=args.tolerance)
     layers = resolve_layers(args.layer, args.batch)
     rows = []
     for name, spec in layers:
