@@ -88,10 +88,10 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     built = build_variants(model, x, tgt, torch_seconds, best, device=device, log=log)
     plan, chosen, swapped, variants = built.plan, built.chosen, built.swapped, built.models
     plan.save(out / "plan.json")
-    kinds = {"linear": built.linears, "pooling": built.pools, "depthwise": built.depthwise}
-    faster = {kind: f"{sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)}" for kind, ratios in kinds.items()}
-    log(f"[3/4] {len(swapped)} of {len(plan.convs)} convs, {faster['linear']} linear and {faster['pooling']} pooling "
-        f"layers run MACO kernels; {faster['depthwise']} depthwise convs run its depthwise generator")
+    kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise}
+    others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
+                     for kind, ratios in kinds.items() if ratios)
+    log(f"[3/4] {len(swapped)} of {len(plan.convs)} convs{others} run MACO kernels")
     for row in rows:
         row.in_process = built.ratios.get(row.spec, {})
         layouts = {lp.layout for lp in plan.convs if lp.spec == str(row.spec)}
