@@ -324,6 +324,14 @@ def load(so: Path, function: str) -> ctypes._CFuncPtr:
     return fn
 
 
+def pointer_function(source: str, target: Target, function: str, args: int) -> ctypes._CFuncPtr:
+    """`function` of `source` built for `target` (from the cache when built before), taking `args`
+    pointers: the generated linear, pooling and depthwise kernels."""
+    fn = load(build(source, flags_for(target)), function)
+    fn.argtypes = [ctypes.c_void_p] * args
+    return fn
+
+
 def _open(so: Path) -> ctypes.CDLL:
     m = re.fullmatch(r"k_([0-9a-f]{32})\.so", so.name)
     if m is None:

@@ -11,7 +11,6 @@ columns are the vector. Rows are split over the cores.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -67,19 +66,21 @@ class DepthwisePlan:
     @cached_property
     def source(self) -> str:
         what = f"MACO depthwise conv: {self.spec}, {self.layout}, bias={self.bias}, activation={self.activation}"
-        if self.layout == "NHWC":
-            return f"{comment(what)}\n{_nhwc(self)}"
-        return self._nchw_source(what)
+        return f"{comment(what)}\n{(_nhwc if self.layout == 'NHWC' else _nchw)(self)}"
 
-    def _nchw_source(self, what: str) -> str:
-        s = self.spec
-        n, c, h, w, oh, ow = s.n, s.c, s.h, s.w, s.out_h, s.out_w
-        (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-        act = {"none": "v", "relu": "(v > 0.f ? v : 0.f)",
-               "relu6": "(v > 0.f ? (v < 6.f ? v : 6.f) : 0.f)"}[self.activation]
-        init = "b[ch]" if self.bias else "0.f"
-        body = f"""
-  #pragma omp parallel for collapse(2) schedule(static) num_threads({self.threads})
+
+def _nchw(plan: DepthwisePlan) -> str:
+    """NCHW: per channel and output row, the row's outputs are the vector (the compiler's), each
+    tap one pass over them."""
+    s = plan.spec
+    n, c, h, w, oh, ow = s.n, s.c, s.h, s.w, s.out_h, s.out_w
+    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
+    act = {"none": "v", "relu": "(v > 0.f ? v : 0.f)",
+           "relu6": "(v > 0.f ? (v < 6.f ? v : 6.f) : 0.f)"}[plan.activation]
+    init = "b[ch]" if plan.bias else "0.f"
+    return f"""void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b,
+                    float *restrict y) {{
+  #pragma omp parallel for collapse(2) schedule(static) num_threads({plan.threads})
   for (long img = 0; img < {n}; img++)
     for (long ch = 0; ch < {c}; ch++) {{
       const float *restrict xc = x + (img * {c} + ch) * {h * w};
@@ -105,11 +106,7 @@ class DepthwisePlan:
         #pragma omp simd
         for (long j = 0; j < {ow}; j++) {{ const float v = acc[j]; yc[i * {ow} + j] = {act}; }}
       }}
-    }}"""
-        return f"""{comment(what)}
-#include <omp.h>
-
-void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b, float *restrict y) {{{body}
+    }}
 }}
 """
 
@@ -137,7 +134,8 @@ def _nhwc(plan: DepthwisePlan) -> str:
     e("static inline void st(float *p, vf v) { *(vf *)p = v; }")
     e("static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
     e("static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
-    e(f"void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b, float *restrict y) {{")
+    e(f"void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b, "
+      "float *restrict y) {")
     e("  const vf zero = {0}; const vf six = zero + 6.f; (void)six;")
     e(f"  #pragma omp parallel for collapse(3) schedule(static) num_threads({plan.threads})")
     e(f"  for (long img = 0; img < {n}; img++)")
@@ -161,18 +159,17 @@ def _nhwc(plan: DepthwisePlan) -> str:
 
     e(f"    for (long j = 0; j < {lo}; j++)")
     output("j", True)
-    tile = TILE
     e(f"    long j = {lo};")
-    e(f"    for (; j + {tile} <= {hi}; j += {tile}) {{")
-    e(f"      vf {', '.join(f'a{u} = bv' for u in range(tile))};")
+    e(f"    for (; j + {TILE} <= {hi}; j += {TILE}) {{")
+    e(f"      vf {', '.join(f'a{u} = bv' for u in range(TILE))};")
     for r in range(s.kh):
         e(f"      if (in{r}) {{")
         for q in range(s.kw):
             t = r * s.kw + q
-            for u in range(tile):
+            for u in range(TILE):
                 e(f"        a{u} += ld(x{r} + ((j + {u}) * {sw} - {pw} + {q * dw}) * {c}) * w{t};")
         e("      }")
-    for u in range(tile):
+    for u in range(TILE):
         e(f"      {{ const vf v = a{u}; st(yr + (j + {u}) * {c}, {act}); }}")
     e("    }")
     e(f"    for (; j < {hi}; j++)")
@@ -191,8 +188,7 @@ class DepthwiseKernel:
         if target.kind != "cpu":
             raise MacoError(f"generated depthwise kernels are CPU code, not for {target.name!r}")
         self.plan = plan
-        self.function = cpu_build.load(cpu_build.build(plan.source, cpu_build.flags_for(target)), FUNCTION)
-        self.function.argtypes = [ctypes.c_void_p] * 4
+        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 4)
 
     def __call__(self, x: Any, w: np.ndarray, b: np.ndarray | None, y: Any) -> None:
         """y = act(depthwise(x, w) + b); the caller has checked shapes, dtype and memory format,

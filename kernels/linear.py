@@ -8,7 +8,6 @@ most a few hundred KB) in cache, so the bandwidth is the limit.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -88,9 +87,7 @@ class LinearKernel:
 
     def __init__(self, plan: LinearPlan, target: Target):
         self.plan = plan
-        self.so = cpu_build.build(plan.source, cpu_build.flags_for(target))
-        self.function = cpu_build.load(self.so, FUNCTION)
-        self.function.argtypes = [ctypes.c_void_p] * 4
+        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 4)
 
     def __call__(self, x: Any, w: Any, b: Any, y: Any) -> None:
         """y = act(x @ w.T + b) for contiguous float32 CPU tensors of the plan's shapes."""

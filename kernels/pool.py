@@ -14,7 +14,6 @@ the source as integer tables.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from functools import cached_property
 from math import ceil, floor
@@ -181,8 +180,7 @@ class PoolKernel:
         if target.kind != "cpu":
             raise MacoError(f"generated pooling kernels are CPU code, not for {target.name!r}")
         self.plan = plan
-        self.function = cpu_build.load(cpu_build.build(plan.source, cpu_build.flags_for(target)), FUNCTION)
-        self.function.argtypes = [ctypes.c_void_p] * 2
+        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 2)
 
     def __call__(self, x: Any, y: Any) -> None:
         """y = pool(x); the caller has checked shapes, dtype and memory format."""

@@ -118,11 +118,36 @@ class MacoLinear(nn.Module):
                 f"activation={getattr(self.torch_linear, 'activation', 'none')}, preallocated={self.preallocated}")
 
 
-class MacoPool2d(nn.Module):
-    """`pool` (a torch pooling module) run by a generated kernel (kernels.pool) for the one input
-    shape and memory format it was built for; any other input runs `pool` itself."""
+class _GeneratedOp(nn.Module):
+    """What a generated pooling or depthwise module shares: one input shape and memory format it
+    runs (any other input runs the torch module), and an output buffer it may own."""
 
     maco_leaf = True
+
+    def _output_in(self, layout: str, shape: tuple[int, ...], preallocate: bool) -> None:
+        self._format = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+        self._out_shape = shape
+        self._out = self._new_output() if preallocate else None
+
+    def _new_output(self) -> torch.Tensor:
+        return torch.empty(self._out_shape, memory_format=self._format)
+
+    def _output(self) -> torch.Tensor:
+        return self._out if self._out is not None else self._new_output()
+
+    def _runs(self, x: torch.Tensor, shape: tuple[int, ...]) -> bool:
+        """Whether the kernel takes `x` (else the torch module does)."""
+        return (tuple(x.shape) == shape and x.dtype == torch.float32 and x.device.type == "cpu"
+                and x.is_contiguous(memory_format=self._format))
+
+    @property
+    def preallocated(self) -> bool:
+        return self._out is not None
+
+
+class MacoPool2d(_GeneratedOp):
+    """`pool` (a torch pooling module) run by a generated kernel (kernels.pool) for the one input
+    shape and memory format it was built for; any other input runs `pool` itself."""
 
     def __init__(self, pool: nn.Module, shape: tuple[int, ...], layout: str, target: Target,
                  preallocate: bool = False):
@@ -132,22 +157,12 @@ class MacoPool2d(nn.Module):
             raise MacoError(f"no generated kernel computes {pool} on an input of shape {shape}")
         self.torch_pool, self.shape, self.layout = pool, tuple(shape), layout
         self._kernel = PoolKernel(plan, target)
-        self._format = torch.channels_last if layout == "NHWC" else torch.contiguous_format
-        self._out_shape = plan.out_shape
-        self._out = self._new_output() if preallocate else None
-
-    def _new_output(self) -> torch.Tensor:
-        return torch.empty(self._out_shape, memory_format=self._format)
-
-    @property
-    def preallocated(self) -> bool:
-        return self._out is not None
+        self._output_in(layout, plan.out_shape, preallocate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (tuple(x.shape) != self.shape or x.dtype != torch.float32 or x.device.type != "cpu"
-                or not x.is_contiguous(memory_format=self._format)):
+        if not self._runs(x, self.shape):
             return self.torch_pool(x)
-        out = self._out if self._out is not None else self._new_output()
+        out = self._output()
         self._kernel(x, out)
         return out
 
@@ -155,38 +170,27 @@ class MacoPool2d(nn.Module):
         return f"{self.torch_pool}, input {self.shape}, {self.layout}, preallocated={self.preallocated}"
 
 
-class MacoDepthwise2d(nn.Module):
+class MacoDepthwise2d(_GeneratedOp):
     """A depthwise `conv` (a Conv2d or FusedConv2d without a residual) run by a generated kernel
     (kernels.depthwise) for the one input shape and layout it was built for; any other input
     runs `conv` itself."""
 
-    maco_leaf = True
-
     def __init__(self, conv: nn.Conv2d, spec: ConvSpec, layout: str, target: Target, preallocate: bool = False):
         super().__init__()
-        activation, residual = epilogue_of(conv)
+        activation, _ = epilogue_of(conv)
         if not depthwise_can_run(conv, spec):
             raise MacoError(f"no generated depthwise kernel computes {conv} ({spec})")
         self.spec, self.layout, self.torch_conv = spec, layout, conv
         self._plan = DepthwisePlan(spec, layout, conv.bias is not None, activation, target.cores)
         self._kernel = DepthwiseKernel(self._plan, target)
         self._weight = self._plan.pack_weight(conv.weight.detach().numpy())
-        self._bias = None if conv.bias is None else conv.bias.detach().numpy().astype("float32").copy()
-        self._format = torch.channels_last if layout == "NHWC" else torch.contiguous_format
-        self._out = self._new_output() if preallocate else None
-
-    def _new_output(self) -> torch.Tensor:
-        return torch.empty(self.spec.output_shape, memory_format=self._format)
-
-    @property
-    def preallocated(self) -> bool:
-        return self._out is not None
+        self._bias = None if conv.bias is None else conv.bias.detach().numpy().astype("float32")
+        self._output_in(layout, spec.output_shape, preallocate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (tuple(x.shape) != self.spec.input_shape or x.dtype != torch.float32 or x.device.type != "cpu"
-                or not x.is_contiguous(memory_format=self._format)):
+        if not self._runs(x, self.spec.input_shape):
             return self.torch_conv(x)
-        out = self._out if self._out is not None else self._new_output()
+        out = self._output()
         self._kernel(x, self._weight, self._bias, out)
         return out
 
@@ -212,7 +216,7 @@ def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
             if user.op == "output":
                 return True
             fresh = ((user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)),
-                                                              FRESH_MODULES + (MacoConv2d, MacoLinear, MacoPool2d, MacoDepthwise2d)))
+                                                              FRESH_MODULES + (MacoConv2d, MacoLinear, _GeneratedOp)))
                      or (user.op == "call_function" and user.target in FRESH_FUNCTIONS))
             if not fresh and user not in seen:
                 seen.add(user)

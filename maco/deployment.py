@@ -77,8 +77,7 @@ class Deployment:
             raise MacoError(f"a malformed saved model: {exc}") from None
         if dep.variant not in VARIANTS:
             raise MacoError(f"unknown variant {short(dep.variant)}; one of {VARIANTS}")
-        if not (isinstance(dep.input_shape, list) and dep.input_shape
-                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in dep.input_shape)):
+        if not (_positive_ints(dep.input_shape) and dep.input_shape):
             raise MacoError(f"input_shape must be positive ints, got {short(dep.input_shape)}")
         if not isinstance(dep.threads, int) or dep.threads < 1:
             raise MacoError(f"threads must be a positive int, got {short(dep.threads)}")
@@ -174,8 +173,7 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
     for pool_path, p in dep.pools.items():
         pool = _submodule(gm, pool_path, POOLS)
         shape, layout = (p.get("shape"), p.get("layout")) if isinstance(p, dict) else (None, None)
-        if not (isinstance(shape, list) and len(shape) == 4
-                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)):
+        if not (_positive_ints(shape) and len(shape) == 4):
             raise MacoError(f"{str(path)!r}: pooling {short(pool_path)} has no valid input shape")
         if layout not in ("NCHW", "NHWC") or plan_for(pool, tuple(shape), layout, host.cores) is None:
             raise MacoError(f"{str(path)!r}: no generated kernel runs pooling {short(pool_path)} "
@@ -204,6 +202,11 @@ def _fusion(model: nn.Module) -> list[str]:
         elif isinstance(inner, (FusedConv2d, FusedLinear)):
             out.append(f"{path} {inner.activation} {getattr(inner, 'residual', 'none')}")
     return sorted(out)
+
+
+def _positive_ints(value: Any) -> bool:
+    """A list of positive ints (a shape read from the file)."""
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
 
 
 def _spec_of(conv: nn.Conv2d, shape: tuple[int, ...]) -> ConvSpec | None:

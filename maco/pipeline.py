@@ -1,6 +1,7 @@
 """From per-layer latencies to the model handed back, shared by `maco optimize` and the
-torch.compile backend: fold and fuse, plan layouts, swap in the MACO kernels (convs, depthwise convs,
-linear and pooling layers) that win in this process, then time every variant in the same rounds and keep the fastest whose output is right."""
+torch.compile backend: fold and fuse, plan layouts, swap in the MACO kernels (convs, depthwise
+convs, linear and pooling layers) that win in this process, then time every variant in the same
+rounds and keep the fastest whose output is right."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
