@@ -21,11 +21,11 @@ from maco.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.source_text import comment
+from maco.schedule import LAYOUTS
 from maco.spec import ConvSpec
 from maco.target import Target
 
 FUNCTION = "maco_depthwise"
-LAYOUTS = ("NCHW", "NHWC")
 MAX_TAPS = 64  # kh * kw a channel block names as weight vectors (past ~25 they spill; timing decides)
 TILE = 4  # NHWC: outputs of a row computed together (stride 1: they share most input vectors)
 

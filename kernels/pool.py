@@ -22,11 +22,11 @@ from typing import Any
 from maco.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.source_text import comment
+from maco.schedule import LAYOUTS
 from maco.target import Target
 
 FUNCTION = "maco_pool"
 KINDS = ("max", "avg")
-LAYOUTS = ("NCHW", "NHWC")
 
 
 @dataclass(frozen=True)

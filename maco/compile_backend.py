@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from maco import kernels
 from maco.errors import MacoError
 from maco.files import short
+from maco.kernel_choice import MIN_GAIN
 from maco.layouts.latency import measure_layouts
 from maco.layouts.networks import conv_layers, distinct_convs
 from maco.pipeline import build_variants, fastest
@@ -249,13 +250,14 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
         if missing:  # their torch baselines are timed by the same worker, into the records
             tune_layers([(str(s), s) for s in missing], target, BUDGETS[opts["tune"]] * len(missing),
                         records=files[0], layouts=layouts)
+    stored = baselines_in_files(files, target)
+    unbased = [spec for spec in specs if any((spec, lay) not in stored for lay in layouts)]
+    if opts["tune"] != "none" and files and unbased:  # tuned before baselines were recorded: the
+        measure_baselines(unbased, target, files[0], layouts)  # worker times torch for them now
         stored = baselines_in_files(files, target)
-        unbased = [spec for spec in specs if any((spec, lay) not in stored for lay in layouts)]
-        if unbased:  # tuned before baselines were recorded: the worker times torch for them now
-            measure_baselines(unbased, target, files[0], layouts)
     best = best_in_files(files, target)
     candidates: dict[tuple, Any] = {}
-    torch_seconds = planning_seconds(specs, layouts, baselines_in_files(files, target))
+    torch_seconds = planning_seconds(specs, layouts, stored)
     for spec in specs:
         for layout in layouts:
             try:
@@ -266,7 +268,7 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
     pick, times = fastest(built.models, x)
     log.info("maco: %s, %.2fx the graph as torch runs it (%d MACO convs, %d MACO linear layers)", pick,
              times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
-             sum(r >= 1.02 for r in built.linears.values()) if pick == "planned_maco" else 0)
+             sum(r >= MIN_GAIN for r in built.linears.values()) if pick == "planned_maco" else 0)
     return built.models[pick]
 
 

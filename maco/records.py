@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from maco.errors import MacoError
 from maco.files import MAX_LINE_BYTES, load_json, short, write_atomic
-from maco.schedule import Schedule
+from maco.schedule import LAYOUTS, Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
 from maco.timing import Timing, environment
@@ -118,7 +118,6 @@ MAX_HISTORY = 64
 FINGERPRINT_TYPES = {"name": str, "kind": str, "model": str, "isa": str, "cores": int, "levels": list}
 BASELINE_FIELDS = {"v", "baseline", "spec", "target", "layout", "timing", "env", "time"}
 BASELINE_KINDS = ("torch",)  # whose conv a baseline line times
-LAYOUTS = ("NCHW", "NHWC")
 
 
 @dataclass(frozen=True)
