@@ -16,7 +16,8 @@ from maco import kernels
 from maco.cost_model import CostModel
 from maco.errors import MacoError
 from maco.measure import MeasureConfig, Measurer
-from maco.records import LAYOUTS, Record, RecordFile, latest_baselines, make_baseline, normalized
+from maco.records import Record, RecordFile, latest_baselines, make_baseline, normalized
+from maco.schedule import LAYOUTS
 from maco.search import MeasureFunction, SearchConfig, TaskState, search_round
 from maco.spec import ConvSpec
 from maco.target import Target, require_memory
