@@ -26,7 +26,21 @@ them. Two statements follow:
 
 3. Per tile level (`tile_conditions`, `chunk_intensity`, `nominal_balance`): the traffic of a
    level is its own tile's as channel chunks slide past it, so statement 2 becomes one condition
-   per tile level and chunk, which maco.prune checks and maco.space counts exactly.
+   per tile level and chunk, which maco.prune checks and maco.space counts exactly. A pass of the
+   reduction need not hold the whole kernel window: with the window split (kh0, kw0 > 1) a tile
+   makes c0*kh0*kw0 passes of c1 channels by kh1 x kw1 taps, and `window_split` derives what that
+   costs: the outputs cross once per pass (as for a shallower chunk), the weights not at all more,
+   and the inputs (kh0 - 1)*((oh - 1)*s - d + 1) more rows per channel (likewise columns): nothing
+   for a tile one output row high at unit dilation (the register tiles of the defaults), a loss of
+   the window's input reuse for a tall one. So a split is one more way of choosing a pass, and the
+   level conditions judge it like any other: it is not excluded in itself.
+
+4. The register tile's FMA issue ceiling (`register_ceiling`): a step of the reduction issues one
+   FMA per accumulator vector; an accumulator's next FMA waits for its last one (FMA_LATENCY
+   cycles), so a tile of A vectors issues at most A/(L*P) of the peak of P pipes. That is a lower
+   limit on accumulators grounded in the core (L*P = 8 on 2 pipes of latency 4), replacing the
+   "half of the free registers" floor: a tile of 4 vectors can reach half the peak, one of 28
+   spills nothing more than one of 8 does.
 """
 from __future__ import annotations
 
@@ -175,26 +189,55 @@ def tile_conditions() -> dict[str, sp.Expr]:
             "least_chunk": sp.simplify(least), "condition": sp.Ge(sp.Symbol("I", positive=True), Bt)}
 
 
-def _patch(spec: ConvSpec, oh: Any, ow: Any) -> Any:
-    """Input rows x columns one channel of an oh x ow output block reads (padding not stored)."""
-    ih, iw = input_window(spec, oh, ow)
+def window_split() -> dict[str, sp.Expr]:
+    """What splitting the kernel window costs a tile, along one axis (derived with sympy): o
+    outputs at stride s and dilation d read (o - 1)*s + (t - 1)*d + 1 input rows per channel for t
+    taps; split into t0 passes of t1 taps (t = t0*t1, consecutive taps per pass) they read t0 times
+    (o - 1)*s + (t1 - 1)*d + 1.
+
+    excess      split minus whole: (t0 - 1)*((o - 1)*s - d + 1), zero for t0 = 1 and for a tile one
+                output high at d = 1, positive for a taller one at d <= s (the window's reuse lost)
+    passes      the outputs cross once per pass: c0*kh0*kw0 passes of c1*kh1*kw1 steps each, the
+                same count as channel chunks of that depth (chunk_intensity takes both)
+    """
+    o, s_, d, t0, t1 = sp.symbols("o s d t0 t1", positive=True)
+    whole = (o - 1) * s_ + (t0 * t1 - 1) * d + 1
+    split = t0 * ((o - 1) * s_ + (t1 - 1) * d + 1)
+    c0, k0, w0 = sp.symbols("c0 kh0 kw0", positive=True)
+    return {"whole": whole, "split": split, "excess": sp.factor(sp.expand(split - whole)),
+            "passes": c0 * k0 * w0}
+
+
+def _patch(spec: ConvSpec, oh: Any, ow: Any, kh: Any = None, kw: Any = None) -> Any:
+    """Input rows x columns one channel of an oh x ow output block reads over kh x kw taps (the
+    whole window by default; padding not stored)."""
+    ih, iw = input_window(spec, oh, ow, kh, kw)
     return np.minimum(ih, spec.h) * np.minimum(iw, spec.w)
 
 
-def tile_footprint(spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any) -> Any:
-    """Elements a level holds for a tile and one chunk: its outputs, the chunk's inputs and weights."""
-    return g * (n * k * oh * ow + chunk * (n * _patch(spec, oh, ow) + k * spec.kh * spec.kw))
+def tile_footprint(spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any,
+                   kh1: Any = None, kw1: Any = None) -> Any:
+    """Elements a level holds for a tile and one pass: its outputs, the pass's inputs and weights
+    (`chunk` channels by kh1 x kw1 taps, the whole window by default)."""
+    kh1 = spec.kh if kh1 is None else kh1
+    kw1 = spec.kw if kw1 is None else kw1
+    return g * (n * k * oh * ow + chunk * (n * _patch(spec, oh, ow, kh1, kw1) + k * kh1 * kw1))
 
 
 def chunk_intensity(spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any,
-                    kept: Any) -> Any:
+                    kept: Any, kh1: Any = None, kw1: Any = None) -> Any:
     """MACs per element crossing a level whose tile is n images x g groups x k filters x oh x ow
-    outputs sliding over the channels in chunks of `chunk`; `kept`: the level holds the outputs
-    between chunks (tile_conditions' kept and reloaded, numpy-friendly)."""
+    outputs sliding over the channels in chunks of `chunk` (and over the window in kh1 x kw1 taps
+    per pass, the whole window by default: window_split); `kept`: the level holds the outputs
+    between passes (tile_conditions' kept and reloaded, numpy-friendly)."""
+    kh1 = spec.kh if kh1 is None else kh1
+    kw1 = spec.kw if kw1 is None else kw1
     cg, taps = spec.c_per_group, spec.kh * spec.kw
+    splits = (spec.kh // kh1) * (spec.kw // kw1)  # passes over the window per chunk
     outputs = n * g * k * oh * ow
-    passes = np.where(kept, 1.0, 2.0 * cg / chunk - 1.0)
-    return outputs * cg * taps / (g * cg * (n * _patch(spec, oh, ow) + k * taps) + outputs * passes)
+    passes = np.where(kept, 1.0, 2.0 * splits * cg / chunk - 1.0)
+    inputs = n * _patch(spec, oh, ow, kh1, kw1) * splits
+    return outputs * cg * taps / (g * cg * (inputs + k * taps) + outputs * passes)
 
 
 def best_tile_intensity(spec: ConvSpec, max_outputs: int) -> float:
@@ -233,3 +276,63 @@ def nominal_balance(target: Target) -> dict[str, float]:
             if lvl.name in FEED_BYTES["cuda"]:
                 out[lvl.name] = macs / (FEED_BYTES["cuda"][lvl.name] / DTYPE_BYTES)
     return out
+
+
+# -- statement 4: the register tile's FMA issue ceiling -------------------------------------------
+#: cycles from an FMA's issue to its result, which the next FMA on the same accumulator waits for:
+#: 4 on the cores the project runs on (AMD Zen 4/5, Intel Golden Cove / Sapphire Rapids, Skylake-X)
+FMA_LATENCY = 4
+
+
+def register_ceiling() -> dict[str, sp.Expr]:
+    """The share of the FMA peak a register tile can issue, derived with sympy. One step of the
+    reduction issues A FMAs (one per accumulator vector) on P pipes and loads k_v weight vectors
+    and b input broadcasts (A = k_v*b) on two load ports; each accumulator's FMA waits L cycles
+    for the previous one on it:
+
+    cycles      max(A/P, (k_v + b)/2, L) per step
+    share       A/P / cycles
+    latency     the share with the loads left out: min(1, A/(L*P)); the chains hide the latency
+                only from A = L*P vectors on
+    loads_floor k_v + b <= A + 1 (a product of positive integers), so the loads alone never hold
+                two pipes below A/(A + 1) >= 1/2 of the peak: on such a core the accumulators'
+                count, not the loads, decides how far below the peak a tile can fall
+    least       the fewest vectors for a share of at least 1/tau: A >= L*P/tau (tau the
+                pruning's tolerance, as for every level's balance)
+    """
+    A, P_, L, kv, b, tau = sp.symbols("A P L k_v b tau", positive=True)
+    cycles = sp.Max(A / P_, (kv + b) / 2, L)
+    latency = sp.Min(1, A / (L * P_))
+    loads_floor = sp.simplify((A / 2) / ((A + 1) / 2))
+    least = sp.solve(sp.Eq(A / (L * P_), 1 / tau), A)[0]
+    return {"cycles": cycles, "share": (A / P_) / cycles, "latency": latency, "loads_floor": loads_floor,
+            "least": least}
+
+
+def accumulators_needed(fma_units: int, tolerance: float, allows: float, latency: int = FMA_LATENCY) -> int:
+    """The fewest accumulator vectors a register tile needs (register_ceiling's least): enough
+    independent FMA chains to keep the core within `tolerance` of its peak, min(L*P, what the
+    layer allows) / tolerance (a layer whose tiles have fewer vectors is not asked for more)."""
+    from math import ceil
+
+    return max(1, ceil(min(latency * fma_units, allows) / tolerance - 1e-9))
+
+
+def register_share(simd_width: int, fma_units: int, n: Any, g: Any, k: Any, oh: Any, ow: Any,
+                   vector_axis: str, contiguous: Any, latency: int = FMA_LATENCY) -> Any:
+    """register_ceiling's share in numbers (numpy-friendly) for a CPU register tile of n x g x k x
+    oh x ow outputs: vectors along `vector_axis` ("k": weight vectors times input broadcasts; "ow":
+    input vectors times weight broadcasts), scalar where that axis' factor is not a multiple of
+    the lanes (one lane per FMA, a load per weight and per input). `contiguous`: the vector
+    operand's lanes are adjacent in memory; where they are not, a vector takes one load per lane
+    (a gather costs the load ports as much)."""
+    W, P = simd_width, fma_units
+    outputs = n * g * k * oh * ow
+    if vector_axis == "k":
+        vectorised, vectors, broadcasts = k % W == 0, g * (k // W), n * g * oh * ow
+    else:
+        vectorised, vectors, broadcasts = ow % W == 0, n * g * oh * (ow // W), g * k
+    fmas = np.where(vectorised, outputs // W, outputs)
+    loads = np.where(vectorised, vectors * np.where(contiguous, 1, W) + broadcasts, g * k + n * g * oh * ow)
+    cycles = np.maximum(np.maximum(fmas / P, loads / 2.0), latency)
+    return outputs / (P * W * cycles)

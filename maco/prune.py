@@ -9,15 +9,22 @@ before this module asked for that optimum at L1 and L2 as if each were the only 
 dropped the bound-derived defaults, which run at ~93% of the FMA peak).
 
 Which tile sits in which level (CPU nest S0 S1 R0 S2 R1 S3, c1 channels per R0 chunk):
-  registers <- L1  S3, the register tile: it reduces one chunk, then its accumulators go back to L1
-                   (the outputs cross once per chunk). Its accumulators must also fit the free
-                   vector registers (a hard limit of the space) and fill at least `register_fill`
-                   of them: of their lanes where the layer has whole vectors of filters per group
-                   (a scalar tile of 28 outputs fills 28 of 448 lanes on AVX-512 and ran 10-40x
-                   slower than a vector one), of the registers themselves where it has not
-                   (depthwise and 24-filter layers on 16 lanes: the default's tile is scalar
-                   there), and there no more than a tile of one image and group can fill (7 on
-                   a 7x7 depthwise layer).
+  registers <- L1  S3, the register tile: it reduces one pass (a chunk of channels by the window's
+                   taps in the pass), then its accumulators go back to L1 (the outputs cross once
+                   per pass). Its accumulators must also fit the free vector registers (a hard
+                   limit of the space) and issue FMAs fast enough (maco.bounds.hierarchy statement
+                   4, register_ceiling): a step issues one FMA per accumulator vector on P pipes,
+                   each waiting L cycles (`fma_latency`) for its chain's last one, and loads its
+                   vector operands and broadcasts on two load ports, a vector whose lanes are not
+                   adjacent in memory (an NHWC or strided input row) one lane at a time. Where the layer has whole vectors of filters per group the tile's share
+                   of the FMA peak (register_share) must reach 1/tolerance of the best share a
+                   tile of one image and group reaches: at least L*P/tolerance = 4 vectors on 2
+                   pipes of latency 4, fewer only in tiles no load limits. (This replaces "half of
+                   the free registers", 14..28 on AVX-512, a floor from no property of the core:
+                   tiles of 4-8 vectors ran within 10-20% of the best measured.) Where the layer
+                   has no whole vectors of filters (depthwise and 24-filter layers on 16 lanes:
+                   the default's tile is scalar there), the accumulators themselves count, at
+                   least min(L*P, the most a tile of one image and group can have)/tolerance.
   L1 <- L2         S2: the register tile sweeps it within a chunk; L1 keeps its outputs between
                    chunks when they and one chunk's inputs and weights fit L1's share.
   L2 <- L3         S2 again: R0 sits between S1 and S2, so the outputs the chunks slide past are
@@ -42,15 +49,24 @@ GPU): a level is not asked for more than the layer can give it. `tolerance` (2) 
 slower than the nominal feeds: the measured balances of the project's hosts lie below the
 nominal ones by less than that.
 
-And for the whole nest, alpha = 1: every tile slides over the input channels one at a time with
-the whole kh x kw window per channel, i.e. the kernel window is not split by the outer reduction
-level (kh0 = kw0 = 1), and the innermost reduction loops take the channels in the layout's unit
-(`alpha_order_ok`): c outermost where a channel's window is whole rows of one plane (NCHW, and
-the GPU kernels' shared-memory windows), c innermost where channels are the contiguous axis (CPU
-NHWC: a cache line of channels slides by at each tap).
+And for the whole nest, the paper's alpha = 1 (`alpha_one` on the GPU, `alpha_cpu` on the CPU):
+every tile slides over the input channels one at a time with the whole kh x kw window
+per channel, i.e. the kernel window is not split by the outer reduction level (kh0 = kw0 = 1), and
+the innermost reduction loops take the channels in the layout's unit (`alpha_order_ok`): c
+outermost where a channel's window is whole rows of one plane (NCHW, and the GPU kernels'
+shared-memory windows), c innermost where channels are the contiguous axis (CPU NHWC). Neither is
+a condition of the bounds: the order of the reduction loops does not change what any level holds
+or moves (a red-blue game counts elements, not strides), and a window split is one more way to
+cut the reduction into passes (maco.bounds.hierarchy.window_split: the outputs cross once per pass
+like a shallower chunk; the inputs lose the window's reuse only in tiles taller or wider than one
+output), which the level conditions judge with the pass's taps. So with `alpha_cpu` off the levels judge
+splits on the CPU and no order is asked for; it stays on by default for now (measured:
+alpha = 1 drops about a third of the top-5% schedules of a uniform sample and cuts the space
+8x; experiments/pruning_recall.py reports both).
 
-Every condition looks at one tile level and the chunk c1, so maco.space still counts the pruned
-space exactly and samples it uniformly (per chunk, over the divisor grids).
+Every condition looks at one tile level and the pass (chunk c1, taps kh1 x kw1), or at the register
+tile with its vector axis, layout and weight packing, so maco.space still counts the pruned space
+exactly and samples it uniformly (per pass and annotation combination, over the divisor grids).
 
 Relaxation (maco.space.prune_plan, which counts the space under each try), so that a valid conv
 never gets an empty pruned space: if the conditions of one level alone leave nothing, that level
@@ -67,7 +83,8 @@ from typing import Any
 import numpy as np
 
 from maco.bounds.conv import best_lower_bound
-from maco.bounds.hierarchy import best_tile_intensity, chunk_intensity, intensity, nominal_balance, tile_footprint
+from maco.bounds.hierarchy import (FMA_LATENCY, accumulators_needed, best_tile_intensity, chunk_intensity, intensity,
+                                   nominal_balance, register_share, tile_footprint)
 from maco.errors import MacoError
 from maco.factors import divisors
 from maco.schedule import GPU_MAX_THREADS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, gpu_max_accumulators
@@ -82,18 +99,21 @@ class PruneConfig:
     """Tolerances of the pruning conditions (see the module docstring)."""
 
     tolerance: float = 2.0  # a level's tile may fall short of its nominal balance by this factor
-    register_fill: float = 0.5  # CPU: accumulators >= this share of the free vector registers
+    fma_latency: int = FMA_LATENCY  # CPU: cycles an accumulator's FMA chain waits; the register tile
+    #                                 needs fma_latency * fma_units / tolerance vectors (0: no floor)
     gpu_accumulators: tuple[int, int] = (1, 64)  # GPU: accumulators per thread (nvcc spills past ~64)
     warp: bool = False  # GPU: threads per block a multiple of the warp size (the batch-1 defaults
     #                     use 7-, 14- and 28-wide rows, so whole warps are not asked by default)
-    alpha_one: bool = True  # one channel at a time, whole window (kh0 = kw0 = 1; alpha_order_ok)
+    alpha_one: bool = True  # GPU: one channel at a time, whole window (kh0 = kw0 = 1; alpha_order_ok)
+    alpha_cpu: bool = True  # the same on the CPU (off: the level rules judge window splits, no order
+    #                         asked: what the bounds derive, see the module docstring)
     max_relax: int = 3  # relaxation steps of a level before it is dropped
 
     def __post_init__(self) -> None:
         if not self.tolerance >= 1.0:
             raise MacoError(f"PruneConfig.tolerance must be >= 1, got {self.tolerance}")
-        if not 0.0 <= self.register_fill <= 1.0:
-            raise MacoError(f"PruneConfig.register_fill must be in [0, 1], got {self.register_fill}")
+        if not (isinstance(self.fma_latency, int) and self.fma_latency >= 0):
+            raise MacoError(f"PruneConfig.fma_latency must be an int >= 0 (cycles), got {self.fma_latency!r}")
         lo, hi = self.gpu_accumulators
         if not 1 <= lo <= hi:
             raise MacoError(f"PruneConfig.gpu_accumulators must be 1 <= lo <= hi, got {self.gpu_accumulators}")
@@ -114,57 +134,90 @@ class LevelRule:
     balance: float  # the level's nominal balance (for messages)
     relaxed: int = 0
 
-    def intensity(self, spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any) -> Any:
-        kept = tile_footprint(spec, n, g, k, oh, ow, chunk) <= self.capacity
-        return chunk_intensity(spec, n, g, k, oh, ow, chunk, kept)
+    def intensity(self, spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any,
+                  kh1: Any = None, kw1: Any = None) -> Any:
+        """`chunk` channels by kh1 x kw1 taps per pass (the whole window by default)."""
+        kept = tile_footprint(spec, n, g, k, oh, ow, chunk, kh1, kw1) <= self.capacity
+        return chunk_intensity(spec, n, g, k, oh, ow, chunk, kept, kh1, kw1)
 
     def holds_all(self, spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any) -> Any:
         """The level holds the tile with every channel: the loops around it may reuse its data
         across tiles, which the tile alone does not bound, so the level is not judged."""
         return tile_footprint(spec, n, g, k, oh, ow, spec.c_per_group) <= self.capacity
 
-    def ok(self, spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any) -> Any:
+    def ok(self, spec: ConvSpec, n: Any, g: Any, k: Any, oh: Any, ow: Any, chunk: Any,
+           kh1: Any = None, kw1: Any = None) -> Any:
         return (self.holds_all(spec, n, g, k, oh, ow)
-                | (self.intensity(spec, n, g, k, oh, ow, chunk) >= self.need * (1 - 1e-9)))
+                | (self.intensity(spec, n, g, k, oh, ow, chunk, kh1, kw1) >= self.need * (1 - 1e-9)))
 
-    def why(self, spec: ConvSpec, t: dict[str, int], chunk: int) -> list[str]:
-        if self.ok(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], chunk):
+    def why(self, spec: ConvSpec, t: dict[str, int], chunk: int, kh1: int | None = None,
+            kw1: int | None = None) -> list[str]:
+        if self.ok(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], chunk, kh1, kw1):
             return []
-        have = float(self.intensity(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], chunk))
+        have = float(self.intensity(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], chunk, kh1, kw1))
         shape = "x".join(str(t[a]) for a in SPATIAL_AXES)
-        return [f"{self.level}: {self.tile} tile {shape} (n g k oh ow) in chunks of {chunk} channels moves "
+        taps = "" if (kh1 in (None, spec.kh) and kw1 in (None, spec.kw)) else f" by {kh1}x{kw1} taps"
+        return [f"{self.level}: {self.tile} tile {shape} (n g k oh ow) in chunks of {chunk} channels{taps} moves "
                 f"{have:.3g} MACs per element across it, below the {self.need:.3g} needed "
                 f"(balance {self.balance:.3g})"]
 
 
 @dataclass(frozen=True)
 class RegisterRule:
-    """Accumulators of the register (CPU) or thread (GPU) tile; optionally whole warps."""
+    """Accumulators of the register (CPU) or thread (GPU) tile; optionally whole warps; on the CPU
+    where the layer has whole vectors of filters, the share of the FMA peak the tile can issue
+    (maco.bounds.hierarchy.register_share) instead of an accumulator floor."""
 
     acc_min: int
     acc_max: int
     warp: int = 0  # threads per block must be a multiple of this (0: no rule)
     relaxed: int = 0
+    share_min: float = 0.0  # CPU: register_share >= this (0: not asked)
+    latency: int = FMA_LATENCY  # CPU: the FMA latency register_share assumes
 
-    def ok(self, acc: Any, threads: Any = None, filled: Any = None) -> Any:
-        """`filled`: how many registers the tile fills (CPU, register_filled; default `acc`)."""
-        good = ((acc if filled is None else filled) >= self.acc_min) & (acc <= self.acc_max)
+    def ok(self, acc: Any, threads: Any = None, share: Any = None) -> Any:
+        good = (acc >= self.acc_min) & (acc <= self.acc_max)
+        if self.share_min and share is not None:
+            good = good & (share >= self.share_min * (1 - 1e-9))
         if self.warp and threads is not None:
             good = good & (threads % self.warp == 0)
         return good
 
 
-def register_filled(spec: ConvSpec, target: Target, outputs: Any, acc: Any) -> Any:
-    """Registers' worth a CPU register tile fills: its outputs over the lanes where the layer has
-    whole vectors of filters per group, else its accumulators (module docstring)."""
-    return outputs / target.simd_width if spec.k_per_group % target.simd_width == 0 else acc
+def contiguous(spec: ConvSpec, vector_axis: str, layout: str) -> bool:
+    """Whether a CPU register tile's vector operand is adjacent in memory (what the kernels load
+    with one vector load): filters (vector axis k: the weights can be packed so, and the weight
+    packing is left to the search, not judged here), a row of an NCHW input read at stride 1 (ow);
+    else (an NHWC or strided row) each lane is a load of its own."""
+    return vector_axis == "k" or (layout == "NCHW" and spec.stride[1] == 1)
 
 
-def _one_group_accumulators(spec: ConvSpec, free: int) -> int:
-    """The most scalar accumulators (<= free) a register tile of one image and group can have."""
-    tiles = np.multiply.outer(np.multiply.outer(divisors(spec.k_per_group), divisors(spec.out_h)),
-                              divisors(spec.out_w))
-    return int(tiles[tiles <= free].max())
+def cpu_share(spec: ConvSpec, target: Target, n: Any, g: Any, k: Any, oh: Any, ow: Any, vector_axis: str,
+              layout: str, latency: int = FMA_LATENCY) -> Any:
+    """maco.bounds.hierarchy.register_share of a CPU register tile with these annotations."""
+    return register_share(target.simd_width, target.fma_units, n, g, k, oh, ow, vector_axis,
+                          contiguous(spec, vector_axis, layout), latency)
+
+
+def _best_share(spec: ConvSpec, target: Target, free: int, latency: int) -> float:
+    """The most register_share a register tile of one image and group within `free` accumulators
+    reaches (the best vector axis and annotations): what the layer allows the register level."""
+    W, best = target.simd_width, 0.0
+    for k in divisors(spec.k_per_group):
+        for oh in divisors(spec.out_h):
+            for ow in divisors(spec.out_w):
+                for axis, lanes in (("k", k), ("ow", ow)):
+                    if -(-k * oh * ow // (W if lanes % W == 0 else 1)) <= free:
+                        best = max(best, float(cpu_share(spec, target, 1, 1, k, oh, ow, axis, "NCHW", latency)))
+    return best
+
+
+def _one_group_accumulators(spec: ConvSpec, free: int, lanes: int = 1) -> int:
+    """The most accumulators (<= free) a register tile of one image and group can have, of `lanes`
+    lanes each (its filters a multiple of them)."""
+    tiles = [k // lanes * oh * ow for k in divisors(spec.k_per_group) if k % lanes == 0
+             for oh in divisors(spec.out_h) for ow in divisors(spec.out_w)]
+    return max([t for t in tiles if t <= free], default=1)
 
 
 @dataclass(frozen=True)
@@ -184,6 +237,8 @@ class PrunePlan:
         parts = []
         if self.registers:
             parts.append(f"registers: {self.registers.acc_min}..{self.registers.acc_max} accumulators"
+                         + (f" issuing >= {self.registers.share_min:.2f} of the FMA peak (latency "
+                            f"{self.registers.latency})" if self.registers.share_min else "")
                          + (f", threads % {self.registers.warp}" if self.registers.warp else ""))
         for r in self.levels:
             parts.append(f"{r.level}: {r.tile} tile moves >= {r.need:.3g} MACs per element "
@@ -226,10 +281,15 @@ def rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, 
         if name == "registers":
             if target.kind == "cpu":
                 free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
-                floor = config.register_fill * free
-                if spec.k_per_group % target.simd_width:  # no more than one image and group allow
-                    floor = min(floor, _one_group_accumulators(spec, free))
-                registers = RegisterRule(max(1, ceil(floor / 2 ** s)), free, 0, s)
+                if not config.fma_latency:
+                    registers = RegisterRule(1, free, 0, s)
+                elif spec.k_per_group % target.simd_width == 0:  # the tile's issue share
+                    share = min(1.0, _best_share(spec, target, free, config.fma_latency))
+                    registers = RegisterRule(1, free, 0, s, share / config.tolerance / 2 ** s, config.fma_latency)
+                else:  # registers counted as accumulators, no more than one image and group allow
+                    floor = accumulators_needed(target.fma_units, config.tolerance,
+                                                _one_group_accumulators(spec, free), config.fma_latency)
+                    registers = RegisterRule(max(1, ceil(floor / 2 ** s)), free, 0, s)
             else:
                 lo, hi = config.gpu_accumulators
                 registers = RegisterRule(max(1, lo >> s), min(gpu_max_accumulators(target), hi << s),
@@ -241,7 +301,8 @@ def rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, 
         need = min(balance[name], allows) / config.tolerance / 2.0 ** s
         capacity = 0 if name == "registers" or target.kind != "cpu" else target.level(name).elements_per_processor
         found.append(LevelRule(name, tile, need, capacity, balance[name], s))
-    return PrunePlan(registers, tuple(found), config.alpha_one, tuple(notes))
+    alpha = config.alpha_cpu if target.kind == "cpu" else config.alpha_one
+    return PrunePlan(registers, tuple(found), alpha, tuple(notes))
 
 
 # -- membership of one schedule --------------------------------------------------------------
@@ -273,20 +334,26 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
     if schedule.kind == "cpu":
         tiles = {f"S{lvl}": {a: schedule.tile(a, lvl) for a in SPATIAL_AXES} for lvl in (1, 2, 3)}
         chunk, acc, threads = schedule.factors("c")[1], schedule.accumulators, None
-        filled = register_filled(spec, target, int(np.prod(list(tiles["S3"].values()))), acc)
+        window = (schedule.factors("kh")[1], schedule.factors("kw")[1])
+        share = float(cpu_share(spec, target, *(tiles["S3"][a] for a in SPATIAL_AXES), schedule.vector_axis,
+                                schedule.layout, FMA_LATENCY if p.registers is None else p.registers.latency))
     else:
         tiles = {"thread": schedule.gpu_thread_tile(), "block": schedule.gpu_block_tile()}
         chunk = spec.c_per_group  # the outputs stay in registers for the whole reduction
+        window = (None, None)
         acc = int(np.prod(list(tiles["thread"].values())))
-        threads, filled = schedule.gpu_threads, None
+        threads, share = schedule.gpu_threads, None
     if p.registers is not None:
-        if not p.registers.ok(acc, filled=filled):
-            fill = "" if filled is None or filled == acc else f" filling {filled:g} registers' lanes"
-            out.append(f"registers: {acc} accumulators{fill}, outside {p.registers.acc_min}..{p.registers.acc_max}")
+        if not p.registers.ok(acc, threads, share):
+            if p.registers.share_min and share is not None and share < p.registers.share_min * (1 - 1e-9):
+                out.append(f"registers: {acc} accumulators ({schedule.vector_axis} vectors, {schedule.layout}) "
+                           f"issue at most {share:.2f} of the FMA peak, below the {p.registers.share_min:.2f} asked")
+            if not p.registers.acc_min <= acc <= p.registers.acc_max:
+                out.append(f"registers: {acc} accumulators, outside {p.registers.acc_min}..{p.registers.acc_max}")
         if p.registers.warp and threads % p.registers.warp:
             out.append(f"registers: {threads} threads per block are not whole warps of {p.registers.warp}")
     for rule in p.levels:
-        out += rule.why(spec, tiles[rule.tile], chunk)
+        out += rule.why(spec, tiles[rule.tile], chunk, *window)
     return out
 
 

@@ -20,8 +20,8 @@ by maco.space_cim; its pruning is maco.prune_cim.
 
 Counting is exact and never enumerates schedules. A CPU tiling of an axis is a chain of
 divisors t3 | t2 | t1 | extent (t_l = product of the factors from level l inwards); the
-conditions only look at one level of all axes at a time and at the channel chunk c1, so for each
-chunk the count is a sum over the joint divisor grids of the three levels, taken level by level
+conditions only look at one level of all axes at a time and at the pass (chunk c1, taps kh1 x kw1), so for each
+pass the count is a sum over the joint divisor grids of the three levels, taken level by level
 with divisibility matrices (a zeta transform over the product of divisor lattices). On GPU a spatial axis reduces to
 (threads t, thread tile r) with multiplicity tau3(r) (the ordered (f1, f3, f4)); the joint grid
 of these pairs is bucketed by block tile (t*r per axis) and shared memory is checked per block
@@ -98,14 +98,16 @@ def _grid(values: Sequence[np.ndarray]) -> list[np.ndarray]:
     return [v.reshape([-1 if i == j else 1 for j in range(len(values))]) for i, v in enumerate(values)]
 
 
-def _level_mask(rules, tile: str, spec: ConvSpec, axes: list[np.ndarray], chunk: int) -> np.ndarray | bool:
-    """Where the level rules on this tile level hold (maco.prune.LevelRule), for one chunk."""
+def _level_mask(rules, tile: str, spec: ConvSpec, axes: list[np.ndarray], chunk: int,
+                window: tuple = (None, None)) -> np.ndarray | bool:
+    """Where the level rules on this tile level hold (maco.prune.LevelRule), for one pass: `chunk`
+    channels by `window` (kh1, kw1) taps (None: the whole window)."""
     if rules is None:
         return True
     mask = True
     for rule in rules.levels:
         if rule.tile == tile:
-            mask = mask & rule.ok(spec, *axes, chunk)
+            mask = mask & rule.ok(spec, *axes, chunk, *window)
     return mask
 
 
@@ -114,9 +116,10 @@ def _level_mask(rules, tile: str, spec: ConvSpec, axes: list[np.ndarray], chunk:
 class _Cpu:
     divs: list[np.ndarray]
     div_of: list[np.ndarray]  # div_of[a][i, j]: divs[a][i] divides divs[a][j]
-    vec: np.ndarray  # (2, grid): register tile + vector axis choice valid
-    c1: tuple[int, ...]  # the chunks (R1 factor of c); the tables below are per chunk, or one
-    #                      table for every chunk where no rule looks at the chunk
+    vec: np.ndarray  # (2 or 4, grid): register tile + vector axis (and layout: combos) choice valid
+    c1: tuple[int, ...]  # the chunks (R1 factor of c)
+    passes: tuple[tuple[int, int, int], ...]  # (c1, kh1, kw1) of each table below; the tables
+    #                      are per pass, or one table for every pass where no rule looks at it
     n3: list[np.ndarray]
     n2: list[np.ndarray]
     n1: list[np.ndarray]
@@ -124,6 +127,9 @@ class _Cpu:
     kw1: tuple[int, ...]
     layout_orders: tuple[tuple[str, tuple[str, ...]], ...]  # (layout, inner order) pairs
     size: int
+    combos: tuple[tuple[str, str], ...] = ()  # (vector axis, layout) rows of vec, if any
+    combo_w: np.ndarray | None = None  # inner orders per combo (its layout's)
+    rules: object = None
 
 
 def _up(x: np.ndarray, div_of: list[np.ndarray]) -> np.ndarray:
@@ -145,33 +151,44 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
     g = _grid(divs)
     outputs = g[0] * g[1] * g[2] * g[3] * g[4]
     free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
+    # with a register share rule the vector axis and the layout decide the loads of a step
+    # (maco.prune.cpu_share): the tables then run over those pairs, weighted by the inner orders
+    # each layout allows; else over the vector axis alone
+    shares = rules is not None and rules.registers is not None and bool(rules.registers.share_min)
+    combos = tuple((a, lay) for a in CPU_VECTOR_AXES for lay in LAYOUTS) if shares else ()
     vec = []
-    for axis in CPU_VECTOR_AXES:
+    for axis, lay in combos or [(a, None) for a in CPU_VECTOR_AXES]:
         acc = -(-outputs // _vector_width(target, g[SPATIAL_AXES.index(axis)]))
         ok = acc <= free
         if rules is not None and rules.registers is not None:
-            ok = ok & rules.registers.ok(acc, filled=prune.register_filled(spec, target, outputs, acc))
+            share = prune.cpu_share(spec, target, *g, axis, lay, rules.registers.latency) if shares else None
+            ok = ok & rules.registers.ok(acc, share=share)
         vec.append(ok)
     vec = np.stack(vec).astype(np.int64)
+    combo_w = np.array([len(_orders(rules, "cpu", lay)) for _, lay in combos], dtype=np.int64)
     c1 = tuple(divisors(ext["c"]))
-    n3, n2, n1 = [], [], []
-    # the level rules see the chunk, so each chunk has its own tables (one for all without them)
-    for chunk in c1 if rules is not None and rules.levels else (None,):
-        n3.append(vec.sum(axis=0) * _level_mask(rules, "S3", spec, g, chunk))
-        n2.append(_up(n3[-1], div_of) * _level_mask(rules, "S2", spec, g, chunk))
-        n1.append(_up(n2[-1], div_of) * _level_mask(rules, "S1", spec, g, chunk))
     kh1, kw1 = _window(spec.kh, rules), _window(spec.kw, rules)
+    n3, n2, n1 = [], [], []
+    # the level rules see the pass (chunk and taps), so each pass has its own tables (one for all
+    # without them)
+    passes = tuple((c, h, w) for c in c1 for h in kh1 for w in kw1) if rules is not None and rules.levels else ()
+    for c, h, w in passes or ((None, None, None),):
+        window = (h, w) if c is not None else (None, None)
+        base = np.tensordot(combo_w, vec, axes=1) if combos else vec.sum(axis=0)
+        n3.append(base * _level_mask(rules, "S3", spec, g, c, window))
+        n2.append(_up(n3[-1], div_of) * _level_mask(rules, "S2", spec, g, c, window))
+        n1.append(_up(n2[-1], div_of) * _level_mask(rules, "S1", spec, g, c, window))
     layout_orders = tuple((lay, o) for lay in LAYOUTS for o in _orders(rules, "cpu", lay))
-    annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * len(layout_orders) * len(WEIGHT_PACKINGS)
-    tilings = sum(int(n.sum()) for n in n1) * (len(c1) if len(n1) == 1 else 1)
-    size = tilings * len(kh1) * len(kw1) * annotations
-    return _Cpu(divs, div_of, vec, c1, n3, n2, n1, kh1, kw1, layout_orders, size)
+    annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * len(WEIGHT_PACKINGS) * (1 if combos else len(layout_orders))
+    tilings = sum(int(n.sum()) for n in n1) * (1 if passes else len(c1) * len(kh1) * len(kw1))
+    size = tilings * annotations
+    return _Cpu(divs, div_of, vec, c1, passes, n3, n2, n1, kh1, kw1, layout_orders, size, combos, combo_w, rules)
 
 
 def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> Schedule:
-    # per chunk tables: the chunk first; one table for all chunks: the chunk after the tiles, as
-    # the space drew before the level rules (seeded draws of the full space stay the same)
-    j = _choice(np.array([int(n.sum()) for n in t.n1], dtype=np.int64), rng) if len(t.n1) > 1 else 0
+    # per pass tables: the pass first; one table for all passes: the chunk and taps after the
+    # tiles, as the space drew before the level rules (seeded draws of the full space stay the same)
+    j = _choice(np.array([int(n.sum()) for n in t.n1], dtype=np.int64), rng) if t.passes else 0
     n1, n2, n3 = t.n1[j], t.n2[j], t.n3[j]
     shape = n1.shape
     i1 = np.unravel_index(_choice(n1, rng), shape)
@@ -184,23 +201,33 @@ def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> 
 
     i2 = below(n2, i1)
     i3 = below(n3, i2)
-    axes = [a for a, ok in zip(CPU_VECTOR_AXES, t.vec[(slice(None),) + i3]) if ok]
-    vaxis = axes[rng.randrange(len(axes))]
+    if t.combos:  # vector axis and layout together, weighted by the layout's orders
+        vaxis, layout = t.combos[_choice(t.combo_w * t.vec[(slice(None),) + i3], rng)]
+    else:
+        axes = [a for a, ok in zip(CPU_VECTOR_AXES, t.vec[(slice(None),) + i3]) if ok]
+        vaxis = axes[rng.randrange(len(axes))]
     ext = axis_extents(spec)
     spatial = []
     for ax, a in enumerate(SPATIAL_AXES):
         t1, t2, t3 = (int(t.divs[ax][i[ax]]) for i in (i1, i2, i3))
         spatial.append((ext[a] // t1, t1 // t2, t2 // t3, t3))
-    c1 = t.c1[j] if len(t.n1) > 1 else rng.choice(t.c1)
-    kh1, kw1 = (rng.choice(x) for x in (t.kh1, t.kw1))
+    if t.passes:
+        c1, kh1, kw1 = t.passes[j]
+    else:
+        c1 = rng.choice(t.c1)
+        kh1, kw1 = (rng.choice(x) for x in (t.kh1, t.kw1))
     reduction = ((ext["c"] // c1, c1), (spec.kh // kh1, kh1), (spec.kw // kw1, kw1))
     width = target.simd_width if spatial[SPATIAL_AXES.index(vaxis)][3] % target.simd_width == 0 else 1
     parallel, unroll = rng.choice(CPU_PARALLEL), rng.choice(UNROLL_STEPS)
-    layout, order = rng.choice(t.layout_orders)
+    if t.combos:
+        order = rng.choice(_orders(t.rules, "cpu", layout))
+    else:
+        layout, order = rng.choice(t.layout_orders)
+    packing = rng.choice(WEIGHT_PACKINGS)
     return Schedule(kind="cpu", spatial=tuple(spatial), reduction=reduction,
                     parallel=parallel, vector_axis=vaxis, vector_width=width,
                     unroll=unroll, inner_order=order,
-                    layout=layout, weight_packing=rng.choice(WEIGHT_PACKINGS))
+                    layout=layout, weight_packing=packing)
 
 
 # -- GPU ---------------------------------------------------------------------------------------

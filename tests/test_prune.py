@@ -123,6 +123,16 @@ def _levels_hold(s: Schedule, spec: ConvSpec, target: Target, plan) -> None:
         if plan.registers.warp:
             assert s.gpu_threads % 32 == 0
     assert plan.registers.acc_min <= acc <= plan.registers.acc_max
+    if s.kind == "cpu" and plan.registers.share_min:  # the issue share, by hand: cycles per step
+        t, W = tiles["S3"], target.simd_width
+        outputs = prod(t.values())
+        if s.vector_axis == "k":
+            loads = t["g"] * t["k"] // W + t["n"] * t["g"] * t["oh"] * t["ow"]
+        else:
+            per_vector = 1 if (s.layout == "NCHW" and spec.stride[1] == 1) else W
+            loads = t["g"] * t["k"] + t["n"] * t["g"] * t["oh"] * t["ow"] // W * per_vector
+        cycles = max(outputs / W / target.fma_units, loads / 2, 4)
+        assert s.vector_width == W and outputs / (target.fma_units * W * cycles) >= plan.registers.share_min * (1 - 1e-9)
     for rule in plan.levels:
         assert _intensity(spec, tiles[rule.tile], chunk, rule.capacity) >= rule.need * (1 - 1e-9)
     assert s.factors("kh")[0] == 1 and s.factors("kw")[0] == 1
@@ -153,17 +163,18 @@ def test_unpruned_samples_mostly_fail_and_reasons_agree_with_keeps():
 
 
 def test_scalar_register_tiles_do_not_fill_the_register_level():
-    """The register level holds free registers x lanes elements: a tile of scalar accumulators
-    fits the register count yet fills one lane in each, so pruning drops it where vector
-    tiles exist (they ran 10-40x faster)."""
+    """A tile of scalar accumulators fits the register count yet issues one lane per FMA (1/8 of
+    the peak on 8 lanes at best), so pruning drops it where vector tiles exist (they ran 10-40x
+    faster); with fma_latency 0 the register tile is not judged."""
     s = space.sample(RESNET_3X3, HOST, 4, pruned=True)
     tile = {"n": 1, "g": 1, "k": 2, "oh": 1, "ow": 4}  # 8 outputs: 8 scalar accumulators
     spatial = tuple((prod(f) // tile[a], 1, 1, tile[a]) for a, f in zip(SPATIAL_AXES, s.spatial))
     scalar = Schedule(**{**s.__dict__, "spatial": spatial, "vector_axis": "k", "vector_width": 1})
     assert scalar.problems(RESNET_3X3, HOST) == [] and scalar.accumulators == 8
-    assert any(w.startswith("registers") and "lanes" in w for w in prune.reasons(scalar, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST)))
+    assert any(w.startswith("registers") and "of the FMA peak" in w
+               for w in prune.reasons(scalar, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST)))
     assert not any(w.startswith("registers")
-                   for w in prune.reasons(scalar, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST, PruneConfig(register_fill=0.0))))
+                   for w in prune.reasons(scalar, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST, PruneConfig(fma_latency=0))))
     assert all(x.vector_width == HOST.simd_width
                for x in space.sample_many(RESNET_3X3, HOST, 100, random.Random(3), pruned=True))
 
@@ -173,12 +184,12 @@ def test_tolerance_is_a_parameter_and_monotone():
     sizes = [space.space_size(spec, HOST, pruned=True, config=PruneConfig(tolerance=t))
              for t in (1.0, 2.0, 4.0, 16.0)]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
-    loose = space.prune_plan(spec, HOST, PruneConfig(register_fill=0.0, tolerance=1e9, alpha_one=False))
+    loose = space.prune_plan(spec, HOST, PruneConfig(fma_latency=0, tolerance=1e9, alpha_cpu=False))
     # with the levels' needs wide open, they drop nothing
     assert space.count_with(spec, HOST, loose) == space.count_with(spec, HOST, replace(loose, levels=()))
-    fills = [space.space_size(spec, HOST, pruned=True, config=PruneConfig(register_fill=f))
-             for f in (0.5, 0.25, 0.0)]  # (0.75 asks for 9 registers, which no tile fills: relaxed)
-    assert fills == sorted(fills)
+    # a longer FMA latency asks for more accumulators (fewer tiles), none asks for none
+    fills = [space.space_size(spec, HOST, pruned=True, config=PruneConfig(fma_latency=f)) for f in (16, 8, 4, 0)]
+    assert fills == sorted(fills) and fills[0] < fills[-1]
 
 
 def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
@@ -187,9 +198,26 @@ def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
     assert any("kernel window" in w for w in prune.reasons(split, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST)))
     order = Schedule(**{**s.__dict__, "inner_order": ("kh", "c", "kw")})
     assert any("inner_order" in w for w in prune.reasons(order, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST)))
-    no_alpha = PruneConfig(alpha_one=False)
-    assert not prune.reasons(order, RESNET_3X3, HOST, space.prune_plan(RESNET_3X3, HOST, no_alpha))
+    no_alpha = PruneConfig(alpha_cpu=False)  # the CPU's switch; alpha_one is the GPU's
+    plan = space.prune_plan(RESNET_3X3, HOST, no_alpha)
+    assert not plan.alpha_one and space.prune_plan(RESNET_3X3, H100, no_alpha).alpha_one
+    assert not prune.reasons(order, RESNET_3X3, HOST, plan)
     assert space.space_size(RESNET_3X3, HOST, True, no_alpha) > space.space_size(RESNET_3X3, HOST, True)
+
+
+def test_without_alpha_the_levels_judge_a_window_split():
+    """With alpha = 1 off, a split window is a pass of fewer taps: kept where the levels' balance
+    holds with it, and dropped by a level (not by alpha) where the pass is too shallow."""
+    no_alpha = PruneConfig(alpha_cpu=False)
+    plan = space.prune_plan(RESNET_3X3, HOST, no_alpha)
+    draws = space.sample_many(RESNET_3X3, HOST, 300, random.Random(4), pruned=True, config=no_alpha)
+    splits = [s for s in draws if s.factors("kh")[0] > 1 or s.factors("kw")[0] > 1]
+    assert splits and all(not prune.reasons(s, RESNET_3X3, HOST, plan) for s in splits)
+    # a 1x1-tap pass of one channel: 9 output passes per channel, the register level starves
+    s = draws[0]
+    shallow = Schedule(**{**s.__dict__, "reduction": ((64, 1), (3, 1), (3, 1))})
+    why = prune.reasons(shallow, RESNET_3X3, HOST, plan)
+    assert why and all("kernel window" not in w for w in why) and any("1x1 taps" in w for w in why)
 
 
 @pytest.mark.parametrize("text", ["n1_c512_h7_w7_k512_r3_p1", "n1_c3_h7_w5_k1_r7x5", "n1_c1_h1_w1_k1_r1",
@@ -197,7 +225,7 @@ def test_alpha_one_prunes_window_splits_and_channel_inner_orders():
 @pytest.mark.parametrize("target", [HOST, H100])
 def test_even_extreme_tolerances_leave_a_non_empty_pruned_space(text, target):
     spec = ConvSpec.parse(text)
-    strict = PruneConfig(tolerance=1.0, register_fill=1.0, gpu_accumulators=(64, 64), warp=True,
+    strict = PruneConfig(tolerance=1.0, fma_latency=16, gpu_accumulators=(64, 64), warp=True,
                          max_relax=2)
     assert space.space_size(spec, target, pruned=True, config=strict) > 0
     s = space.sample(spec, target, 0, pruned=True, config=strict)
@@ -205,29 +233,35 @@ def test_even_extreme_tolerances_leave_a_non_empty_pruned_space(text, target):
 
 
 def test_relaxation_widens_by_documented_steps():
-    # 12 accumulators exactly is impossible on 7x7x512 (no factor 3): the register floor halves
+    # the register rule asks for what the layer allows, so it is met without relaxing; a relaxed
+    # step (as prune_plan takes where levels together leave nothing) halves its share and the
+    # register level's need
     spec = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")
-    plan = space.prune_plan(spec, HOST, PruneConfig(register_fill=1.0))
-    assert plan.registers.relaxed == 1 and plan.registers.acc_min == 6
-    assert "registers conditions relaxed 1 step(s)" in plan.notes
-    regs = next(r for r in plan.levels if r.level == "registers")
-    assert regs.relaxed == 1  # the register level's balance relaxes with it (its need halves)
-    strict = next(r for r in space.prune_plan(spec, HOST, PruneConfig(tolerance=1.0)).levels
-                  if r.level == "registers")
-    assert regs.need == pytest.approx(strict.need / 2 / 2)  # tolerance 2, one step
-    # and with the default tolerances these layers need no relaxation at all
+    config = PruneConfig()
     assert not space.prune_plan(spec, HOST).relaxed and not space.prune_plan(RESNET_3X3, HOST).relaxed
+    plain = prune.rules(spec, HOST, config, {})
+    step = prune.rules(spec, HOST, config, {"registers": 1})
+    assert step.registers.relaxed == 1 and step.registers.share_min == pytest.approx(plain.registers.share_min / 2)
+    assert "registers conditions relaxed 1 step(s)" in step.notes
+    regs = [next(r for r in p.levels if r.level == "registers") for p in (plain, step)]
+    assert regs[1].relaxed == 1 and regs[1].need == pytest.approx(regs[0].need / 2)
+    # where the layer has no whole vectors of filters, the accumulators count and halve
+    odd = ConvSpec.parse("n1_c24_h14_w14_k20_r3_p1")  # 20 filters on 8 lanes
+    plain, step = (prune.rules(odd, HOST, config, {"registers": s}) for s in (0, 1))
+    assert plain.registers.share_min == 0 and plain.registers.acc_min == 4  # L*P / tolerance
+    assert step.registers.acc_min == 2
 
 
 def test_a_level_that_can_never_hold_is_dropped():
     spec = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")
-    plan = space.prune_plan(spec, HOST, PruneConfig(register_fill=1.0, max_relax=0))
+    config = PruneConfig(max_relax=0)
+    plan = prune.rules(spec, HOST, config, {"registers": 1})  # past max_relax: dropped
     assert plan.registers is None and "registers conditions dropped" in plan.describe()
     assert [r.level for r in plan.levels] == ["L1", "L2"]
-    assert space.space_size(spec, HOST, pruned=True, config=PruneConfig(register_fill=1.0, max_relax=0)) > 0
+    assert space.count_with(spec, HOST, plan) > 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(tolerance=0.5), dict(register_fill=-1),
+@pytest.mark.parametrize("kwargs", [dict(tolerance=0.5), dict(fma_latency=-1),
                                     dict(gpu_accumulators=(9, 4)), dict(max_relax=-1)])
 def test_bad_config_names_the_value(kwargs):
     name, value = next(iter(kwargs.items()))
