@@ -65,6 +65,7 @@ def maco_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
 
     def run(*args: Any) -> Any:
         return model(*[args[i] for i in keep])
+    run.model = model  # the optimized graph itself, to inspect or time without dynamo's call around it
     return run
 
 

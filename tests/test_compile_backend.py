@@ -64,6 +64,27 @@ def test_outputs_equal_eager_with_the_defaults(name, caplog):
         assert _rel(model(x2), fast(x2)) < 1e-4
 
 
+def test_the_returned_callable_exposes_its_graph():
+    """run.model is the optimized graph dynamo calls (the deployment experiment times it alone)."""
+    from maco.compile_backend import maco_backend
+
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    kept = []
+
+    def keeping(gm, inputs):
+        kept.append(maco_backend(gm, inputs, options={"tune": "none"}))
+        return kept[-1]
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend=keeping)
+    with torch.inference_mode():
+        got = fast(x)
+        direct = kept[0].model(x)
+    assert len(kept) == 1 and isinstance(kept[0].model, torch.fx.GraphModule)
+    direct = direct[0] if isinstance(direct, tuple) else direct
+    assert torch.equal(got, direct) and _rel(model(x), direct) < 1e-4
+
+
 def test_records_are_used(tmp_path, caplog):
     model = _randomize_bn(SmallNet())
     x = torch.randn(1, 3, 32, 32)
