@@ -48,6 +48,27 @@ def test_row_round_trip_and_best_rows():
     assert best_rows([noisy, quiet]) == [quiet]
     loaded = Row(spec, "NHWC", "cpu", "t", quiet.timing, "e", 2.0, load=3.0)
     assert best_rows([loaded, noisy]) == [noisy]  # a steady timing under load is no good
+    spell = Row(spec, "NHWC", "cpu", "t", quiet.timing, "e", 2.0, load=1.4)  # quiet, but in a spell
+    settled = Row(spec, "NHWC", "cpu", "t", noisy.timing, "e", 3.0, load=1.02)
+    assert best_rows([spell, settled]) == [settled]
+
+
+def test_a_spec_timed_in_a_spell_is_timed_again_at_the_end(tmp_path, monkeypatch):
+    from maco.layouts import dataset
+
+    real, calls = dataset._time_spec, []
+
+    def spell_on_first(canary, spec, lays, dev, **kw):  # the first spec's first timing reads a spell
+        timings, _ = real(canary, spec, lays, dev, **kw)
+        calls.append(spec)
+        return timings, 1.4 if calls == [TINY[0][1]] else 1.0
+    monkeypatch.setattr(dataset, "_time_spec", spell_on_first)
+    summary = collect(tmp_path / "d.csv", TINY, rounds=1, repeats=2, min_run_time=1e-4, patience=0,
+                      attempts=1, progress=False)
+    assert summary.deferred == 1 and calls == [s for _, s in TINY] + [TINY[0][1]]  # last, after the rest
+    rows = Dataset(tmp_path / "d.csv").load()
+    assert sorted(r.load for r in rows if r.spec == TINY[0][1]) == [1.0, 1.0, 1.4, 1.4]  # both kept
+    assert all(r.load == 1.0 for r in load_rows(tmp_path / "d.csv"))  # the settled ones count
 
 
 def test_canary_measures_load_relative_to_its_quietest():
