@@ -13,7 +13,8 @@ For labels, three are compared, each as the second timing "predicted" by the fir
 the ratio to the reference timed in the same rounds (the FMA loop doing the conv's flops,
 maco.timing), which is what a label that repeats across spells should be; and the first ratio
 turned back into seconds with the reference measured in the second run (what a planner that
-predicts ratios would use). Per label: R2 on latency and the share of convs within +-5%. For
+predicts ratios would use). The reference is maco collect's (layouts.dataset.REFERENCE: the FMA
+loop doing the conv's flops, then a copy moving its bytes); both runs must use the same one. Per label: R2 on latency and the share of convs within +-5%. For
 records: the Spearman rank correlation of the two timings, on seconds and on the ratio to the
 reference. Writes <out>/label_repeat_first.csv and _second.csv (data sets), label_repeat.csv (one
 row per conv and layout) and .png, records_repeat.jsonl (the records, with their history) and
@@ -33,7 +34,7 @@ from scipy.stats import spearmanr
 from maco import kernels, space
 from maco.errors import MacoError
 from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv, write_env
-from maco.layouts.dataset import collect, load_rows
+from maco.layouts.dataset import Dataset, collect, load_rows, reference_of
 from maco.layouts.predictor import split_by_spec
 from maco.measure import Measurer
 from maco.records import RecordFile, make_record
@@ -72,6 +73,11 @@ def r2(measured: np.ndarray, predicted: np.ndarray) -> float:
 def compare(first: Path, second: Path) -> list[dict[str, object]]:
     a = {r.key: r for r in load_rows(first)}
     b = {r.key: r for r in load_rows(second)}
+    kinds = {path.name: {reference_of(Dataset(path), r) for r in rows.values()}
+             for path, rows in ((first, a), (second, b))}
+    if len(set().union(*kinds.values())) > 1:
+        raise MacoError(f"the two runs' ratios are to different references ({kinds}): run --phase first again, "
+                        "then second")
     out = []
     for key in sorted(a.keys() & b.keys()):
         ra, rb = a[key], b[key]

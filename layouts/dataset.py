@@ -36,8 +36,12 @@ SPEC_COLUMNS = ["n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pa
                 "dil_h", "dil_w", "groups"]
 UNREFERENCED_COLUMNS = ["spec", "layout", "device", "source", *SPEC_COLUMNS, "seconds", "min", "max",
                         "stdev", "repeats", "number", "gflops", "load", "env_id", "time"]
-# reference: seconds of the FMA loop doing the conv's flops in the same rounds (maco.timing);
-# ratio: median over rounds of seconds / reference, the label that repeats across spells
+# reference: seconds of REFERENCE in the same rounds (maco.timing); ratio: median over rounds of
+# seconds / reference, the label that repeats across spells
+REFERENCE = "fma+copy"  # the FMA loop doing the conv's flops, then a copy moving the conv's bytes:
+# an FMA loop alone reads only registers, and memory-bound convs re-timed 6 h later were 10-40%
+# slower while it was not (issue 20); the copy, the size of the conv's data, sits in the same
+# level of the memory and slows with it. Rows name it in their environment ("fma" before it).
 COLUMNS = UNREFERENCED_COLUMNS + ["reference", "ratio"]
 
 
@@ -223,6 +227,11 @@ def best_rows(rows: Iterable[Row]) -> list[Row]:
         if old is None or rank(row) < rank(old):
             best[row.key] = row
     return list(best.values())
+
+
+def reference_of(ds: "Dataset", row: Row) -> str:
+    """What `row`'s ratio is to: REFERENCE, or "fma" in rows collected before it."""
+    return ds.environments().get(row.env_id, {}).get("reference", "fma")
 
 
 def load_rows(path: str | os.PathLike[str]) -> list[Row]:
@@ -434,7 +443,8 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
 
     with bar:
         if cluster is None:
-            env_id = ds.record_environment({**environment(), "torch_threads": torch.get_num_threads()})
+            env_id = ds.record_environment({**environment(), "torch_threads": torch.get_num_threads(),
+                                            "reference": REFERENCE})
             canary = Canary(dev) if todo else None
             for source, spec, lays in todo:
                 keep(source, spec, lays, *_time_spec(canary, spec, lays, dev, **params), env_id)
@@ -472,11 +482,18 @@ def _time_spec(canary: Canary, spec: ConvSpec, lays: list[str], dev: str, *, rou
 
 
 def _reference(spec: ConvSpec, dev: str) -> Any:
-    """On the CPU, the FMA loop doing the conv's flops (maco.timing: the label that repeats is the
-    ratio to it); on a GPU, none."""
+    """On the CPU, REFERENCE (the label that repeats is the conv's seconds over it, maco.timing);
+    on a GPU, none."""
     if dev.startswith("cuda"):
         return None
-    return fma_reference(spec.flops, Target.host(torch.get_num_threads()))
+    fma = fma_reference(spec.flops, Target.host(torch.get_num_threads()))
+    elems = max(1, (spec.input_bytes + spec.weight_bytes + spec.output_bytes) // 8)
+    src, dst = torch.zeros(elems), torch.zeros(elems)  # together the conv's bytes, read and written
+
+    def run() -> None:
+        fma()
+        dst.copy_(src)
+    return run
 
 
 def _collect_on_cluster(address: str, ds: Dataset, todo: list[tuple[str, ConvSpec, list[str]]], dev: str,
@@ -509,11 +526,11 @@ def _time_on_machine(state: dict[str, Any], threads: int, dev: str, spec: dict[s
     if "canary" not in state:
         from maco.cluster import local_threads
 
-        state["env"] = {**local_threads(threads), "torch_threads": threads}
+        state["env"] = {**local_threads(threads), "torch_threads": threads, "reference": REFERENCE}
         state["canary"] = Canary(dev)
     timings, load = _time_spec(state["canary"], ConvSpec.from_dict(spec), lays, dev, **params)
     return {lay: t.to_dict() for lay, t in timings.items()}, load, state["env"]
 
 
 __all__ = ["COLUMNS", "Row", "Dataset", "load_rows", "best_rows", "random_spec", "random_specs",
-           "network_specs", "collect", "CollectSummary", "Canary", "QUIET_LOAD"]
+           "network_specs", "collect", "CollectSummary", "Canary", "QUIET_LOAD", "REFERENCE", "reference_of"]
