@@ -286,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=150, help="uniform draws per layer and layout (default 150)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per schedule (default 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data", type=Path, default=None, help=f"measurements kept across runs (default {DEFAULT_DATA.name} "
-                    "in --out)")
+    ap.add_argument("--data", type=Path, default=None,
+                    help=f"measurements kept across runs (default {DEFAULT_DATA.name} in --out)")
     ap.add_argument("--records", type=Path, action="append", default=[],
                     help="records of searches: their 3 best per layer and layout are measured too")
     ap.add_argument("--draws", type=int, default=2000,
@@ -339,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(len(v) for c in plan.values() for v in c.values()) * args.rounds
     rows: list[dict] = []
     path = out / "pruning_recall.csv"
-    with (nullcontext() if args.analyse_only else Measurer(target)) as measurer, Progress(TextColumn("[bold]measuring"), BarColumn(), MofNCompleteColumn(),
-                                                TimeElapsedColumn(), TextColumn("{task.description}")) as progress:
+    bar = Progress(TextColumn("[bold]measuring"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.description}"))
+    with (nullcontext() if args.analyse_only else Measurer(target)) as measurer, bar as progress:
         job = progress.add_task("", total=total)
         for (name, spec), per_layout in plan.items():
             draws = space.sample_many(spec, target, 2 * args.draws, rng=random.Random(f"draws:{spec}"))
@@ -366,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"per rule over {len(rows) // max(1, len(summary_by_rule(rows)))} layer-layouts",
                 ["rule", "mean recall of top 5%", "of those within 20% of best", "geomean reduction",
                  "defaults dropped"],
-                [[rule, f"{a:.0%}", f"{d:.0%}", f"{b:.3g}x", str(c)] for rule, (a, b, c, d) in summary_by_rule(rows).items()])
+                [[rule, f"{a:.0%}", f"{d:.0%}", f"{b:.3g}x", str(c)]
+                 for rule, (a, b, c, d) in summary_by_rule(rows).items()])
     print(summarise([{k: str(v) for k, v in r.items()} for r in rows]))
     print(f"wrote {path} and {path.with_suffix('.png').name}; measurements in {data.path}")
     return 0

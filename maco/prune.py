@@ -16,12 +16,13 @@ Which tile sits in which level (CPU nest S0 S1 R0 S2 R1 S3, c1 channels per R0 c
                    4, register_ceiling): a step issues one FMA per accumulator vector on P pipes,
                    each waiting L cycles (`fma_latency`) for its chain's last one, and loads its
                    vector operands and broadcasts on two load ports, a vector whose lanes are not
-                   adjacent in memory (an NHWC or strided input row) one lane at a time. Where the layer has whole vectors of filters per group the tile's share
-                   of the FMA peak (register_share) must reach 1/tolerance of the best share a
-                   tile of one image and group reaches: at least L*P/tolerance = 4 vectors on 2
-                   pipes of latency 4, fewer only in tiles no load limits. (This replaces "half of
-                   the free registers", 14..28 on AVX-512, a floor from no property of the core:
-                   tiles of 4-8 vectors ran within 10-20% of the best measured.) Where the layer
+                   adjacent in memory (an NHWC or strided input row) one lane at a time. Where
+                   the layer has whole vectors of filters per group the tile's share of the FMA
+                   peak (register_share) must reach 1/tolerance of the best share a tile of one
+                   image and group reaches: at least L*P/tolerance = 4 vectors on 2 pipes of
+                   latency 4, fewer only in tiles no load limits. (This replaces "half of the
+                   free registers", 14..28 on AVX-512, a floor from no property of the core.)
+                   Where the layer
                    has no whole vectors of filters (depthwise and 24-filter layers on 16 lanes:
                    the default's tile is scalar there), the accumulators themselves count, at
                    least min(L*P, the most a tile of one image and group can have)/tolerance.

@@ -22,11 +22,12 @@ Counting is exact and never enumerates schedules. A CPU tiling of an axis is a c
 divisors t3 | t2 | t1 | extent (t_l = product of the factors from level l inwards); the
 conditions only look at one level of all axes at a time and at the pass (chunk c1, taps kh1 x kw1), so for each
 pass the count is a sum over the joint divisor grids of the three levels, taken level by level
-with divisibility matrices (a zeta transform over the product of divisor lattices). On GPU a spatial axis reduces to
-(threads t, thread tile r) with multiplicity tau3(r) (the ordered (f1, f3, f4)); the joint grid
-of these pairs is bucketed by block tile (t*r per axis) and shared memory is checked per block
-tile and stage; the thread tile's level rule is a mask on the joint entries. Sampling walks the same tables with exact integer weights, so it is uniform over
-the (pruned) space without rejection.
+with divisibility matrices (a zeta transform over the product of divisor lattices). On GPU a
+spatial axis reduces to (threads t, thread tile r) with multiplicity tau3(r) (the ordered (f1, f3,
+f4)); the joint grid of these pairs is bucketed by block tile (t*r per axis) and shared memory is
+checked per block tile and stage; the thread tile's level rule is a mask on the joint entries.
+Sampling walks the same tables with exact integer weights, so it is uniform over the (pruned)
+space without rejection.
 """
 from __future__ import annotations
 
