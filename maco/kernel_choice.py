@@ -63,7 +63,8 @@ def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratio
     """torch's time over MACO's for each chosen kernel, timed here as the model runs it (output
     allocated per call, heap allocator, torch's conv in the same layout), in interleaved rounds.
     The tuner's worker times kernels on a preallocated output in another process; this is the
-    check that the gain survives where the kernel will actually run."""
+    check that the gain survives where the kernel will actually run. A ratio within CLOSE is timed
+    for twice as many rounds again and judged on all of them."""
     steady_allocator()
     ratios: Ratios = {}
     gen = torch.Generator().manual_seed(0)
@@ -78,11 +79,22 @@ def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratio
             with torch.inference_mode():
                 for fn in runs.values():
                     fn()
-                timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
-            # the fastest repeat of each: the least disturbed by anything else running
-            ratios.setdefault(spec, {})[layout] = statistics.median(
-                t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
+                per_round = _round_ratios(runs, rounds)
+                if CLOSE[0] < statistics.median(per_round) < CLOSE[1]:  # a close call: time it longer
+                    per_round += _round_ratios(runs, 2 * rounds)
+            ratios.setdefault(spec, {})[layout] = statistics.median(per_round)
     return ratios
+
+
+CLOSE = (0.95, 1.1)  # in-process ratios this near MIN_GAIN are timed 3x as long: at 3 rounds a kernel
+# measured 1.10x and 1.03x in two calls a second apart, and 1.01x in optimize (torch kept there)
+
+
+def _round_ratios(runs: dict[str, Callable[[], Any]], rounds: int) -> list[float]:
+    """torch's time over MACO's per interleaved round, each from the fastest repeat of each (the
+    least disturbed by anything else running)."""
+    timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
+    return [t.min / m.min for t, m in zip(timed["torch"], timed["maco"])]
 
 
 def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:

@@ -101,6 +101,24 @@ def test_in_process_check_keeps_fast_kernels_and_flags_slow_ones():
     assert 0 < ratios["NCHW"] < MIN_GAIN and ratios["NHWC"] > ratios["NCHW"]
 
 
+def test_a_close_call_in_process_is_timed_longer(monkeypatch):
+    from maco import ConvSpec, Target, kernels
+    from maco import kernel_choice
+    from maco.timing import Timing
+
+    calls = []
+
+    def fake_rounds(runs, rounds, **kw):  # torch and MACO alike: ratio 1.0, a close call
+        calls.append(rounds)
+        one = Timing(1e-3, 1e-3, 1e-3, 0.0, 3, 1)
+        return {label: [one] * rounds for label in runs}
+    monkeypatch.setattr(kernel_choice, "interleaved_rounds", fake_rounds)
+    spec, target = ConvSpec.parse("n1_c32_h28_w28_k32_r3_p1"), Target.host()
+    ratios = kernel_choice.confirm_in_process({spec: {"NHWC": kernels.default_schedule(spec, target, "NHWC")}},
+                                              target, rounds=3)
+    assert calls == [3, 6] and ratios[spec]["NHWC"] == 1.0
+
+
 def test_a_recorded_gain_that_does_not_hold_in_process_is_not_used():
     from maco import ConvSpec, Schedule, Target
     from maco.kernel_choice import faster_kernels
