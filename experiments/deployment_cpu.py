@@ -33,8 +33,8 @@ concat; PreActNet: BN-ReLU-conv order, dilated and grouped convs, hardswish and 
     python experiments/deployment_cpu.py [--networks resnet18,firenet] [--batch 2] [--records DIR]
     python experiments/deployment_cpu.py --networks resnet18 --start-from results/records_cpu.jsonl
 
-Writes <out>/deployment_cpu.csv (a rerun replaces the rows of its networks at its batch size, keeps the rest), .png
-and .env.json.
+Writes <out>/deployment_cpu.csv (a rerun replaces the rows of its networks at its batch size,
+keeps the rest), .png and .env.json.
 """
 from __future__ import annotations
 

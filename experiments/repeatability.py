@@ -73,8 +73,8 @@ def r2(measured: np.ndarray, predicted: np.ndarray) -> float:
 def compare(first: Path, second: Path) -> list[dict[str, object]]:
     a = {r.key: r for r in load_rows(first)}
     b = {r.key: r for r in load_rows(second)}
-    kinds = {path.name: {reference_of(Dataset(path), r) for r in rows.values()}
-             for path, rows in ((first, a), (second, b))}
+    kinds = {path.name: {reference_of(envs, r) for r in rows.values()}
+             for path, rows in ((first, a), (second, b)) for envs in [Dataset(path).environments()]}
     if len(set().union(*kinds.values())) > 1:
         raise MacoError(f"the two runs' ratios are to different references ({kinds}): run --phase first again, "
                         "then second")

@@ -229,9 +229,10 @@ def best_rows(rows: Iterable[Row]) -> list[Row]:
     return list(best.values())
 
 
-def reference_of(ds: "Dataset", row: Row) -> str:
-    """What `row`'s ratio is to: REFERENCE, or "fma" in rows collected before it."""
-    return ds.environments().get(row.env_id, {}).get("reference", "fma")
+def reference_of(environments: dict[str, dict[str, Any]], row: Row) -> str:
+    """What `row`'s ratio is to: REFERENCE, or "fma" in rows collected before it (`environments`:
+    its data set's, Dataset.environments(), read once by the caller)."""
+    return environments.get(row.env_id, {}).get("reference", "fma")
 
 
 def load_rows(path: str | os.PathLike[str]) -> list[Row]:
@@ -457,8 +458,8 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
             _collect_on_cluster(cluster, ds, todo, dev, params, keep)
     rows = best_rows(ds.load())
     loaded = sum(load > QUIET_LOAD for load in loads.values())
-    return CollectSummary(measured=len(todo), skipped=skipped, retimed=retimed, deferred=len(again), loaded=loaded,
-                          rows=len(rows), bad_lines=len(ds.bad_lines),
+    return CollectSummary(measured=len(todo), skipped=skipped, retimed=retimed, deferred=len(again),
+                          loaded=loaded, rows=len(rows), bad_lines=len(ds.bad_lines),
                           seconds=time.perf_counter() - start)
 
 
