@@ -185,7 +185,8 @@ def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> floa
 
 def read_source(target: Target) -> str:
     """Each thread sums its own buffer of n floats `reps` times with 8 independent vector adds per
-    step (no add latency chain), so the loop runs at the rate the buffer's level delivers loads."""
+    step (no add latency chain), so the loop runs at the rate the buffer's level delivers loads.
+    Each thread times its own loop (seconds[thread]), after its buffer is allocated and touched."""
     if target.isa not in ISA:
         raise MacoError(f"the bandwidth probe needs an ISA with intrinsics ({', '.join(ISA)}), not {target.isa!r}")
     vt, lanes, zero, loadu, _, _, storeu, _, add = ISA[target.isa]
@@ -196,14 +197,17 @@ def read_source(target: Target) -> str:
 #include <stdlib.h>
 #include <omp.h>
 /* n: floats per thread, a multiple of {8 * lanes} */
-void maco_run(long n, long reps, int threads, float *sink) {{
+void maco_run(long n, long reps, int threads, float *sink, double *seconds) {{
   #pragma omp parallel num_threads(threads)
   {{
     float *p = aligned_alloc(64, n * sizeof(float));
     for (long i = 0; i < n; i++) p[i] = 1e-3f * (i % 11);
     {init}
+    #pragma omp barrier
+    double t0 = omp_get_wtime();
     for (long r = 0; r < reps; r++)
       for (long i = 0; i < n; i += {8 * lanes}) {{ {step} }}
+    seconds[omp_get_thread_num()] = omp_get_wtime() - t0;
     {total}
     float t[{lanes}]; {storeu}(t, a0); sink[omp_get_thread_num()] = t[0];
     free(p);
@@ -215,26 +219,26 @@ void maco_run(long n, long reps, int threads, float *sink) {{
 def read_bandwidth(target: Target, bytes_per_core: int, seconds: float = 0.05, repeats: int = 5) -> float:
     """Elements (fp32) per second that all target.cores threads load together from a buffer of
     `bytes_per_core` each (half a level's share: that level's bandwidth), best of `repeats`
-    (a busy machine measures low); each is the difference of a long and a one-pass run, so the
-    buffers' allocation and first touch do not count."""
+    (a busy machine measures low); the loops are timed inside, so the buffers' allocation and first
+    touch do not count (a 2 GB buffer's first touch varies by more than two passes over it)."""
     lanes = ISA[target.isa][1] if target.isa in ISA else target.simd_width
     lib = ctypes.CDLL(str(cpu_build.build(read_source(target), cpu_build.flags_for(target))))
     lib.maco_run.restype = None
-    lib.maco_run.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    lib.maco_run.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     sink = (ctypes.c_float * 256)()
+    elapsed = (ctypes.c_double * 256)()
     n = max(8 * lanes, bytes_per_core // 4 // (8 * lanes) * (8 * lanes))
 
-    def timed(reps: int) -> float:
-        t0 = time.perf_counter()
-        lib.maco_run(n, reps, target.cores, ctypes.addressof(sink))
-        return time.perf_counter() - t0
+    def per_pass(reps: int) -> float:
+        lib.maco_run(n, reps, target.cores, ctypes.addressof(sink), ctypes.addressof(elapsed))
+        return max(elapsed[:target.cores]) / reps  # the slowest thread ends the pass
 
-    reps = max(2, int(seconds / max(timed(1), 1e-7)))
+    reps = max(1, int(seconds / max(per_pass(1), 1e-7)))
     best = 0.0
-    for _ in range(repeats):  # the difference of two runs: allocation and first touch cancel out
-        per_pass = (timed(reps + 1) - timed(1)) / reps
-        if per_pass > 0:
-            best = max(best, n * target.cores / per_pass)
+    for _ in range(repeats):
+        t = per_pass(reps)
+        if t > 0:
+            best = max(best, n * target.cores / t)
     if best <= 0:
         raise MacoError(f"could not time reads of {bytes_per_core} bytes per core: the machine is too busy")
     return best

@@ -16,7 +16,7 @@ Which tile sits in which level (CPU nest S0 S1 R0 S2 R1 S3, c1 channels per R0 c
                    4, register_ceiling): a step issues one FMA per accumulator vector on P pipes,
                    each waiting L cycles (`fma_latency`) for its chain's last one, and loads its
                    vector operands and broadcasts on two load ports, a vector whose lanes are not
-                   adjacent in memory (an NHWC or strided input row) one lane at a time. Where
+                   adjacent in memory (filters not packed in vector blocks, an NHWC or strided input row) one lane at a time. Where
                    the layer has whole vectors of filters per group the tile's share of the FMA
                    peak (register_share) must reach 1/tolerance of the best share a tile of one
                    image and group reaches: at least L*P/tolerance = 4 vectors on 2 pipes of
@@ -185,19 +185,22 @@ class RegisterRule:
         return good
 
 
-def contiguous(spec: ConvSpec, vector_axis: str, layout: str) -> bool:
+def contiguous(spec: ConvSpec, vector_axis: str, layout: str, weight_packing: str) -> bool:
     """Whether a CPU register tile's vector operand is adjacent in memory (what the kernels load
-    with one vector load): filters (vector axis k: the weights can be packed so, and the weight
-    packing is left to the search, not judged here), a row of an NCHW input read at stride 1 (ow);
-    else (an NHWC or strided row) each lane is a load of its own."""
-    return vector_axis == "k" or (layout == "NCHW" and spec.stride[1] == 1)
+    with one vector load): filters packed in blocks of the vector (vector axis k, weights
+    "blocked"; in torch's (K, C, kh, kw) order a filter vector's lanes lie C*kh*kw apart), a row of
+    an NCHW input read at stride 1 (ow); else (unpacked filters, an NHWC or strided row) each lane
+    is a load of its own."""
+    if vector_axis == "k":
+        return weight_packing == "blocked"
+    return layout == "NCHW" and spec.stride[1] == 1
 
 
 def cpu_share(spec: ConvSpec, target: Target, n: Any, g: Any, k: Any, oh: Any, ow: Any, vector_axis: str,
-              layout: str, latency: int = FMA_LATENCY) -> Any:
+              layout: str, weight_packing: str, latency: int = FMA_LATENCY) -> Any:
     """maco.bounds.hierarchy.register_share of a CPU register tile with these annotations."""
     return register_share(target.simd_width, target.fma_units, n, g, k, oh, ow, vector_axis,
-                          contiguous(spec, vector_axis, layout), latency)
+                          contiguous(spec, vector_axis, layout, weight_packing), latency)
 
 
 def _best_share(spec: ConvSpec, target: Target, free: int, latency: int) -> float:
@@ -209,7 +212,7 @@ def _best_share(spec: ConvSpec, target: Target, free: int, latency: int) -> floa
             for ow in divisors(spec.out_w):
                 for axis, lanes in (("k", k), ("ow", ow)):
                     if -(-k * oh * ow // (W if lanes % W == 0 else 1)) <= free:
-                        best = max(best, float(cpu_share(spec, target, 1, 1, k, oh, ow, axis, "NCHW", latency)))
+                        best = max(best, float(cpu_share(spec, target, 1, 1, k, oh, ow, axis, "NCHW", "blocked", latency)))
     return best
 
 
@@ -337,7 +340,7 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
         chunk, acc, threads = schedule.factors("c")[1], schedule.accumulators, None
         window = (schedule.factors("kh")[1], schedule.factors("kw")[1])
         share = float(cpu_share(spec, target, *(tiles["S3"][a] for a in SPATIAL_AXES), schedule.vector_axis,
-                                schedule.layout, FMA_LATENCY if p.registers is None else p.registers.latency))
+                                schedule.layout, schedule.weight_packing, FMA_LATENCY if p.registers is None else p.registers.latency))
     else:
         tiles = {"thread": schedule.gpu_thread_tile(), "block": schedule.gpu_block_tile()}
         chunk = spec.c_per_group  # the outputs stay in registers for the whole reduction
@@ -347,7 +350,8 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
     if p.registers is not None:
         if not p.registers.ok(acc, threads, share):
             if p.registers.share_min and share is not None and share < p.registers.share_min * (1 - 1e-9):
-                out.append(f"registers: {acc} accumulators ({schedule.vector_axis} vectors, {schedule.layout}) "
+                out.append(f"registers: {acc} accumulators ({schedule.vector_axis} vectors, {schedule.layout}, "
+                           f"weights {schedule.weight_packing}) "
                            f"issue at most {share:.2f} of the FMA peak, below the {p.registers.share_min:.2f} asked")
             if not p.registers.acc_min <= acc <= p.registers.acc_max:
                 out.append(f"registers: {acc} accumulators, outside {p.registers.acc_min}..{p.registers.acc_max}")

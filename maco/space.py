@@ -117,7 +117,7 @@ def _level_mask(rules, tile: str, spec: ConvSpec, axes: list[np.ndarray], chunk:
 class _Cpu:
     divs: list[np.ndarray]
     div_of: list[np.ndarray]  # div_of[a][i, j]: divs[a][i] divides divs[a][j]
-    vec: np.ndarray  # (2 or 4, grid): register tile + vector axis (and layout: combos) choice valid
+    vec: np.ndarray  # (2 or 8, grid): register tile + vector axis (and layout, packing: combos) choice valid
     c1: tuple[int, ...]  # the chunks (R1 factor of c)
     passes: tuple[tuple[int, int, int], ...]  # (c1, kh1, kw1) of each table below; the tables
     #                      are per pass, or one table for every pass where no rule looks at it
@@ -128,7 +128,7 @@ class _Cpu:
     kw1: tuple[int, ...]
     layout_orders: tuple[tuple[str, tuple[str, ...]], ...]  # (layout, inner order) pairs
     size: int
-    combos: tuple[tuple[str, str], ...] = ()  # (vector axis, layout) rows of vec, if any
+    combos: tuple[tuple[str, str, str], ...] = ()  # (vector axis, layout, weight packing) rows of vec, if any
     combo_w: np.ndarray | None = None  # inner orders per combo (its layout's)
     rules: object = None
 
@@ -152,21 +152,22 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
     g = _grid(divs)
     outputs = g[0] * g[1] * g[2] * g[3] * g[4]
     free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
-    # with a register share rule the vector axis and the layout decide the loads of a step
-    # (maco.prune.cpu_share): the tables then run over those pairs, weighted by the inner orders
-    # each layout allows; else over the vector axis alone
+    # with a register share rule the vector axis, the layout and the weight packing decide the
+    # loads of a step (maco.prune.cpu_share): the tables then run over those triples, weighted by
+    # the inner orders each layout allows; else over the vector axis alone
     shares = rules is not None and rules.registers is not None and bool(rules.registers.share_min)
-    combos = tuple((a, lay) for a in CPU_VECTOR_AXES for lay in LAYOUTS) if shares else ()
+    combos = tuple((a, lay, pk) for a in CPU_VECTOR_AXES for lay in LAYOUTS for pk in WEIGHT_PACKINGS) if shares else ()
     vec = []
-    for axis, lay in combos or [(a, None) for a in CPU_VECTOR_AXES]:
+    for axis, lay, packing in combos or [(a, None, None) for a in CPU_VECTOR_AXES]:
         acc = -(-outputs // _vector_width(target, g[SPATIAL_AXES.index(axis)]))
         ok = acc <= free
         if rules is not None and rules.registers is not None:
-            share = prune.cpu_share(spec, target, *g, axis, lay, rules.registers.latency) if shares else None
+            share = (prune.cpu_share(spec, target, *g, axis, lay, packing, rules.registers.latency)
+                     if shares else None)
             ok = ok & rules.registers.ok(acc, share=share)
         vec.append(ok)
     vec = np.stack(vec).astype(np.int64)
-    combo_w = np.array([len(_orders(rules, "cpu", lay)) for _, lay in combos], dtype=np.int64)
+    combo_w = np.array([len(_orders(rules, "cpu", lay)) for _, lay, _ in combos], dtype=np.int64)
     c1 = tuple(divisors(ext["c"]))
     kh1, kw1 = _window(spec.kh, rules), _window(spec.kw, rules)
     n3, n2, n1 = [], [], []
@@ -180,7 +181,7 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
         n2.append(_up(n3[-1], div_of) * _level_mask(rules, "S2", spec, g, c, window))
         n1.append(_up(n2[-1], div_of) * _level_mask(rules, "S1", spec, g, c, window))
     layout_orders = tuple((lay, o) for lay in LAYOUTS for o in _orders(rules, "cpu", lay))
-    annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * len(WEIGHT_PACKINGS) * (1 if combos else len(layout_orders))
+    annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * (1 if combos else len(WEIGHT_PACKINGS) * len(layout_orders))
     tilings = sum(int(n.sum()) for n in n1) * (1 if passes else len(c1) * len(kh1) * len(kw1))
     size = tilings * annotations
     return _Cpu(divs, div_of, vec, c1, passes, n3, n2, n1, kh1, kw1, layout_orders, size, combos, combo_w, rules)
@@ -202,8 +203,8 @@ def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> 
 
     i2 = below(n2, i1)
     i3 = below(n3, i2)
-    if t.combos:  # vector axis and layout together, weighted by the layout's orders
-        vaxis, layout = t.combos[_choice(t.combo_w * t.vec[(slice(None),) + i3], rng)]
+    if t.combos:  # vector axis, layout and weight packing together, weighted by the layout's orders
+        vaxis, layout, packing = t.combos[_choice(t.combo_w * t.vec[(slice(None),) + i3], rng)]
     else:
         axes = [a for a, ok in zip(CPU_VECTOR_AXES, t.vec[(slice(None),) + i3]) if ok]
         vaxis = axes[rng.randrange(len(axes))]
@@ -224,7 +225,7 @@ def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> 
         order = rng.choice(_orders(t.rules, "cpu", layout))
     else:
         layout, order = rng.choice(t.layout_orders)
-    packing = rng.choice(WEIGHT_PACKINGS)
+        packing = rng.choice(WEIGHT_PACKINGS)
     return Schedule(kind="cpu", spatial=tuple(spatial), reduction=reduction,
                     parallel=parallel, vector_axis=vaxis, vector_width=width,
                     unroll=unroll, inner_order=order,

@@ -49,9 +49,10 @@ def _brute_cpu(spec, target, pruned):
 
 @lru_cache(maxsize=None)
 def _valid_cpu(spec, target):
-    """Every CPU schedule with parallel/unroll/packing fixed, kept if valid (and kept by the pruning
-    predicate). Those three annotations never interact with validity or pruning, so the space is
-    this count times 6*4*2; inner orders and layouts (alpha = 1 pairs them) are enumerated."""
+    """Every CPU schedule with parallel/unroll fixed, kept if valid (and kept by the pruning
+    predicate). Those two annotations never interact with validity or pruning, so the space is
+    this count times 6*len(UNROLL_STEPS); inner orders, layouts (alpha = 1 pairs them) and weight
+    packings (the register rule judges filter vectors by them) are enumerated."""
     ext = axis_extents(spec)
     tiles = [_all_factors(ext[a], 4) for a in SPATIAL_AXES]
     reds = [_all_factors(ext[a], 2) for a in REDUCTION_AXES]
@@ -65,15 +66,16 @@ def _valid_cpu(spec, target):
             if base.problems(spec, target):  # validity does not depend on the reduction split
                 continue
             for red in product(*reds):
-                for order, layout in product(permutations(REDUCTION_AXES), LAYOUTS):
+                for order, layout, packing in product(permutations(REDUCTION_AXES), LAYOUTS, WEIGHT_PACKINGS):
                     s = Schedule("cpu", tuple(sp), tuple(red), parallel=1, vector_axis=vaxis,
-                                 vector_width=width, inner_order=order, layout=layout)
+                                 vector_width=width, inner_order=order, layout=layout,
+                                 weight_packing=packing)
                     assert not s.problems(spec, target)
                     kept.append(s)
     return kept
 
 
-CPU_ANNOTATIONS = 6 * len(UNROLL_STEPS) * len(WEIGHT_PACKINGS)
+CPU_ANNOTATIONS = 6 * len(UNROLL_STEPS)
 
 
 @pytest.mark.parametrize("spec,target", [
@@ -96,7 +98,7 @@ def test_register_limit_bites_on_the_tiny_target():
     spec = ConvSpec.parse("n1_c2_h4_w4_k4_r3")
     ext = axis_extents(spec)
     tilings = _prod(len(_all_factors(ext[a], 4)) for a in SPATIAL_AXES) * 2
-    tilings *= _prod(len(_all_factors(ext[a], 2)) for a in REDUCTION_AXES) * 6 * len(LAYOUTS) * CPU_ANNOTATIONS
+    tilings *= _prod(len(_all_factors(ext[a], 2)) for a in REDUCTION_AXES) * 6 * len(LAYOUTS) * len(WEIGHT_PACKINGS) * CPU_ANNOTATIONS
     assert space.space_size(spec, TINY_CPU) < space.space_size(spec, HOST) < tilings
 
 
@@ -173,11 +175,11 @@ def test_cpu_sampling_is_uniform(target, pruned):
     draws = space.sample_many(spec, target, 4000, random.Random(7), pruned=pruned)
     assert all(space.contains(s, spec, target, pruned=pruned) for s in draws[:300])
     assert _chi2(draws, points, _tiles) > 1e-3
-    assert _chi2(draws, points, lambda s: (s.vector_axis, s.inner_order, s.layout, s.factors("k")[3])) > 1e-3
+    assert _chi2(draws, points, lambda s: (s.vector_axis, s.inner_order, s.layout, s.weight_packing,
+                                           s.factors("k")[3])) > 1e-3
     # the annotations that the enumeration fixed are uniform and independent of the rest
     fixed = [s for s in draws if s.vector_axis == "k"]
-    for name, choices in (("parallel", space.CPU_PARALLEL), ("unroll", UNROLL_STEPS),
-                          ("weight_packing", WEIGHT_PACKINGS)):
+    for name, choices in (("parallel", space.CPU_PARALLEL), ("unroll", UNROLL_STEPS)):
         observed = Counter(getattr(s, name) for s in fixed)
         assert chisquare([observed[c] for c in choices]).pvalue > 1e-3, name
 
