@@ -16,9 +16,9 @@ Which tile sits in which level (CPU nest S0 S1 R0 S2 R1 S3, c1 channels per R0 c
                    4, register_ceiling): a step issues one FMA per accumulator vector on P pipes,
                    each waiting L cycles (`fma_latency`) for its chain's last one, and loads its
                    vector operands and broadcasts on two load ports, a vector whose lanes are not
-                   adjacent in memory (filters not packed in vector blocks, an NHWC or strided input row) one lane at a time. Where
-                   the layer has whole vectors of filters per group the tile's share of the FMA
-                   peak (register_share) must reach 1/tolerance of the best share a tile of one
+                   adjacent in memory (filters not packed in vector blocks, an NHWC or strided
+                   input row) one lane at a time. Where the layer has whole vectors of filters
+                   per group the tile's share of the FMA peak (register_share) must reach 1/tolerance of the best share a tile of one
                    image and group reaches: at least L*P/tolerance = 4 vectors on 2 pipes of
                    latency 4, fewer only in tiles no load limits. (This replaces "half of the
                    free registers", 14..28 on AVX-512, a floor from no property of the core.)
@@ -212,7 +212,8 @@ def _best_share(spec: ConvSpec, target: Target, free: int, latency: int) -> floa
             for ow in divisors(spec.out_w):
                 for axis, lanes in (("k", k), ("ow", ow)):
                     if -(-k * oh * ow // (W if lanes % W == 0 else 1)) <= free:
-                        best = max(best, float(cpu_share(spec, target, 1, 1, k, oh, ow, axis, "NCHW", "blocked", latency)))
+                        share = cpu_share(spec, target, 1, 1, k, oh, ow, axis, "NCHW", "blocked", latency)
+                        best = max(best, float(share))
     return best
 
 
@@ -339,8 +340,9 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
         tiles = {f"S{lvl}": {a: schedule.tile(a, lvl) for a in SPATIAL_AXES} for lvl in (1, 2, 3)}
         chunk, acc, threads = schedule.factors("c")[1], schedule.accumulators, None
         window = (schedule.factors("kh")[1], schedule.factors("kw")[1])
+        latency = FMA_LATENCY if p.registers is None else p.registers.latency
         share = float(cpu_share(spec, target, *(tiles["S3"][a] for a in SPATIAL_AXES), schedule.vector_axis,
-                                schedule.layout, schedule.weight_packing, FMA_LATENCY if p.registers is None else p.registers.latency))
+                                schedule.layout, schedule.weight_packing, latency))
     else:
         tiles = {"thread": schedule.gpu_thread_tile(), "block": schedule.gpu_block_tile()}
         chunk = spec.c_per_group  # the outputs stay in registers for the whole reduction

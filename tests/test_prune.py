@@ -200,8 +200,10 @@ def test_unpacked_filter_vectors_are_loaded_lane_by_lane():
             why = space.why_not(unpacked, spec, HOST, pruned=True)
             assert any("weights none" in w and "of the FMA peak" in w for w in why), why
     assert checked >= 2
-    share = {pk: float(prune.cpu_share(RESNET_3X3, HOST, 1, 1, 16, 1, 6, "k", "NHWC", pk)) for pk in ("blocked", "none")}
-    assert share["blocked"] == 1.0 and share["none"] == pytest.approx(6 / 11)  # 12 FMAs on 2 pipes; 16 + 6 loads on 2 ports
+    share = {pk: float(prune.cpu_share(RESNET_3X3, HOST, 1, 1, 16, 1, 6, "k", "NHWC", pk))
+             for pk in ("blocked", "none")}
+    # 12 FMAs on 2 pipes: 6 cycles; unpacked, 16 + 6 loads on 2 ports: 11 cycles
+    assert share["blocked"] == 1.0 and share["none"] == pytest.approx(6 / 11)
 
 
 def test_tolerance_is_a_parameter_and_monotone():
