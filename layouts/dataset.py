@@ -38,10 +38,9 @@ UNREFERENCED_COLUMNS = ["spec", "layout", "device", "source", *SPEC_COLUMNS, "se
                         "stdev", "repeats", "number", "gflops", "load", "env_id", "time"]
 # reference: seconds of REFERENCE in the same rounds (maco.timing); ratio: median over rounds of
 # seconds / reference, the label that repeats across spells
-REFERENCE = "fma+copy"  # the FMA loop doing the conv's flops, then a copy moving the conv's bytes:
-# an FMA loop alone reads only registers, and memory-bound convs re-timed 6 h later were 10-40%
-# slower while it was not (issue 20); the copy, the size of the conv's data, sits in the same
-# level of the memory and slows with it. Rows name it in their environment ("fma" before it).
+REFERENCE = "fma"  # the FMA loop doing the conv's flops. Rows name it in their environment (rows
+# without a name are "fma" too). A copy of the conv's bytes after the loop ("fma+copy", meant to
+# slow with memory-bound convs) made labels repeat worse than plain seconds, so it is not used.
 COLUMNS = UNREFERENCED_COLUMNS + ["reference", "ratio"]
 
 
@@ -487,14 +486,7 @@ def _reference(spec: ConvSpec, dev: str) -> Any:
     on a GPU, none."""
     if dev.startswith("cuda"):
         return None
-    fma = fma_reference(spec.flops, Target.host(torch.get_num_threads()))
-    elems = max(1, (spec.input_bytes + spec.weight_bytes + spec.output_bytes) // 8)
-    src, dst = torch.zeros(elems), torch.zeros(elems)  # together the conv's bytes, read and written
-
-    def run() -> None:
-        fma()
-        dst.copy_(src)
-    return run
+    return fma_reference(spec.flops, Target.host(torch.get_num_threads()))
 
 
 def _collect_on_cluster(address: str, ds: Dataset, todo: list[tuple[str, ConvSpec, list[str]]], dev: str,

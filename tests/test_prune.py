@@ -15,7 +15,7 @@ from maco.kernels import default_schedule
 from maco.prune import LevelRule, PruneConfig, RegisterRule
 from maco.schedule import SPATIAL_AXES, Schedule
 from maco.spec import ConvSpec
-from maco.target import MemoryLevel, Target
+from maco.target import Target
 
 HOST = AVX2  # fixed, so that expectations do not move with the machine
 H100 = Target.h100()
