@@ -52,7 +52,11 @@ On a machine other people use too, --runs N runs every (layer, tuner) N times, r
 round, and keeps the fastest (another job only ever slows a run down); each note gives every
 run's GFLOP/s and the 1-min load average around the run.
 
-Writes <out>/peers_cpu.csv, <out>/peers_cpu.png and <out>/peers_cpu.env.json.
+Writes <out>/peers_cpu.csv, <out>/peers_cpu.png and <out>/peers_cpu.env.json (--name: another stem).
+The zero-trial default against MetaSchedule after 1000 trials (issue 19):
+
+  python experiments/peers_cpu.py --name peers_cpu_ms1000 --tuners maco-default,tvm-ms --trials 1000 \
+      --layers n1_c512_h7_w7_k512_r3_p1,n1_c192_h13_w13_k384_r3_p1 --timeout 7200
 """
 from __future__ import annotations
 
@@ -418,6 +422,7 @@ def run_tvm(spec, trials: int, quick: bool, workdir: Path) -> dict:
     lib = tvm.compile(sch.mod, target=target)
     tuning = time.perf_counter() - t0
     measured = sum(1 for _ in db.get_all_tuning_records())
+    curve = metaschedule_curve(wd / "database_tuning_record.json", spec.flops)
 
     xs, ws, ref = _inputs(spec)
     dev = tvm.cpu()
@@ -427,9 +432,25 @@ def run_tvm(spec, trials: int, quick: bool, workdir: Path) -> dict:
     f(xa, wa, oa)
     _check(oa.numpy(), ref)
     secs = _time(lambda: f(xa, wa, oa), quick)
-    return dict(trials=measured, tuning_seconds=tuning, seconds=secs,
+    return dict(trials=measured, tuning_seconds=tuning, seconds=secs, curve=curve,
                 note=f"tvm {tvm.__version__} MetaSchedule tune_tir, target llvm -mcpu={mcpu} "
                      f"-num-cores {cores}, xgb + evolutionary")
+
+
+def metaschedule_curve(records: Path, flops: float) -> list[float]:
+    """Best-so-far GFLOP/s after each measured candidate, in the order MetaSchedule committed them
+    to its JSON database (one line per candidate: [workload, [trace, run_secs, target, args]];
+    a failed build or run has no or non-finite run_secs, which counts as a trial without gain)."""
+    best, curve = 0.0, []
+    for line in records.read_text().splitlines():
+        if not line.strip():
+            continue
+        secs = json.loads(line)[1][1] or []
+        secs = [float(t) for t in secs if isinstance(t, (int, float)) and 0 < float(t) < 1e9]
+        if secs:
+            best = max(best, flops / (sum(secs) / len(secs)) / 1e9)
+        curve.append(best)
+    return curve
 
 
 def run_maco(spec, trials: int, quick: bool, workdir: Path) -> dict:
@@ -637,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
                         "'' for none)")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds one (layer, tuner) run may take, lock wait included")
+    p.add_argument("--name", default="peers_cpu",
+                   help="output file stem (default peers_cpu; e.g. peers_cpu_ms1000 for a long TVM run "
+                        "that should not replace the main table's rows)")
     p.add_argument("--merge", action="store_true",
                    help="keep rows of other (layer, tuner) pairs already in the output CSV")
     p.add_argument("--runs", type=int, default=1,
@@ -660,7 +684,10 @@ def main(argv: list[str] | None = None) -> int:
 
     specs = {layer: ConvSpec.parse(layer) for layer in layers}  # fails early on a bad spec
     out = Path(args.out)
-    csv_path = out / "peers_cpu.csv"
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
+        p.error(f"--name must be letters, digits, '_' or '-', got {args.name!r}")
+    csv_path = out / f"{args.name}.csv"
+    png_path = out / f"{args.name}.png"
     rows = read_rows(csv_path) if args.merge and csv_path.exists() else []
     todo = {(layer, t) for layer in layers for t in tuners}
     rows = [r for r in rows if (r["layer"], r["tuner"]) not in todo]
@@ -707,13 +734,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         print(f"[peers_cpu] environment not recorded: {exc}", file=sys.stderr)
     try:
-        plot(rows, out / "peers_cpu.png")
+        plot(rows, png_path)
     except Exception as exc:  # noqa: BLE001
         print(f"[peers_cpu] plot failed: {exc}", file=sys.stderr)
     print_table("peers on this CPU", ["layer", "tuner", "trials", "tuning s", "GFLOP/s", "vs torch best", "note"],
                 [[r["layer"], r["tuner"], r["trials"], r["tuning_seconds"], r["gflops"],
                   r["speedup_vs_torch_best"], (r["note"] or "")[:60]] for r in rows], width=200)
-    print(f"[peers_cpu] wrote {csv_path} and {out / 'peers_cpu.png'}")
+    print(f"[peers_cpu] wrote {csv_path} and {png_path}")
     return 0
 
 

@@ -114,3 +114,23 @@ def test_summary_names_the_halide_a_user_would_ship():
     text = peers.summarise(rows)
     assert "Halide hand 310 (tile 2x7" in text and "autoscheduler 60 (adams2019-nhwc)" in text
     assert "ship the hand schedule (fastest Halide on 1 of 1 layers)" in text
+
+
+def test_metaschedule_curve_is_the_best_so_far_in_commit_order(tmp_path):
+    import json
+
+    db = tmp_path / "database_tuning_record.json"
+    lines = [[0, ["trace", [2e-3, 2e-3], "llvm", []]], [0, ["trace", [1e10], "llvm", []]],  # a failed run
+             [0, ["trace", None, "llvm", []]], [0, ["trace", [1e-3], "llvm", []]], [0, ["trace", [3e-3], "llvm", []]]]
+    db.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert peers.metaschedule_curve(db, 2e6) == [1.0, 1.0, 1.0, 2.0, 2.0]
+
+
+def test_name_picks_the_output_stem_and_is_checked(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "_run_worker", lambda *a, **k: {
+        "ok": True, "trials": 0, "tuning_seconds": 0.0, "seconds": 1e-3, "note": "torch"})
+    assert peers.main(["--layers", TINY, "--tuners", "torch-nchw", "--lock", "", "--name", "ms1000",
+                       "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "ms1000.csv").exists() and not (tmp_path / "peers_cpu.csv").exists()
+    with pytest.raises(SystemExit):
+        peers.main(["--layers", TINY, "--name", "../x", "--out", str(tmp_path)])
