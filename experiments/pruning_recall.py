@@ -11,13 +11,13 @@ schedule's time is the median of its rounds. Every measurement is appended to --
 file), so a rerun only measures what is missing.
 
 Then for each rule of the pruning plan in force (maco.space.prune_plan: the registers' rules,
-each cache level's balance rule on its tile, alpha = 1) alone, for all of them together ("MACO
+each cache level's balance rule on its tile, every core busy, alpha = 1) alone, for all of them together ("MACO
 pruning"), for the bounds' own conditions without alpha = 1 ("MACO pruning without alpha = 1": the
 level rules judge a split window as a shallower pass, no loop order asked; PruneConfig.alpha_cpu),
 for the balance conditions on the whole nest (maco.prune.balance_reasons: "nest
 balance", no cache level is the bottleneck of the nest's replayed traffic, maco.bounds.hierarchy)
-and for the register and alpha rules with those in place of the per-level rules ("registers +
-alpha + nest balance"), it reports:
+and for the register, busy-core and alpha rules with those in place of the per-level rules
+("registers + alpha + nest balance"), it reports:
   removed     how many of the measured top 5% (by time; at least 3) the rule drops
   recall      the share of that top 5% the rule keeps
   near_recall the share it keeps of the schedules within 20% of the best measured (the top 5% of
@@ -154,6 +154,7 @@ def measure(spec: Any, schedules: list, target: Any, rounds: int, data: Any, don
 ALL = "MACO pruning"
 ALPHA_OFF = "alpha = 1 (not in force)"
 NO_ALPHA = "MACO pruning without alpha = 1"
+BUSY = "parallel loop (every core busy)"
 
 
 def rule_plans(spec: Any, target: Any) -> dict[str, Any]:
@@ -163,7 +164,7 @@ def rule_plans(spec: Any, target: Any) -> dict[str, Any]:
     from maco.space import prune_plan
 
     plan = prune_plan(spec, target)
-    alone = replace(plan, registers=None, levels=(), alpha_one=False)
+    alone = replace(plan, registers=None, levels=(), alpha_one=False, cores=0)
     regs = tuple(r for r in plan.levels if r.level == "registers")
     out = {}
     if plan.registers is not None or regs:
@@ -174,6 +175,8 @@ def rule_plans(spec: Any, target: Any) -> dict[str, Any]:
     # alpha = 1 alone, also where the plan does not ask for it (CPU: the level rules judge window
     # splits instead), so that what it would cost stays in the table
     out["alpha = 1" if plan.alpha_one else ALPHA_OFF] = replace(alone, alpha_one=True)
+    if plan.cores:
+        out[BUSY] = replace(alone, cores=plan.cores)
     out[ALL] = plan
     if plan.alpha_one and target.kind == "cpu":  # the bounds' own conditions: no alpha = 1, the
         out[NO_ALPHA] = prune_plan(spec, target, PruneConfig(alpha_cpu=False))  # levels judge splits

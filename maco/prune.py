@@ -18,14 +18,14 @@ Which tile sits in which level (CPU nest S0 S1 R0 S2 R1 S3, c1 channels per R0 c
                    vector operands and broadcasts on two load ports, a vector whose lanes are not
                    adjacent in memory (filters not packed in vector blocks, an NHWC or strided
                    input row) one lane at a time. Where the layer has whole vectors of filters
-                   per group the tile's share of the FMA peak (register_share) must reach 1/tolerance of the best share a tile of one
-                   image and group reaches: at least L*P/tolerance = 4 vectors on 2 pipes of
-                   latency 4, fewer only in tiles no load limits. (This replaces "half of the
-                   free registers", 14..28 on AVX-512, a floor from no property of the core.)
-                   Where the layer
-                   has no whole vectors of filters (depthwise and 24-filter layers on 16 lanes:
-                   the default's tile is scalar there), the accumulators themselves count, at
-                   least min(L*P, the most a tile of one image and group can have)/tolerance.
+                   per group the tile's share of the FMA peak (register_share) must reach
+                   1/tolerance of the best share a tile of one image and group reaches: at least
+                   L*P/tolerance = 4 vectors on 2 pipes of latency 4, fewer only in tiles no load
+                   limits. (This replaces "half of the free registers", 14..28 on AVX-512, a floor
+                   from no property of the core.) Where the layer has no whole vectors of
+                   filters (depthwise and 24-filter layers on 16 lanes: the default's tile is
+                   scalar there), the accumulators themselves count, at least min(L*P, the most a
+                   tile of one image and group can have)/tolerance.
   L1 <- L2         S2: the register tile sweeps it within a chunk; L1 keeps its outputs between
                    chunks when they and one chunk's inputs and weights fit L1's share.
   L2 <- L3         S2 again: R0 sits between S1 and S2, so the outputs the chunks slide past are
@@ -49,6 +49,11 @@ enough to give every processor work (every core, every resident block and thread
 GPU): a level is not asked for more than the layer can give it. `tolerance` (2) covers machines
 slower than the nominal feeds: the measured balances of the project's hosts lie below the
 nominal ones by less than that.
+
+The processors (CPU, `busy_cores`): the multi-processor bound shares the work among all P cores,
+each bounded with its share S/P of the cache (x*y*z ~ S/Np), so a nest whose fused parallel loop
+runs fewer than P iterations leaves cores idle and cannot reach it; the loop must run >= P
+iterations (on batch 1, `parallel` 0-2 fuses only n and g: one iteration).
 
 And for the whole nest, the paper's alpha = 1 (`alpha_one` on the GPU, `alpha_cpu` on the CPU):
 every tile slides over the input channels one at a time with the whole kh x kw window
@@ -108,6 +113,7 @@ class PruneConfig:
     alpha_one: bool = True  # GPU: one channel at a time, whole window (kh0 = kw0 = 1; alpha_order_ok)
     alpha_cpu: bool = True  # the same on the CPU (off: the level rules judge window splits, no order
     #                         asked: what the bounds derive, see the module docstring)
+    busy_cores: bool = True  # CPU: the fused parallel loop gives every core an iteration
     max_relax: int = 3  # relaxation steps of a level before it is dropped
 
     def __post_init__(self) -> None:
@@ -233,6 +239,7 @@ class PrunePlan:
     levels: tuple[LevelRule, ...]
     alpha_one: bool
     notes: tuple[str, ...] = field(default=())
+    cores: int = 0  # CPU: the fused parallel loop runs at least this many iterations (0: not asked)
 
     @property
     def relaxed(self) -> bool:
@@ -248,6 +255,8 @@ class PrunePlan:
         for r in self.levels:
             parts.append(f"{r.level}: {r.tile} tile moves >= {r.need:.3g} MACs per element "
                          f"(balance {r.balance:.3g})")
+        if self.cores:
+            parts.append(f"parallel: the fused parallel loop runs >= {self.cores} iterations (every core busy)")
         if self.alpha_one:
             parts.append("alpha = 1 (kh0 = kw0 = 1, c in the layout's unit: outermost NCHW, innermost CPU NHWC)")
         return "; ".join(parts + list(self.notes))
@@ -307,10 +316,16 @@ def rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, 
         capacity = 0 if name == "registers" or target.kind != "cpu" else target.level(name).elements_per_processor
         found.append(LevelRule(name, tile, need, capacity, balance[name], s))
     alpha = config.alpha_cpu if target.kind == "cpu" else config.alpha_one
-    return PrunePlan(registers, tuple(found), alpha, tuple(notes))
+    cores = min(target.cores, outputs) if target.kind == "cpu" and config.busy_cores else 0
+    return PrunePlan(registers, tuple(found), alpha, tuple(notes), cores)
 
 
 # -- membership of one schedule --------------------------------------------------------------
+def parallel_iterations(schedule: Schedule) -> int:
+    """Iterations of a CPU schedule's fused parallel loop: its first `parallel` S0 factors."""
+    return int(np.prod([schedule.spatial[i][0] for i in range(schedule.parallel)], dtype=np.int64))
+
+
 def alpha_c_index(kind: str, layout: str) -> int:
     """Where alpha = 1 puts c in the innermost reduction order, in the unit the layout stores
     channels in: first (outermost) for NCHW and on the GPU, last (innermost) for CPU NHWC (c
@@ -336,6 +351,9 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
             where = "innermost" if alpha_c_index(schedule.kind, schedule.layout) else "outermost"
             out.append(f"alpha = 1: inner_order {schedule.inner_order} does not visit c {where} "
                        f"({schedule.layout})")
+    if schedule.kind == "cpu" and parallel_iterations(schedule) < p.cores:
+        out.append(f"parallel: the {schedule.parallel} fused parallel loop(s) run {parallel_iterations(schedule)} "
+                   f"iteration(s) for {p.cores} cores, so cores sit idle")
     if schedule.kind == "cpu":
         tiles = {f"S{lvl}": {a: schedule.tile(a, lvl) for a in SPATIAL_AXES} for lvl in (1, 2, 3)}
         chunk, acc, threads = schedule.factors("c")[1], schedule.accumulators, None

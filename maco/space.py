@@ -131,6 +131,7 @@ class _Cpu:
     combos: tuple[tuple[str, str, str], ...] = ()  # (vector axis, layout, weight packing) rows of vec, if any
     combo_w: np.ndarray | None = None  # inner orders per combo (its layout's)
     rules: object = None
+    parallel_ok: np.ndarray | None = None  # (parallel, grid) where rules keep every core busy
 
 
 def _up(x: np.ndarray, div_of: list[np.ndarray]) -> np.ndarray:
@@ -170,6 +171,8 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
     combo_w = np.array([len(_orders(rules, "cpu", lay)) for _, lay, _ in combos], dtype=np.int64)
     c1 = tuple(divisors(ext["c"]))
     kh1, kw1 = _window(spec.kh, rules), _window(spec.kw, rules)
+    busy = rules is not None and bool(rules.cores)
+    parallel_ok = _parallel_ok(spec, g, rules.cores) if busy else None
     n3, n2, n1 = [], [], []
     # the level rules see the pass (chunk and taps), so each pass has its own tables (one for all
     # without them)
@@ -180,11 +183,28 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
         n3.append(base * _level_mask(rules, "S3", spec, g, c, window))
         n2.append(_up(n3[-1], div_of) * _level_mask(rules, "S2", spec, g, c, window))
         n1.append(_up(n2[-1], div_of) * _level_mask(rules, "S1", spec, g, c, window))
+    if busy:  # the S1 tiles weighted by the parallel annotations that keep every core busy
+        n1 = [n * parallel_ok.sum(axis=0) for n in n1]
     layout_orders = tuple((lay, o) for lay in LAYOUTS for o in _orders(rules, "cpu", lay))
-    annotations = len(CPU_PARALLEL) * len(UNROLL_STEPS) * (1 if combos else len(WEIGHT_PACKINGS) * len(layout_orders))
+    annotations = ((1 if busy else len(CPU_PARALLEL)) * len(UNROLL_STEPS)
+                   * (1 if combos else len(WEIGHT_PACKINGS) * len(layout_orders)))
     tilings = sum(int(n.sum()) for n in n1) * (1 if passes else len(c1) * len(kh1) * len(kw1))
     size = tilings * annotations
-    return _Cpu(divs, div_of, vec, c1, passes, n3, n2, n1, kh1, kw1, layout_orders, size, combos, combo_w, rules)
+    return _Cpu(divs, div_of, vec, c1, passes, n3, n2, n1, kh1, kw1, layout_orders, size, combos, combo_w, rules,
+                parallel_ok)
+
+
+def _parallel_ok(spec: ConvSpec, grid: list[np.ndarray], cores: int) -> np.ndarray:
+    """(len(CPU_PARALLEL), grid): whether `parallel` = p fuses loops of at least `cores` iterations
+    over an S1 tile of this size (the S0 factors are the extents over the S1 tile; maco.prune)."""
+    ext = axis_extents(spec)
+    iterations = np.ones([1] * len(grid), dtype=np.int64)
+    out = []
+    for p in CPU_PARALLEL:
+        out.append(np.broadcast_to(iterations >= cores, np.broadcast_shapes(*(x.shape for x in grid))))
+        if p < len(SPATIAL_AXES):
+            iterations = iterations * (ext[SPATIAL_AXES[p]] // grid[p])
+    return np.stack(out).astype(np.int64)
 
 
 def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> Schedule:
@@ -220,7 +240,11 @@ def _sample_cpu(spec: ConvSpec, target: Target, t: _Cpu, rng: random.Random) -> 
         kh1, kw1 = (rng.choice(x) for x in (t.kh1, t.kw1))
     reduction = ((ext["c"] // c1, c1), (spec.kh // kh1, kh1), (spec.kw // kw1, kw1))
     width = target.simd_width if spatial[SPATIAL_AXES.index(vaxis)][3] % target.simd_width == 0 else 1
-    parallel, unroll = rng.choice(CPU_PARALLEL), rng.choice(UNROLL_STEPS)
+    if t.parallel_ok is not None:  # uniform over the parallel annotations this S1 tile allows
+        parallel = CPU_PARALLEL[_choice(t.parallel_ok[(slice(None),) + i1], rng)]
+    else:
+        parallel = rng.choice(CPU_PARALLEL)
+    unroll = rng.choice(UNROLL_STEPS)
     if t.combos:
         order = rng.choice(_orders(t.rules, "cpu", layout))
     else:

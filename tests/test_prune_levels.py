@@ -13,7 +13,7 @@ from maco.kernels import default_schedule
 from maco.spec import ConvSpec
 from maco.target import MemoryLevel, Target
 from tests.targets import AVX2, GENERIC
-from tests.test_space import CPU_ANNOTATIONS, _chi2, _tiles, _valid_cpu
+from tests.test_space import CPU_ANNOTATIONS, _chi2, _tiles, _valid_cpu, _with_parallel
 
 # A small CPU with 8 FMA pipes: its balance (8 MACs per element into registers, 4 into L1, 8 into
 # L2) makes the level rules bite on layers small enough to enumerate.
@@ -24,7 +24,8 @@ SMALL = ["n1_c8_h2_w4_k4_r1", "n1_c4_h6_w6_k8_r3_s2_p1", "n1_c8_h3_w3_k8_r1"]
 
 
 def _brute(spec, target, plan):
-    return [s for s in _valid_cpu(spec, target) if not prune.reasons(s, spec, target, plan)]
+    return _with_parallel([s for s in _valid_cpu(spec, target) if not prune.reasons(s, spec, target, plan)],
+                          plan.cores)
 
 
 @pytest.mark.parametrize("text", SMALL)
@@ -36,10 +37,24 @@ def test_count_matches_brute_force_where_the_levels_bite(text):
     assert space.count_with(spec, BITE, plan) < space.count_with(spec, BITE, without)  # they bite
     kept = _brute(spec, BITE, plan)
     assert kept and space.space_size(spec, BITE, pruned=True) == len(kept) * CPU_ANNOTATIONS
-    # and each level alone counts exactly too
+    # and each level alone counts exactly too, and the busy-core rule alone
     for rule in plan.levels:
         alone = replace(without, levels=(rule,))
         assert space.count_with(spec, BITE, alone) == len(_brute(spec, BITE, alone)) * CPU_ANNOTATIONS
+    busy = replace(plan, registers=None, levels=(), alpha_one=False)
+    assert busy.cores == BITE.cores
+    assert space.count_with(spec, BITE, busy) == len(_brute(spec, BITE, busy)) * CPU_ANNOTATIONS
+    assert space.count_with(spec, BITE, busy) < space.count_with(spec, BITE, replace(busy, cores=0))
+
+
+def test_pruning_recall_judges_each_rule_alone():
+    from maco.experiments.pruning_recall import ALL, BUSY, rule_plans
+
+    spec = ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")
+    plans = rule_plans(spec, AVX2)
+    assert plans[BUSY].cores == AVX2.cores and not plans[BUSY].levels and plans[BUSY].registers is None
+    assert all(p.cores == 0 for name, p in plans.items() if name not in (BUSY, ALL) and "MACO" not in name)
+    assert plans[ALL].cores == AVX2.cores
 
 
 def test_sampling_is_uniform_where_the_levels_bite():

@@ -2,6 +2,7 @@
 membership, and agreement with the CUDA backend's own validity rules."""
 import random
 from collections import Counter
+from dataclasses import replace
 from functools import lru_cache
 from itertools import permutations, product
 
@@ -43,16 +44,25 @@ def _prod(xs):
 
 
 def _brute_cpu(spec, target, pruned):
-    points = _valid_cpu(spec, target)
-    return [s for s in points if not pruned or not prune.reasons(s, spec, target, space.prune_plan(spec, target))]
+    plan = space.prune_plan(spec, target)
+    kept = [s for s in _valid_cpu(spec, target) if not pruned or not prune.reasons(s, spec, target, plan)]
+    return _with_parallel(kept, plan.cores if pruned else 0)
+
+
+def _with_parallel(points, cores):
+    """Each schedule (enumerated at parallel 5, its most iterations) with every parallel value
+    whose fused loops (its first p S0 factors) run at least `cores` iterations."""
+    return [replace(s, parallel=p) for s in points for p in space.CPU_PARALLEL
+            if _prod(s.spatial[i][0] for i in range(p)) >= cores]
 
 
 @lru_cache(maxsize=None)
 def _valid_cpu(spec, target):
-    """Every CPU schedule with parallel/unroll fixed, kept if valid (and kept by the pruning
-    predicate). Those two annotations never interact with validity or pruning, so the space is
-    this count times 6*len(UNROLL_STEPS); inner orders, layouts (alpha = 1 pairs them) and weight
-    packings (the register rule judges filter vectors by them) are enumerated."""
+    """Every valid CPU schedule at unroll 0 and parallel 5. Unroll never interacts with validity
+    or pruning, so the space is the count times len(UNROLL_STEPS); parallel only with the
+    busy-core rule, which fewer fused loops meet less (_with_parallel expands it); inner orders,
+    layouts (alpha = 1 pairs them) and weight packings (the register rule judges filter vectors by
+    them) are enumerated."""
     ext = axis_extents(spec)
     tiles = [_all_factors(ext[a], 4) for a in SPATIAL_AXES]
     reds = [_all_factors(ext[a], 2) for a in REDUCTION_AXES]
@@ -67,7 +77,7 @@ def _valid_cpu(spec, target):
                 continue
             for red in product(*reds):
                 for order, layout, packing in product(permutations(REDUCTION_AXES), LAYOUTS, WEIGHT_PACKINGS):
-                    s = Schedule("cpu", tuple(sp), tuple(red), parallel=1, vector_axis=vaxis,
+                    s = Schedule("cpu", tuple(sp), tuple(red), parallel=len(SPATIAL_AXES), vector_axis=vaxis,
                                  vector_width=width, inner_order=order, layout=layout,
                                  weight_packing=packing)
                     assert not s.problems(spec, target)
@@ -75,7 +85,7 @@ def _valid_cpu(spec, target):
     return kept
 
 
-CPU_ANNOTATIONS = 6 * len(UNROLL_STEPS)
+CPU_ANNOTATIONS = len(UNROLL_STEPS)
 
 
 @pytest.mark.parametrize("spec,target", [
@@ -99,7 +109,7 @@ def test_register_limit_bites_on_the_tiny_target():
     ext = axis_extents(spec)
     tilings = _prod(len(_all_factors(ext[a], 4)) for a in SPATIAL_AXES) * 2
     tilings *= _prod(len(_all_factors(ext[a], 2)) for a in REDUCTION_AXES) * 6 * len(LAYOUTS)
-    tilings *= len(WEIGHT_PACKINGS) * CPU_ANNOTATIONS
+    tilings *= len(WEIGHT_PACKINGS) * len(space.CPU_PARALLEL) * CPU_ANNOTATIONS
     assert space.space_size(spec, TINY_CPU) < space.space_size(spec, HOST) < tilings
 
 
@@ -178,9 +188,10 @@ def test_cpu_sampling_is_uniform(target, pruned):
     assert _chi2(draws, points, _tiles) > 1e-3
     assert _chi2(draws, points, lambda s: (s.vector_axis, s.inner_order, s.layout, s.weight_packing,
                                            s.factors("k")[3])) > 1e-3
-    # the annotations that the enumeration fixed are uniform and independent of the rest
+    assert _chi2(draws, points, lambda s: (s.parallel, s.spatial[2][0] * s.spatial[3][0] * s.spatial[4][0])) > 1e-3
+    # the annotation that the enumeration fixed is uniform and independent of the rest
     fixed = [s for s in draws if s.vector_axis == "k"]
-    for name, choices in (("parallel", space.CPU_PARALLEL), ("unroll", UNROLL_STEPS)):
+    for name, choices in (("unroll", UNROLL_STEPS),):
         observed = Counter(getattr(s, name) for s in fixed)
         assert chisquare([observed[c] for c in choices]).pvalue > 1e-3, name
 
