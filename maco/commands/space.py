@@ -13,8 +13,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "space", help="schedule-space sizes per conv layer, unpruned and MACO-pruned",
         description="Count the schedule space of each conv layer exactly (perfect tilings times "
         "annotation choices; the CPU sketch SSRSRS or the GPU sketch SSSRRSRS) and the space left "
-        "after MACO pruning (the register tile has the accumulators to hide the FMA latency, each "
-        "cache level's tile reaches the level's balance as channel chunks slide past it, alpha = 1), "
+        "after MACO pruning (the register tile issues FMAs near the peak: accumulators to hide the "
+        "FMA latency, loads counted lane by lane where a vector's lanes are not adjacent; each "
+        "cache level's tile reaches the level's balance as channel "
+        "chunks slide past it, the parallel loop keeps every core busy, alpha = 1), "
         "with the ratio. Pruning that had to be relaxed for a layer is noted.")
     p.add_argument("layer", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2: its "
                    "distinct conv layers) or a layer spec such as n1_c64_h56_w56_k64_r3_p1")
