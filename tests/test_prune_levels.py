@@ -97,15 +97,14 @@ def test_the_gpu_defaults_are_in_the_pruned_space():
 
 
 @pytest.mark.parametrize("target", [AVX2, Target.named("host")], ids=lambda t: t.name)
-def test_the_pruned_space_is_a_fiftieth_or_less(target):
-    """full / pruned >= 50 (geomean over the distinct convs of the five networks). The issue asked
-    for 100 with a recall of 0.9 of the measured top 5%, which no pruning can give together (a
-    space keeping 90% of the top 5% holds >= 4.5% of it: <= 22x); the register rule derived from
-    the FMA latency (>= 4 vectors on 2 pipes, not 14 of 28 registers) keeps more tiles than the
-    old floor, and with alpha = 1 the space is cut 50-80x here (without it ~17x: see
-    experiments/pruning_recall.py)."""
+def test_the_pruned_space_is_a_hundredth_or_less(target):
+    """full / pruned >= 100 (geomean over the distinct convs of the five networks), as the issue
+    asked (its recall of 0.9 of the measured top 5% cannot come with it: a space keeping 90% of the
+    top 5% holds >= 4.5% of it, <= 22x; experiments/pruning_recall.py reports recall within 20% of
+    the best instead). The register rule charging unpacked filter vectors lane by lane and the
+    busy-core rule brought it from ~80x to ~250x (AVX2) and ~330x (AVX-512 Xeon)."""
     if target.simd_width < 8:
         pytest.skip(f"{target.name} has {target.simd_width} lanes: fewer register tiles to choose from")
     logs = [math.log(space.space_size(spec, target) / space.space_size(spec, target, pruned=True))
             for spec, _ in _network_convs()]
-    assert math.exp(sum(logs) / len(logs)) >= 50
+    assert math.exp(sum(logs) / len(logs)) >= 100
