@@ -351,8 +351,9 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
             where = "innermost" if alpha_c_index(schedule.kind, schedule.layout) else "outermost"
             out.append(f"alpha = 1: inner_order {schedule.inner_order} does not visit c {where} "
                        f"({schedule.layout})")
-    if schedule.kind == "cpu" and parallel_iterations(schedule) < p.cores:
-        out.append(f"parallel: the {schedule.parallel} fused parallel loop(s) run {parallel_iterations(schedule)} "
+    iterations = parallel_iterations(schedule) if schedule.kind == "cpu" else p.cores
+    if iterations < p.cores:
+        out.append(f"parallel: the {schedule.parallel} fused parallel loop(s) run {iterations} "
                    f"iteration(s) for {p.cores} cores, so cores sit idle")
     if schedule.kind == "cpu":
         tiles = {f"S{lvl}": {a: schedule.tile(a, lvl) for a in SPATIAL_AXES} for lvl in (1, 2, 3)}
