@@ -2,6 +2,10 @@
 regression and gradient-boosted trees (scikit-learn; on the raw latency target as the paper
 did, and on log latency) against the NAS-built MLP (Optuna TPE + Hyperband over torch MLPs).
 
+With --label ratio (the default where every row has one) each model learns the conv's seconds
+over the FMA reference timed in the same rounds, and is scored on latency in the row's own spell:
+its predicted ratio times that row's reference, against the measured ratio times it.
+
 Also per model: how often it picks the slower layout of a test conv and what that costs, and
 two references: the policy "always NHWC", and the measurement itself repeated (a subset of
 test convs re-timed now), which bounds what any predictor can reach on this machine.
@@ -21,13 +25,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from maco.experiments.common import (Figure, num, out_dir, parser, pyplot, save_plot, write_csv,
                                      write_table)
 from maco.layouts.dataset import QUIET_LOAD, Canary, load_rows
 from maco.layouts.latency import ConversionModel, measure_layouts
-from maco.layouts.predictor import (baseline_models, evaluate, fit_baseline, fit_predictor,
-                                    search_config, split_by_spec)
+from maco.kernels.cpu_peak import fma_reference
+from maco.layouts.predictor import (LABELS, baseline_models, evaluate, fit_baseline, fit_predictor,
+                                    row_labels, search_config, split_by_spec)
+from maco.target import Target
 
 FIGURE = Figure(
     "fig13", "NAS predictor R2 = 0.998 on latency (GBRT 0.90, linear 0.31, SVR 0.16)",
@@ -35,8 +42,9 @@ FIGURE = Figure(
     "of the re-measure row, and no predictor can beat the noise of its own labels",
     csv=("fig13_predictor_r2.csv",))
 
-COLUMNS = ["model", "target", "r2", "r2_log", "median_rel_error", "wrong_picks",
-           "wrong_picks_5pct", "pick_cost", "pairs", "test_rows", "train_rows", "fit_seconds"]
+COLUMNS = ["model", "target", "label", "r2", "r2_log", "median_rel_error", "within_10pct", "wrong_picks",
+           "wrong_picks_5pct", "wrong_clear", "clear_pairs", "pick_cost", "pairs", "test_rows", "train_rows",
+           "fit_seconds"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test-fraction", type=float, default=0.2)
     ap.add_argument("--remeasure", type=int, default=None,
                     help="test convs re-timed as the noise reference (0: none; default 60, quick 10)")
+    ap.add_argument("--label", choices=LABELS, default=None,
+                    help="what the models learn (default: ratio where every row has one, else seconds)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
-                    help="which timing statistic is the latency (min resists a busy neighbour; default median)")
+                    help="with --label seconds, which timing statistic is the latency (min resists a busy "
+                    "neighbour; default median)")
     ap.add_argument("--all-rows", action="store_true", help="keep rows timed beside a busy neighbour")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -74,7 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.data}: {len(every)} rows on {args.device}, {len(rows)} used "
           f"({len(every) - len(rows)} timed under load dropped)")
     specs, lays = [r.spec for r in rows], [r.layout for r in rows]
-    secs = np.array([getattr(r.timing, args.stat) for r in rows])
+    label, labels, reference = row_labels(rows, args.label)
+    if label == "seconds":
+        labels = np.array([getattr(r.timing, args.stat) for r in rows])
+    # what a label is in seconds: 1 for seconds; for ratios, the reference timed beside that row
+    scale = np.array([r.timing.reference if label == "ratio" else 1.0 for r in rows])
+    secs = labels * scale
+    print(f"  label: {label}" + (f" (reference {reference.gflops:.0f} GFLOP/s + {reference.overhead * 1e6:.1f} us)"
+                                 if reference else ""))
     tr, te = split_by_spec(specs, args.test_fraction, args.seed)
     pick = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
     s_tr, l_tr, s_te, l_te = pick(specs, tr), pick(lays, tr), pick(specs, te), pick(lays, te)
@@ -83,27 +101,28 @@ def main(argv: list[str] | None = None) -> int:
     def record(model: str, target: str, p: np.ndarray, seconds: float, measured=secs[te],
                sp=s_te, ly=l_te) -> None:
         m = evaluate(sp, ly, measured, p)
-        results.append(dict(model=model, target=target, **m.to_dict(), test_rows=len(sp),
+        results.append(dict(model=model, target=target, label=label, **m.to_dict(), test_rows=len(sp),
                             train_rows=len(tr), fit_seconds=seconds))
         print(f"  {model:12s} {target:4s} R2 {m.r2:8.4f}  R2(log) {m.r2_log:8.4f}  median err "
-              f"{m.median_rel_error:6.3f}  wrong picks {m.wrong_picks:.3f} (>5%: {m.wrong_picks_5pct:.3f}) "
-              f"cost {m.pick_cost:.4f}  [{seconds:.1f}s]")
+              f"{m.median_rel_error:6.3f}  within 10% {m.within_10pct:.3f}  wrong picks {m.wrong_picks:.3f} "
+              f"(of the {m.clear_pairs} > 5% apart: {m.wrong_clear:.3f}) cost {m.pick_cost:.4f}  [{seconds:.1f}s]")
 
     for name, model in baseline_models(args.seed).items():
         for target in ("raw", "log"):
             t0 = time.perf_counter()
-            f = fit_baseline(model, s_tr, l_tr, secs[tr], target)
-            p = f(s_te, l_te)
+            f = fit_baseline(model, s_tr, l_tr, labels[tr], target)
+            p = f(s_te, l_te) * scale[te]
             record(name, target, p, time.perf_counter() - t0)
             preds[f"{name}_{target}"] = p
 
     t0 = time.perf_counter()
-    config, study = search_config(s_tr, l_tr, secs[tr], trials=args.trials, epochs=args.epochs,
+    config, study = search_config(s_tr, l_tr, labels[tr], trials=args.trials, epochs=args.epochs,
                                   timeout=args.timeout, seed=args.seed)
     nas_seconds = time.perf_counter() - t0
     print(f"  NAS: {len(study.trials)} trials in {nas_seconds:.0f}s, best {config}")
-    mlp = fit_predictor(s_tr, l_tr, secs[tr], config, ensemble=args.ensemble, seed=args.seed)
-    p = mlp.predict_many(s_te, l_te)
+    mlp = fit_predictor(s_tr, l_tr, labels[tr], config, ensemble=args.ensemble, seed=args.seed,
+                        label=label, reference=reference)
+    p = mlp.predict_labels(s_te, l_te) * scale[te]
     record("NAS-MLP", "log", p, time.perf_counter() - t0)
     preds["NAS-MLP_log"] = p
     write_table(out / "fig13_nas_trials.csv",
@@ -114,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     # references: a fixed policy, and the measurement repeated
     always = np.array([1.0 if lay == "NCHW" else 0.5 for lay in l_te])  # only the order matters
     m = evaluate(s_te, l_te, secs[te], always * secs[te].max())
-    results.append(dict(model="always-NHWC", target="-", r2=float("nan"), r2_log=float("nan"),
-                        median_rel_error=float("nan"), wrong_picks=m.wrong_picks,
-                        wrong_picks_5pct=m.wrong_picks_5pct, pick_cost=m.pick_cost, pairs=m.pairs,
+    results.append(dict(model="always-NHWC", target="-", label=label, wrong_picks=m.wrong_picks,
+                        wrong_picks_5pct=m.wrong_picks_5pct, wrong_clear=m.wrong_clear,
+                        clear_pairs=m.clear_pairs, pick_cost=m.pick_cost, pairs=m.pairs,
                         test_rows=len(te), train_rows=0, fit_seconds=0.0))
     print(f"  always-NHWC wrong picks {m.wrong_picks:.3f} cost {m.pick_cost:.4f}")
     if args.remeasure > 0:
-        remeasure_reference(args, rows, te, record)
+        remeasure_reference(args, rows, te, record, label)
 
     write_csv(out / "fig13_predictor_r2.csv", results, COLUMNS, floats=".6g")
     write_table(out / "fig13_test_predictions.csv", ["spec", "layout", "measured", *preds],
@@ -130,22 +149,24 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.save:
         conv = ConversionModel.calibrate(args.device)
-        final = fit_predictor(specs, lays, secs, config, ensemble=args.ensemble, seed=args.seed,
-                              device=args.device, conversion=conv,
-                              meta={"data": str(args.data), "rows": len(rows), "stat": args.stat, "nas_trials": len(study.trials),
-                                    "nas_seconds": nas_seconds,
+        final = fit_predictor(specs, lays, labels, config, ensemble=args.ensemble, seed=args.seed,
+                              device=args.device, conversion=conv, label=label, reference=reference,
+                              meta={"data": str(args.data), "rows": len(rows), "stat": args.stat,
+                                    "nas_trials": len(study.trials), "nas_seconds": nas_seconds,
                                     "test_metrics": next(r for r in results if r["model"] == "NAS-MLP")})
         final.save(args.save)
         print(f"saved the predictor (all {len(rows)} rows, {config}) to {args.save}")
     return 0
 
 
-def remeasure_reference(args, rows, te, record) -> None:
-    """Re-time a sample of test convs now and score the old timings as a 'prediction' of the
-    new ones: the ceiling any predictor has on data from this machine."""
+def remeasure_reference(args, rows, te, record, label: str) -> None:
+    """Re-time a sample of test convs now and score the old labels as a 'prediction' of the
+    new ones: the ceiling any predictor has on data from this machine. Ratios are re-timed beside
+    the reference and both turned into seconds with the reference timed now."""
     by_spec: dict[str, dict[str, float]] = {}
     for i in te:
-        by_spec.setdefault(str(rows[i].spec), {})[rows[i].layout] = getattr(rows[i].timing, args.stat)
+        old = rows[i].ratio if label == "ratio" else getattr(rows[i].timing, args.stat)
+        by_spec.setdefault(str(rows[i].spec), {})[rows[i].layout] = old
     chosen = [s for s, d in by_spec.items() if len(d) == 2]
     random.Random(args.seed).shuffle(chosen)
     chosen = chosen[:args.remeasure]
@@ -157,15 +178,18 @@ def remeasure_reference(args, rows, te, record) -> None:
         best = None
         for _ in range(3):  # as `maco collect` does: quiet cores and agreeing rounds, else again
             before = canary.wait_quiet(patience=10)
-            t = measure_layouts(spec_of[s], device=args.device)
+            reference = (fma_reference(spec_of[s].flops, Target.host(torch.get_num_threads()))
+                         if label == "ratio" else None)
+            t = measure_layouts(spec_of[s], device=args.device, reference=reference)
             score = (max(before, canary.load()) > QUIET_LOAD, max(v.stdev / v.median for v in t.values()))
             if best is None or score < best[0]:
                 best = (score, t)
             if not score[0] and score[1] <= 0.1:
                 break
         for lay, timing in best[1].items():
-            old.append(by_spec[s][lay])
-            new.append(getattr(timing, args.stat))
+            scale = timing.reference if label == "ratio" else 1.0
+            old.append(by_spec[s][lay] * scale)
+            new.append(timing.ratio * scale if label == "ratio" else getattr(timing, args.stat))
             sp.append(spec_of[s])
             ly.append(lay)
     record("re-measure", "-", np.array(old), time.perf_counter() - t0, measured=np.array(new), sp=sp, ly=ly)
@@ -203,8 +227,9 @@ def summarise(rows: list[dict[str, str]]) -> str:
     """REPORT.md: the NAS MLP's R2 and wrong picks beside the baselines and the re-measure ceiling."""
     by = {(r["model"], r["target"]): r for r in rows}
     nas = by.get(("NAS-MLP", "log"))
-    parts = [f"NAS-MLP R2 {num(nas, 'r2'):.3f} (log {num(nas, 'r2_log'):.3f}), wrong layout "
-             f"{100 * num(nas, 'wrong_picks'):.1f}% of pairs"] if nas else []
+    parts = [f"NAS-MLP on {nas.get('label') or 'seconds'}: R2 {num(nas, 'r2'):.3f} (log {num(nas, 'r2_log'):.3f}), "
+             f"{100 * num(nas, 'within_10pct'):.0f}% within 10%, wrong layout {100 * num(nas, 'wrong_picks'):.1f}% "
+             f"of pairs ({100 * num(nas, 'wrong_clear'):.1f}% of those > 5% apart)"] if nas else []
     for model in ("GBRT", "linear", "SVR"):
         raw, log = by.get((model, "raw")), by.get((model, "log"))
         if raw and log:

@@ -67,10 +67,33 @@ def _measure_conversion(device: str) -> ConversionCost:
     return run
 
 
+# The FMA loop's work when a ratio predictor's reference is timed now: ~2-5 ms on 2 cores.
+REFERENCE_FLOPS = 1e9
+
+
+def at_speed_now(predictor: LatencyPredictor) -> LatencyPredictor:
+    """A predictor trained on ratios to the FMA reference gives seconds at the reference's speed
+    measured now (median of 7 runs), so a spell of a slow VM slows its predictions alike."""
+    if predictor.label != "ratio" or predictor.device != "cpu":
+        return predictor
+    import torch
+
+    from maco.kernels.cpu_peak import fma_reference
+    from maco.timing import time_callable
+
+    run = fma_reference(REFERENCE_FLOPS, Target.host(torch.get_num_threads()))
+    seconds = time_callable(run, repeats=7, min_run_time=1e-3).median
+    return predictor.at_speed(REFERENCE_FLOPS / seconds / 1e9)
+
+
 def _predicted_convs(predictor: LatencyPredictor) -> ConvSource:
+    now: list[LatencyPredictor] = []
+
     def run(convs: list[tuple[str, ConvSpec]], layouts: Sequence[str]) -> dict[str, dict[str, float]]:
         pairs = [(name, spec, lay) for name, spec in convs for lay in layouts]
-        secs = predictor.predict_many([s for _, s, _ in pairs], [lay for _, _, lay in pairs]) if pairs else []
+        if pairs and not now:
+            now.append(at_speed_now(predictor))
+        secs = now[0].predict_many([s for _, s, _ in pairs], [lay for _, _, lay in pairs]) if pairs else []
         out: dict[str, dict[str, float]] = {}
         for (name, _, lay), sec in zip(pairs, secs):
             out.setdefault(name, {})[lay] = float(sec)
@@ -177,5 +200,5 @@ def latency_source(latency: Any, *, predictor: LatencyPredictor | str | os.PathL
     raise MacoError(f"unsupported latency source {latency!r}")
 
 
-__all__ = ["Costs", "ConvSource", "latency_source", "load_predictor", "device_target",
+__all__ = ["Costs", "ConvSource", "latency_source", "load_predictor", "at_speed_now", "device_target",
            "DEFAULT_PREDICTOR", "MEASURE"]

@@ -1,13 +1,16 @@
 """The layout latency predictor: torch MLPs whose architecture and training are chosen by NAS
 (Optuna, TPE sampler, Hyperband pruner), on features of a conv and a layout, predicting log
-latency. Also the baselines the paper compares with (SVR, linear regression, gradient-boosted
+latency, or log of the latency over the FMA reference timed in the same rounds (the label that
+repeats across the VM's spells; seconds again with the reference speed measured where it is used).
+Also the baselines the paper compares with (SVR, linear regression, gradient-boosted
 trees, on the raw latency target as the paper did and on the log target) and the metrics that
 matter to a planner: R2 on latency and log latency, and how often a model picks the slower
 layout and what that costs.
 
     rows = maco.layouts.dataset.load_rows("results/dataset_cpu.csv")
     pred = train_predictor(rows, trials=40)
-    pred.predict(spec, "NHWC")  # seconds
+    pred.predict(spec, "NHWC")  # seconds (a ratio-trained one at the speed it was trained at)
+    latency_sources.at_speed_now(pred)  # ... or at the FMA reference's speed measured now
     pred.save("results/predictor_cpu"); LatencyPredictor.load("results/predictor_cpu")
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -51,6 +54,7 @@ def _pad(v: int, block: int) -> float:
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh, "elu": nn.ELU}
 FORMAT_VERSION = 1
+LABELS = ("seconds", "ratio")  # what the MLPs learn: log seconds, or log of seconds over the reference
 MAX_MODEL_BYTES = 256 << 20  # the ensemble's weights: a few MB in practice
 # The NAS's widest layer: 5 hidden layers of 256 in a 3-model ensemble save to ~3 MB, small
 # enough to keep a trained predictor in the repository.
@@ -162,10 +166,39 @@ def _mlp_predict(model: nn.Module, x: np.ndarray) -> np.ndarray:
 
 
 # -- the predictor ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReferenceSpeed:
+    """The FMA reference's seconds for `flops`: a fixed start-up (its OpenMP fork and join) plus
+    the flops at `gflops`. Turns a ratio label back into seconds."""
+
+    gflops: float
+    overhead: float = 0.0  # seconds
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.gflops) and self.gflops > 0 and math.isfinite(self.overhead)
+                and self.overhead >= 0):
+            raise MacoError(f"a reference speed needs gflops > 0 and overhead >= 0, got "
+                            f"gflops={self.gflops!r}, overhead={self.overhead!r}")
+
+    def seconds(self, flops: np.ndarray) -> np.ndarray:
+        return self.overhead + np.asarray(flops, float) / (self.gflops * 1e9)
+
+    @classmethod
+    def fit(cls, flops: np.ndarray, reference: np.ndarray) -> "ReferenceSpeed":
+        """Least squares of the references timed beside the data set's convs on their flops."""
+        flops, reference = np.asarray(flops, float), np.asarray(reference, float)
+        a = np.vstack([np.ones_like(flops), flops]).T
+        (overhead, per_flop), *_ = np.linalg.lstsq(a, reference, rcond=None)
+        if per_flop <= 0:
+            raise MacoError("the references do not grow with the flops: cannot fit their speed")
+        return cls(1e-9 / per_flop, max(0.0, float(overhead)))
+
+
 @dataclass
 class LatencyPredictor:
     """Seconds of a conv in a layout, from an ensemble of MLPs predicting standardised log
-    latency (their mean in log space), plus an optional conversion-cost model."""
+    latency or log ratio to the reference (their mean in log space), plus an optional
+    conversion-cost model. A ratio predictor turns ratios into seconds at `reference`."""
 
     config: MLPConfig
     x_mean: np.ndarray
@@ -176,14 +209,35 @@ class LatencyPredictor:
     device: str = "cpu"
     conversion: ConversionModel | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    label: str = "seconds"
+    reference: ReferenceSpeed | None = None
 
-    def predict_many(self, specs: Sequence[ConvSpec], layouts: Sequence[str]) -> np.ndarray:
-        """Seconds for each (spec, layout) pair, as a float64 array."""
+    def __post_init__(self) -> None:
+        if self.label not in LABELS:
+            raise MacoError(f"a predictor's label must be one of {LABELS}, got {self.label!r}")
+        if self.label == "ratio" and self.reference is None:
+            raise MacoError("a predictor trained on ratios needs the reference speed that turns them into seconds")
+
+    def predict_labels(self, specs: Sequence[ConvSpec], layouts: Sequence[str]) -> np.ndarray:
+        """What the MLPs learned, for each (spec, layout) pair: seconds or ratios."""
         if not len(specs):
             return np.zeros(0)
         x = (features(specs, layouts) - self.x_mean) / self.x_std
         z = np.mean([_mlp_predict(m, x) for m in self.models], axis=0)
         return np.exp(z * self.y_std + self.y_mean)
+
+    def predict_many(self, specs: Sequence[ConvSpec], layouts: Sequence[str]) -> np.ndarray:
+        """Seconds for each (spec, layout) pair, as a float64 array."""
+        labels = self.predict_labels(specs, layouts)
+        if self.label == "seconds" or not len(specs):
+            return labels
+        return labels * self.reference.seconds(np.array([s.flops for s in specs], float))
+
+    def at_speed(self, gflops: float) -> "LatencyPredictor":
+        """This ratio predictor giving seconds with the reference at `gflops` (measured now)."""
+        if self.label != "ratio":
+            return self
+        return replace(self, reference=ReferenceSpeed(gflops, self.reference.overhead))
 
     def predict(self, spec: ConvSpec, layout: str) -> float:
         return float(self.predict_many([spec], [layout])[0])
@@ -206,7 +260,8 @@ class LatencyPredictor:
                "y_mean": self.y_mean, "y_std": self.y_std, "device": self.device,
                "ensemble": len(self.models), "model_sha256": hashlib.sha256(blob).hexdigest(),
                "conversion": self.conversion.to_dict() if self.conversion else None,
-               "meta": self.meta}
+               "meta": self.meta, "label": self.label,
+               "reference": self.reference.__dict__ if self.reference else None}
         write_atomic(folder / "predictor.json", json.dumps(doc, indent=1, default=str).encode())
 
     @classmethod
@@ -234,51 +289,53 @@ class LatencyPredictor:
                 model.load_state_dict(state)
                 models.append(model.eval())
             conv = ConversionModel.from_dict(doc["conversion"]) if doc.get("conversion") else None
+            reference = ReferenceSpeed(**doc["reference"]) if doc.get("reference") else None
             return cls(config, np.array(doc["x_mean"]), np.array(doc["x_std"]), float(doc["y_mean"]),
                        float(doc["y_std"]), models, str(doc.get("device", "cpu")), conv,
-                       doc.get("meta") or {})
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                       doc.get("meta") or {}, doc.get("label", "seconds"), reference)
+        except (KeyError, TypeError, ValueError, RuntimeError, MacoError) as exc:
             raise MacoError(f"{str(path)!r}: not a valid latency predictor: {exc}") from None
 
 
-def fit_predictor(specs: Sequence[ConvSpec], layouts: Sequence[str], seconds: np.ndarray,
+def fit_predictor(specs: Sequence[ConvSpec], layouts: Sequence[str], labels: np.ndarray,
                   config: MLPConfig, *, ensemble: int = 1, seed: int = 0, device: str = "cpu",
-                  conversion: ConversionModel | None = None,
-                  meta: dict[str, Any] | None = None) -> LatencyPredictor:
-    """Train `ensemble` MLPs of one config (different seeds) on all the given rows."""
-    seconds = np.asarray(seconds, dtype=float)
-    if len(specs) < 2 or len(specs) != len(seconds) or np.any(seconds <= 0):
-        raise MacoError(f"need >= 2 rows with positive seconds, got {len(specs)} rows")
+                  conversion: ConversionModel | None = None, meta: dict[str, Any] | None = None,
+                  label: str = "seconds", reference: ReferenceSpeed | None = None) -> LatencyPredictor:
+    """Train `ensemble` MLPs of one config (different seeds) on all the given rows' `labels`
+    (seconds, or ratios to the reference with `reference` its speed over the same rows)."""
+    labels = np.asarray(labels, dtype=float)
+    if len(specs) < 2 or len(specs) != len(labels) or not np.all(labels > 0):
+        raise MacoError(f"need >= 2 rows with positive {label}, got {len(specs)} rows")
     x = features(specs, layouts)
     x_mean, x_std = x.mean(axis=0), x.std(axis=0)
     x_std[x_std == 0] = 1.0
-    y = np.log(seconds)
+    y = np.log(labels)
     y_mean, y_std = float(y.mean()), float(y.std() or 1.0)
     xs, ys = (x - x_mean) / x_std, (y - y_mean) / y_std
     with _one_thread():
         models = [train_mlp(config, xs, ys, seed=seed + i) for i in range(ensemble)]
     return LatencyPredictor(config, x_mean, x_std, y_mean, y_std, models, device, conversion,
-                            meta or {})
+                            meta or {}, label, reference)
 
 
 # -- NAS ----------------------------------------------------------------------------------------
-def search_config(specs: Sequence[ConvSpec], layouts: Sequence[str], seconds: np.ndarray, *,
+def search_config(specs: Sequence[ConvSpec], layouts: Sequence[str], labels: np.ndarray, *,
                   trials: int = 30, epochs: int = 200, timeout: float | None = None,
                   val_fraction: float = 0.2, seed: int = 0, progress: bool = True
                   ) -> tuple[MLPConfig, Any]:
     """Optuna NAS: TPE over depth, width, activation, dropout, learning rate, weight decay and
-    batch size; Hyperband prunes trials whose validation loss lags. The validation rows are a
+    batch size; Hyperband prunes trials whose validation loss lags (on log `labels`: seconds or
+    ratios). The validation rows are a
     spec-grouped part of the given rows (both layouts of a conv on one side). Returns the best
     config (with `epochs`) and the study."""
     import optuna
 
-    seconds = np.asarray(seconds, dtype=float)
     train_idx, val_idx = split_by_spec(specs, val_fraction, seed)
     x = features(specs, layouts)
     mean, std = x[train_idx].mean(axis=0), x[train_idx].std(axis=0)
     std[std == 0] = 1.0
     x = (x - mean) / std
-    y = np.log(seconds)
+    y = np.log(np.asarray(labels, dtype=float))
     ym, ysd = y[train_idx].mean(), y[train_idx].std() or 1.0
     y = (y - ym) / ysd
     report_every = max(1, epochs // 20)
@@ -320,24 +377,43 @@ def search_config(specs: Sequence[ConvSpec], layouts: Sequence[str], seconds: np
     return MLPConfig(**study.best_params, epochs=epochs), study
 
 
+def row_labels(rows: Sequence[Any], label: str | None = None
+               ) -> tuple[str, np.ndarray, ReferenceSpeed | None]:
+    """(label, each row's label, the reference speed over the rows) for data set rows: ratios
+    where every row has one (label None or "ratio"), else seconds."""
+    if label is None:
+        label = "ratio" if rows and all(r.ratio is not None for r in rows) else "seconds"
+    if label not in LABELS:
+        raise MacoError(f"label must be one of {LABELS}, got {label!r}")
+    if label == "seconds":
+        return label, np.array([r.seconds for r in rows]), None
+    missing = sum(r.ratio is None for r in rows)
+    if missing:
+        raise MacoError(f"{missing} of {len(rows)} rows were timed without the reference and have no "
+                        "ratio: collect them again, or train on seconds")
+    reference = ReferenceSpeed.fit(np.array([r.spec.flops for r in rows], float),
+                                   np.array([r.timing.reference for r in rows]))
+    return label, np.array([r.ratio for r in rows]), reference
+
+
 def train_predictor(rows: Sequence[Any], *, trials: int = 30, epochs: int = 200,
                     timeout: float | None = None, ensemble: int = 3, seed: int = 0,
                     device: str = "cpu", conversion: ConversionModel | None = None,
-                    progress: bool = True) -> LatencyPredictor:
+                    progress: bool = True, label: str | None = None) -> LatencyPredictor:
     """NAS on the given data set rows (layouts.dataset.Row) of one device, then the best config
-    retrained on all of them as an ensemble."""
+    retrained on all of them as an ensemble; on ratios where the rows have them (row_labels)."""
     rows = [r for r in rows if r.device == device]
     if len(rows) < 10:
         raise MacoError(f"need at least 10 rows measured on {device!r} to train, got {len(rows)}")
     specs, lays = [r.spec for r in rows], [r.layout for r in rows]
-    secs = np.array([r.seconds for r in rows])
+    label, values, reference = row_labels(rows, label)
     start = time.perf_counter()
-    config, study = search_config(specs, lays, secs, trials=trials, epochs=epochs, timeout=timeout,
+    config, study = search_config(specs, lays, values, trials=trials, epochs=epochs, timeout=timeout,
                                   seed=seed, progress=progress)
     meta = {"rows": len(rows), "trials": len(study.trials), "nas_best_val_mse": study.best_value,
             "nas_seconds": time.perf_counter() - start}
-    return fit_predictor(specs, lays, secs, config, ensemble=ensemble, seed=seed, device=device,
-                         conversion=conversion, meta=meta)
+    return fit_predictor(specs, lays, values, config, ensemble=ensemble, seed=seed, device=device,
+                         conversion=conversion, meta=meta, label=label, reference=reference)
 
 
 # -- splits, baselines and metrics ---------------------------------------------------------------
@@ -365,6 +441,9 @@ class Metrics:
     wrong_picks_5pct: float  # the same, counting only convs whose layouts differ by > 5%
     pick_cost: float  # extra seconds of the wrong picks / seconds of the best layouts
     pairs: int  # convs with every layout measured
+    within_10pct: float = float("nan")  # share of rows predicted within +-10%
+    wrong_clear: float = float("nan")  # wrong picks among the convs whose layouts differ by > 5%
+    clear_pairs: int = 0  # those convs
     rel_errors: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
 
     def to_dict(self) -> dict[str, float]:
@@ -381,10 +460,11 @@ def evaluate(specs: Sequence[ConvSpec], layouts: Sequence[str], measured: np.nda
              predicted: np.ndarray) -> Metrics:
     measured, predicted = np.asarray(measured, float), np.asarray(predicted, float)
     safe = np.maximum(predicted, 1e-12)  # a raw-target model can predict <= 0
+    errors = np.abs(predicted - measured) / measured
     by_spec: dict[str, dict[str, tuple[float, float]]] = {}
     for s, lay, m, p in zip(specs, layouts, measured, predicted):
         by_spec.setdefault(str(s), {})[lay] = (m, p)
-    wrong = wrong5 = pairs = 0
+    wrong = wrong5 = pairs = clear = 0
     extra = best_total = 0.0
     for d in by_spec.values():
         if len(d) < 2:
@@ -393,17 +473,20 @@ def evaluate(specs: Sequence[ConvSpec], layouts: Sequence[str], measured: np.nda
         best = min(d, key=lambda k: d[k][0])
         chosen = min(d, key=lambda k: d[k][1])
         best_total += d[best][0]
+        clear += max(m for m, _ in d.values()) > 1.05 * d[best][0]
         if chosen != best:
             wrong += 1
             extra += d[chosen][0] - d[best][0]
             wrong5 += d[chosen][0] > 1.05 * d[best][0]
     return Metrics(r2=r2_score(measured, predicted),
                    r2_log=r2_score(np.log(measured), np.log(safe)),
-                   median_rel_error=float(np.median(np.abs(predicted - measured) / measured)),
+                   median_rel_error=float(np.median(errors)),
                    wrong_picks=wrong / pairs if pairs else float("nan"),
                    wrong_picks_5pct=wrong5 / pairs if pairs else float("nan"),
                    pick_cost=extra / best_total if best_total else float("nan"), pairs=pairs,
-                   rel_errors=np.abs(predicted - measured) / measured)
+                   within_10pct=float(np.mean(errors <= 0.10)) if len(errors) else float("nan"),
+                   wrong_clear=wrong5 / clear if clear else float("nan"), clear_pairs=clear,
+                   rel_errors=errors)
 
 
 def baseline_models(seed: int = 0) -> dict[str, Any]:
@@ -448,12 +531,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ensemble", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", choices=LABELS, default=None,
+                   help="what to learn (default: ratio to the reference where every row has one, else seconds)")
     args = p.parse_args(argv)
     try:
         conv = ConversionModel.calibrate(args.device)
         pred = train_predictor(load_rows(args.data), trials=args.trials, epochs=args.epochs,
                                timeout=args.timeout, ensemble=args.ensemble, seed=args.seed,
-                               device=args.device, conversion=conv)
+                               device=args.device, conversion=conv, label=args.label)
         pred.save(args.out)
     except MacoError as exc:
         print(f"error: {exc}")
@@ -462,7 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["FEATURES", "MLPConfig", "LatencyPredictor", "Metrics", "features", "build_mlp",
+__all__ = ["FEATURES", "LABELS", "MLPConfig", "ReferenceSpeed", "LatencyPredictor", "row_labels", "Metrics",
+           "features", "build_mlp",
            "train_mlp", "fit_predictor", "search_config", "train_predictor", "split_by_spec",
            "evaluate", "r2_score", "baseline_models", "fit_baseline"]
 

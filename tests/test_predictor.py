@@ -1,5 +1,6 @@
 """The predictor: features, spec-grouped splits, metrics checked by hand and against
-scikit-learn, an MLP that learns a known latency law, NAS plumbing and save/load."""
+scikit-learn, an MLP that learns a known latency law (in seconds and as a ratio to the reference),
+NAS plumbing and save/load."""
 import json
 
 import numpy as np
@@ -7,10 +8,12 @@ import pytest
 
 from maco.errors import MacoError
 from maco.layouts.dataset import random_specs
-from maco.layouts.predictor import (FEATURES, LatencyPredictor, MLPConfig, baseline_models,
-                                    evaluate, features, fit_baseline, fit_predictor, r2_score,
+from maco.layouts.dataset import Row
+from maco.layouts.predictor import (FEATURES, LatencyPredictor, MLPConfig, ReferenceSpeed, baseline_models,
+                                    evaluate, features, fit_baseline, fit_predictor, r2_score, row_labels,
                                     search_config, split_by_spec)
 from maco.spec import ConvSpec
+from maco.timing import Timing
 
 
 def _law(spec: ConvSpec, layout: str) -> float:
@@ -62,6 +65,8 @@ def test_metrics_by_hand_and_against_sklearn():
     m = evaluate(specs, lays, measured, predicted)
     assert m.pairs == 2 and m.wrong_picks == 0.5 and m.wrong_picks_5pct == 0.5
     assert m.pick_cost == pytest.approx(1.0 / (1.0 + 3.0))
+    assert m.clear_pairs == 2 and m.wrong_clear == 0.5  # a: 2.0 vs 1.0, b: 4.0 vs 3.0
+    assert m.within_10pct == pytest.approx(3 / 5)  # b's two rows (7.5%, 6.7% off) and c
     assert m.r2 == pytest.approx(sk_r2(measured, predicted))
     assert m.r2_log == pytest.approx(sk_r2(np.log(measured), np.log(predicted)))
     assert r2_score(measured, measured) == 1.0
@@ -128,3 +133,80 @@ def test_baselines_raw_and_log(synthetic):
     assert g(sub(specs, te), sub(lays, te)).shape == (len(te),)
     with pytest.raises(MacoError, match="'cubic'"):
         fit_baseline(models["SVR"], specs, lays, secs, "cubic")
+
+
+def _row(spec: ConvSpec, layout: str, seconds: float, reference: float | None) -> Row:
+    ratio = None if reference is None else seconds / reference
+    return Row(spec, layout, "cpu", "random", Timing(seconds, seconds, seconds, 0.0, 3, 1, reference, ratio))
+
+
+def test_a_ratio_label_turns_into_seconds_at_the_speed_measured_now(synthetic, tmp_path):
+    """Rows timed in a fast spell and a slow one (the reference slows alike) give one ratio law;
+    the predictor trained on it gives seconds at whatever reference speed it is handed."""
+    specs, lays, _ = synthetic
+    speed = ReferenceSpeed(gflops=400.0, overhead=10e-6)
+    rows = []
+    for i, (s, lay) in enumerate(zip(specs, lays)):
+        slow = 1.0 if (i // 2) % 2 else 1.6  # both layouts of a conv share their spell
+        reference = float(speed.seconds(s.flops)) * slow
+        rows.append(_row(s, lay, _law(s, lay) / _law(s, "NHWC") * 3.0 * reference, reference))
+    label, labels, fitted = row_labels(rows)
+    assert label == "ratio" and labels[1] == pytest.approx(3.0)
+    # half the rows ran 1.6x slower: the fit lands between the two spells' speeds
+    assert 400 / 1.6 < fitted.gflops < 400 and fitted.overhead >= 0
+    tr, te = split_by_spec(specs, 0.2, seed=0)
+    sub = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
+    cfg = MLPConfig(layers=3, width=128, activation="silu", lr=3e-3, batch_size=32, epochs=100)
+    pred = fit_predictor(sub(specs, tr), sub(lays, tr), labels[tr], cfg, label=label, reference=fitted)
+    ratios = pred.predict_labels(sub(specs, te), sub(lays, te))
+    m = evaluate(sub(specs, te), sub(lays, te), labels[te], ratios)
+    assert m.median_rel_error < 0.05 and m.wrong_clear < 0.05, m
+    big = max(sub(specs, te), key=lambda s: s.flops)
+    fast, slow = pred.at_speed(800.0), pred.at_speed(200.0)
+    assert fast.predict(big, "NCHW") == pytest.approx(
+        pred.predict_labels([big], ["NCHW"])[0] * (fitted.overhead + big.flops / 800e9))
+    assert slow.predict(big, "NCHW") > 3.5 * fast.predict(big, "NCHW")
+    pred.save(tmp_path / "p")
+    again = LatencyPredictor.load(tmp_path / "p")
+    assert again.label == "ratio" and again.reference == fitted
+    assert np.array_equal(again.predict_many(sub(specs, te), sub(lays, te)),
+                          pred.predict_many(sub(specs, te), sub(lays, te)))
+
+
+def test_rows_without_the_reference_train_on_seconds_and_a_ratio_needs_one(synthetic, tmp_path):
+    specs, lays, secs = synthetic
+    rows = [_row(s, lay, t, None if i == 0 else t / 2) for i, (s, lay, t) in enumerate(zip(specs, lays, secs))]
+    label, labels, reference = row_labels(rows)
+    assert label == "seconds" and reference is None and labels[0] == secs[0]
+    with pytest.raises(MacoError, match="1 of 800 rows were timed without the reference"):
+        row_labels(rows, "ratio")
+    with pytest.raises(MacoError, match="needs the reference speed"):
+        fit_predictor(specs[:40], lays[:40], secs[:40], MLPConfig(layers=1, width=8, epochs=2), label="ratio")
+    with pytest.raises(MacoError, match="gflops=-1"):
+        ReferenceSpeed(gflops=-1.0)
+    # a predictor saved before labels existed reads as one trained on seconds
+    pred = fit_predictor(specs[:40], lays[:40], secs[:40], MLPConfig(layers=1, width=8, epochs=2))
+    pred.save(tmp_path / "p")
+    doc = json.loads((tmp_path / "p" / "predictor.json").read_text())
+    del doc["label"], doc["reference"]
+    (tmp_path / "p" / "predictor.json").write_text(json.dumps(doc))
+    old = LatencyPredictor.load(tmp_path / "p")
+    assert old.label == "seconds" and old.at_speed(1.0) is old
+    doc["label"] = "joules"
+    (tmp_path / "p" / "predictor.json").write_text(json.dumps(doc))
+    with pytest.raises(MacoError, match="'joules'"):
+        LatencyPredictor.load(tmp_path / "p")
+
+
+def test_at_speed_now_times_the_reference_on_this_cpu(synthetic):
+    from maco.layouts.latency_sources import at_speed_now
+
+    specs, lays, secs = synthetic
+    cfg = MLPConfig(layers=1, width=8, epochs=2)
+    ratio = fit_predictor(specs[:40], lays[:40], secs[:40] * 1e3, cfg, label="ratio",
+                          reference=ReferenceSpeed(gflops=1e-3, overhead=0.0))
+    now = at_speed_now(ratio)
+    # a real core runs the FMA loop at GFLOP/s, not at a millionth of one
+    assert 1.0 < now.reference.gflops < 1e5 and now.reference.overhead == 0.0
+    seconds = fit_predictor(specs[:40], lays[:40], secs[:40], cfg)
+    assert at_speed_now(seconds) is seconds

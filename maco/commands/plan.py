@@ -44,10 +44,11 @@ def _other_column(args: argparse.Namespace, convs: list[Any], specs: dict[str, A
     """The latencies the plan was not made from: predicted for a measured plan (when a trained
     predictor is at hand), measured for a predicted one."""
     from maco.layouts import load_predictor
+    from maco.layouts.latency_sources import at_speed_now
 
     if args.latency == "measure":
         try:
-            pred = load_predictor(args.predictor)
+            pred = at_speed_now(load_predictor(args.predictor))
         except MacoError:
             return {}
         pairs = [(layer.name, layer.layout) for layer in convs]
