@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from maco.layouts.latency import strict_cudnn
-from maco.layouts.maco_modules import MacoConv2d
+from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d
 from maco.timing import Timing, interleaved_rounds, pool_timings, steady_allocator
 
 
@@ -141,8 +141,8 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
         return hook
 
     hooks = [mod.register_forward_pre_hook(keep(name))
-             for name, mod in model.named_modules() if isinstance(mod, (nn.Conv2d, MacoConv2d))
-             and not any(isinstance(p, MacoConv2d) for p in _parents(model, name))]
+             for name, mod in model.named_modules() if isinstance(mod, (nn.Conv2d,) + MACO_CONVS)
+             and not any(isinstance(p, MACO_CONVS) for p in _parents(model, name))]
     steady_allocator()
     with torch.inference_mode():
         try:
@@ -158,6 +158,10 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
                 x = args[0].contiguous(memory_format=mod._format)
                 res = args[1].contiguous(memory_format=mod._format) if len(args) > 1 else None
                 runs[name] = mod._conv.prepare(x, res, mod._conv.output())
+            elif isinstance(mod, MacoWinograd2d):
+                out, res = mod._new_output(), args[1] if len(args) > 1 else None
+                runs[name] = lambda mod=mod, x=args[0], res=res, out=out: mod._kernel(
+                    x, mod._weight, mod._bias, res, out)
             else:
                 runs[name] = lambda mod=mod, args=args: mod(*args)
         for fn in runs.values():
@@ -168,6 +172,9 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
     return ConvShare(model_s, sum(medians.values()), medians, rest_s)
 
 
+MACO_CONVS = (MacoConv2d, MacoWinograd2d)  # what runs a conv by a MACO kernel
+
+
 class _Skipping:
     """Runs a model with every MACO kernel call replaced by handing back its output buffer: what
     the model costs besides its MACO kernels (its outputs are then meaningless)."""
@@ -175,6 +182,7 @@ class _Skipping:
     def __init__(self, model: nn.Module):
         self.model = model
         self.convs = [m for m in model.modules() if isinstance(m, MacoConv2d)]
+        self.winograd = [m for m in model.modules() if isinstance(m, MacoWinograd2d)]
 
     def run(self, inputs: tuple) -> Callable[[], Any]:
         def skip(conv: MacoConv2d) -> Callable[..., Any]:
@@ -186,12 +194,21 @@ class _Skipping:
         def call() -> Any:
             for c, fn in zip(self.convs, skips):
                 c._conv.run_tensor = fn  # an instance attribute hides the method
+            kernels = [w._kernel for w in self.winograd]
+            for w in self.winograd:
+                w._kernel = _no_kernel
             try:
                 return self.model(*inputs)
             finally:
                 for c in self.convs:
                     del c._conv.run_tensor
+                for w, kernel in zip(self.winograd, kernels):
+                    w._kernel = kernel
         return call
+
+
+def _no_kernel(*args: Any) -> None:
+    """A skipped generated kernel: its output buffer is handed back as it is."""
 
 
 def _parents(model: nn.Module, name: str) -> list[nn.Module]:

@@ -21,6 +21,7 @@ from maco.kernels.linear import compile_linear
 from maco.errors import MacoError
 from maco.kernels.depthwise import MAX_TAPS, DepthwiseKernel, DepthwisePlan, is_depthwise
 from maco.kernels.pool import PoolKernel, plan_for
+from maco.kernels.winograd import WinogradKernel, WinogradPlan, winograd_can_run
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -197,6 +198,44 @@ class MacoDepthwise2d(_GeneratedOp):
     def extra_repr(self) -> str:
         return (f"{self.spec}, layout={self.layout}, activation={self._plan.activation}, "
                 f"preallocated={self.preallocated}")
+
+
+class MacoWinograd2d(_GeneratedOp):
+    """A 3x3 stride-1 `conv` (a Conv2d or FusedConv2d) run by the Winograd kernel
+    (kernels.winograd) in NHWC for the one input shape it was built for; any other input runs
+    `conv` itself."""
+
+    def __init__(self, conv: nn.Conv2d, spec: ConvSpec, target: Target, preallocate: bool = False):
+        super().__init__()
+        activation, residual = epilogue_of(conv)
+        if not winograd_module_can_run(conv, spec, target):
+            raise MacoError(f"no generated Winograd kernel computes {conv} ({spec}) on {target.name}")
+        self.spec, self.layout, self.torch_conv = spec, "NHWC", conv
+        self._plan = WinogradPlan(spec, conv.bias is not None, activation, residual == "before", target.cores,
+                                  target.simd_width)
+        self._kernel = WinogradKernel(self._plan, target)
+        self._weight = self._plan.pack_weight(conv.weight.detach().numpy())
+        self._bias = None if conv.bias is None else conv.bias.detach().numpy().astype("float32")
+        self._output_in("NHWC", spec.output_shape, preallocate)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if (not self._runs(x, self.spec.input_shape) or self._plan.residual != (residual is not None)
+                or (residual is not None and not self._runs(residual, self.spec.output_shape))):
+            return self.torch_conv(x) if residual is None else self.torch_conv(x, residual)
+        out = self._output()
+        self._kernel(x, self._weight, self._bias, residual, out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{self.spec}, Winograd F(2x2,3x3), NHWC, activation={self._plan.activation}, "
+                f"residual={self._plan.residual}, preallocated={self.preallocated}")
+
+
+def winograd_module_can_run(conv: nn.Module, spec: ConvSpec, target: Target) -> bool:
+    """Whether kernels.winograd computes this conv module on `target`: a CPU with vectors, a 3x3
+    stride-1 conv it takes (winograd_can_run), zero padding, an epilogue a kernel computes."""
+    return (isinstance(conv, nn.Conv2d) and target.kind == "cpu" and target.simd_width in (4, 8, 16)
+            and winograd_can_run(spec, target.simd_width) and kernel_can_run(conv))
 
 
 def depthwise_can_run(conv: nn.Module, spec: ConvSpec) -> bool:

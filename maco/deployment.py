@@ -27,7 +27,8 @@ from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.kernel_choice import POOLS
 from maco.kernels.pool import plan_for
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, depthwise_can_run,
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
+                                       winograd_module_can_run, depthwise_can_run,
                                        swap_module)
 from maco.optimize_report import OptimizeResult
 from maco.schedule import Schedule
@@ -54,6 +55,7 @@ class Deployment:
     linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch, preallocate
     pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout, preallocate
     depthwise: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, layout, preallocate
+    winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, preallocate
 
     def to_dict(self) -> dict[str, Any]:
         from maco import __version__
@@ -82,7 +84,7 @@ class Deployment:
         if not isinstance(dep.threads, int) or dep.threads < 1:
             raise MacoError(f"threads must be a positive int, got {short(dep.threads)}")
         for name, value in (("target", dep.target), ("convs", dep.convs), ("linears", dep.linears),
-                            ("pools", dep.pools), ("depthwise", dep.depthwise)):
+                            ("pools", dep.pools), ("depthwise", dep.depthwise), ("winograd", dep.winograd)):
             if not isinstance(value, dict):
                 raise MacoError(f"{name} must be an object, got {short(value)}")
         if not isinstance(dep.fusion, list) or not all(isinstance(f, str) for f in dep.fusion):
@@ -112,6 +114,8 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
             dep.pools[path] = {"shape": list(mod.shape), "layout": mod.layout, "preallocate": mod.preallocated}
         elif isinstance(mod, MacoDepthwise2d):
             dep.depthwise[path] = {"spec": str(mod.spec), "layout": mod.layout, "preallocate": mod.preallocated}
+        elif isinstance(mod, MacoWinograd2d):
+            dep.winograd[path] = {"spec": str(mod.spec), "preallocate": mod.preallocated}
     return dep
 
 
@@ -188,6 +192,16 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
             raise MacoError(f"{str(path)!r}: no generated kernel runs depthwise conv {short(conv_path)} "
                             f"({spec}) in {short(d.get('layout'))}")
         swap_module(gm, conv_path, MacoDepthwise2d(conv, spec, d["layout"], host, bool(d.get("preallocate"))))
+    for conv_path, d in dep.winograd.items():
+        conv = _submodule(gm, conv_path, nn.Conv2d)
+        spec = ConvSpec.parse(d.get("spec")) if isinstance(d, dict) and isinstance(d.get("spec"), str) else None
+        if spec is None or spec != _spec_of(conv, spec.input_shape):
+            raise MacoError(f"{str(path)!r}: Winograd conv {short(conv_path)} is not the saved {short(spec)}")
+        if not winograd_module_can_run(conv, spec, host):
+            if foreign:  # another machine's vectors: torch runs it here, as a default would
+                continue
+            raise MacoError(f"{str(path)!r}: no generated Winograd kernel runs conv {short(conv_path)} ({spec})")
+        swap_module(gm, conv_path, MacoWinograd2d(conv, spec, host, bool(d.get("preallocate"))))
     gm.meta["maco"] = dep
     return gm
 

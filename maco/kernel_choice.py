@@ -13,8 +13,9 @@ from torch import nn
 from maco.kernels.baselines import torch_conv
 from maco.kernels.linear import MAX_BATCH
 from maco.kernels.pool import plan_for
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, call_sites,
-                                       depthwise_can_run, escapes, swap_module)
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
+                                       call_sites, depthwise_can_run, escapes, swap_module,
+                                       winograd_module_can_run)
 from maco.records import Record
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -134,6 +135,21 @@ def faster_depthwise(gm: fx.GraphModule, example_input: Any, target: Target, rou
     return _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
 
 
+def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
+    """Swap (in place) each 3x3 stride-1 conv of `gm` whose input is channels_last in the model
+    (run by torch or by a MacoConv2d) for the Winograd kernel (kernels.winograd) where that runs
+    at least MIN_GAIN faster than what runs it now, residual and all."""
+    def make(conv: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
+        conv = conv.torch_conv if isinstance(conv, MacoConv2d) else conv
+        if _layout(x) != "NHWC" or x.dtype != torch.float32:
+            return None
+        spec = ConvSpec.from_module(conv, tuple(x.shape))
+        if not winograd_module_can_run(conv, spec, target):
+            return None
+        return MacoWinograd2d(conv, spec, target, preallocate=preallocate)
+    return _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
+
+
 def _layout(x: torch.Tensor) -> str | None:
     """The layout a 4-d tensor is stored in (NCHW when both apply), None when neither."""
     if x.dim() != 4:
@@ -146,14 +162,14 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
                     rounds: int) -> ModuleRatios:
     """Each module of `types` called in `gm`, and the generated-kernel module `make` builds for the
     input it sees in the model (None: none fits), timed beside it here in interleaved rounds on
-    that input; swapped in place where MACO wins by MIN_GAIN (its output preallocated when the
+    the arguments it gets there; swapped in place where MACO wins by MIN_GAIN (its output preallocated when the
     module is called once and its output stays inside the model)."""
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
-    seen: dict[str, tuple[nn.Module, torch.Tensor]] = {}
+    seen: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]] = {}
 
     def keep(path: str) -> Callable[[nn.Module, tuple], None]:
-        def hook(mod: nn.Module, args: tuple) -> None:
-            seen.setdefault(path, (mod, args[0].detach().clone(memory_format=torch.preserve_format)))
+        def hook(mod: nn.Module, args: tuple) -> None:  # the input, and a fused conv's residual
+            seen.setdefault(path, (mod, tuple(a.detach().clone(memory_format=torch.preserve_format) for a in args)))
         return hook
 
     calls = call_sites(gm)
@@ -167,11 +183,12 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
             hook.remove()
     steady_allocator()
     ratios: ModuleRatios = {}
-    for path, (module, x) in seen.items():
-        maco = make(module, x, False)
+    for path, (module, args) in seen.items():
+        maco = make(module, args[0], False)
         if maco is None:
             continue
-        runs = {"torch": lambda module=module, x=x: module(x), "maco": lambda maco=maco, x=x: maco(x)}
+        runs = {"torch": lambda module=module, args=args: module(*args),
+                "maco": lambda maco=maco, args=args: maco(*args)}
         with torch.inference_mode():
             for fn in runs.values():
                 fn()
@@ -179,5 +196,5 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
         ratios[path] = statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
         if ratios[path] >= MIN_GAIN:
             sites = calls[path]
-            swap_module(gm, path, make(module, x, len(sites) == 1 and not escapes(gm, sites[0])))
+            swap_module(gm, path, make(module, args[0], len(sites) == 1 and not escapes(gm, sites[0])))
     return ratios

@@ -1,6 +1,6 @@
 """From per-layer latencies to the model handed back, shared by `maco optimize` and the
-torch.compile backend: fold and fuse, plan layouts, swap in the MACO kernels (convs, depthwise
-convs, linear and pooling layers) that win in this process, then time every variant in the same
+torch.compile backend: fold and fuse, plan layouts, swap in the MACO kernels (convs, Winograd
+and depthwise convs, linear and pooling layers) that win in this process, then time every variant in the same
 rounds and keep the fastest whose output is right."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from maco.kernel_choice import MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears, faster_pools
+from maco.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears,
+                                faster_pools, faster_winograd)
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
@@ -35,6 +36,7 @@ class Variants:
     linears: dict[str, float] = field(default_factory=dict)  # linear path -> torch time / MACO time
     pools: dict[str, float] = field(default_factory=dict)  # pooling path -> torch time / MACO time
     depthwise: dict[str, float] = field(default_factory=dict)  # depthwise conv path -> its time / MACO's
+    winograd: dict[str, float] = field(default_factory=dict)  # 3x3 conv path -> its time / Winograd's
 
 
 def build_variants(model: nn.Module, example_input: Any, target: Target,
@@ -56,9 +58,11 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     linears = faster_linears(planned_maco, example_input, target) if cpu else {}
     pools = faster_pools(planned_maco, example_input, target) if cpu else {}
     depthwise = faster_depthwise(planned_maco, example_input, target) if cpu else {}
-    if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values())):
+    winograd = faster_winograd(planned_maco, example_input, target) if cpu else {}
+    if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values(),
+                                              *winograd.values())):
         models["planned_maco"] = planned_maco
-    return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise)
+    return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd)
 
 
 def fastest(models: Mapping[str, Any], example_input: Any, rounds: int = 3) -> tuple[str, ModelTimes]:

@@ -1,0 +1,225 @@
+"""Winograd F(2x2, 3x3) convolution, generated in C with its epilogue fused (NHWC, stride 1).
+
+A 3x3 stride-1 conv computes each 2x2 output tile from a 4x4 input tile; Winograd's transform
+does it with 16 multiplies per (input, output) channel pair instead of 36, 2.25x fewer, at the
+cost of adding transforms of the input tile (B^T d B), the filters (G g G^T, once, when the
+weights are packed) and the outputs (A^T m A). The direct kernels already run 3x3 layers near
+the FMA peak, so this is the only way left to do them faster.
+
+The kernel works on blocks of TILES output tiles at a time, in one core's caches: it transforms
+the block's input tiles into V (16 x tiles x C), multiplies each of the 16 elements' tile x C
+matrix by the filters' C x K matrix U (a register-tiled GEMM: ROWS tiles x KV vectors of k
+accumulate while the channels stream past), and transforms the products back into outputs,
+adding bias and residual and applying the activation before the store. Blocks are split over
+the cores. The block buffers are per thread, allocated on the first call and kept.
+
+It pays where the filters' transform (16/9 of the weights) stays in cache next to the blocks:
+the early, wide layers (56x56x64, 28x28x128). A deep layer with few tiles re-reads large
+filters for every block; kernel_choice keeps it only where it measures faster in the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from maco.errors import MacoError
+from maco.kernels import cpu_build
+from maco.kernels.epilogue import ACTIVATIONS
+from maco.kernels.source_text import comment
+from maco.spec import ConvSpec
+from maco.target import Target
+
+FUNCTION = "maco_winograd"
+TILES = 36  # output tiles per block at most: its V and M (16 x 36 x 128 floats) stay in the core's L2
+ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
+KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
+# Winograd F(2x2, 3x3) (Lavin and Gray, 2016): U = G g G^T, V = B^T d B, Y = A^T (U * V) A
+G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+
+
+def filter_vectors(lanes: int) -> int:
+    """Filter vectors of one register block: KV with 16-lane vectors (32 registers), else half."""
+    return KV if lanes == 16 else KV // 2
+
+
+def winograd_can_run(spec: ConvSpec, lanes: int = 16) -> bool:
+    """Whether this kernel computes `spec`: a 3x3 conv, stride 1, no dilation or groups, zero
+    padding 1 (output as large as the input), channels in whole vectors of `lanes` and filters
+    in whole register blocks."""
+    return (spec.kh == 3 and spec.kw == 3 and spec.stride == (1, 1) and spec.dilation == (1, 1)
+            and spec.padding == (1, 1) and spec.groups == 1 and spec.c % lanes == 0
+            and spec.k % (lanes * filter_vectors(lanes)) == 0)
+
+
+@dataclass(frozen=True)
+class WinogradPlan:
+    """One conv (spec) in NHWC, its epilogue and threads, on vectors of `lanes` floats."""
+
+    spec: ConvSpec
+    bias: bool = True
+    activation: str = "none"
+    residual: bool = False
+    threads: int = 1
+    lanes: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, ConvSpec):
+            raise MacoError(f"a Winograd plan needs a maco.ConvSpec, got {type(self.spec).__name__}")
+        if self.lanes not in (4, 8, 16):
+            raise MacoError(f"vectors of {self.lanes!r} floats: the kernel knows 4, 8 and 16")
+        if not winograd_can_run(self.spec, self.lanes):
+            raise MacoError(f"Winograd F(2x2,3x3) computes 3x3 stride-1 convs with padding 1, no groups, "
+                            f"C a multiple of {self.lanes} and K of {self.lanes * filter_vectors(self.lanes)}; "
+                            f"not {self.spec}")
+        if self.activation not in ACTIVATIONS:
+            raise MacoError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise MacoError(f"WinogradPlan.threads must be a positive int, got {self.threads!r}")
+
+    def pack_weight(self, w: np.ndarray) -> np.ndarray:
+        """(K, C, 3, 3) -> U = G g G^T as (16, C, K): per element, the C x K matrix the GEMM reads
+        (computed in float64, stored as float32)."""
+        s = self.spec
+        w = np.asarray(w, dtype=np.float64).reshape(s.k, s.c, 3, 3)
+        u = np.einsum("ia,kcab,jb->ijck", G, w, G)
+        return np.ascontiguousarray(u.reshape(16, s.c, s.k), dtype=np.float32)
+
+    @cached_property
+    def source(self) -> str:
+        what = (f"MACO Winograd F(2x2,3x3) conv: {self.spec}, NHWC, bias={self.bias}, "
+                f"activation={self.activation}, residual={self.residual}, threads={self.threads}")
+        return f"{comment(what)}\n{_source(self)}"
+
+
+def _source(plan: WinogradPlan) -> str:
+    s, lanes, kv = plan.spec, plan.lanes, filter_vectors(plan.lanes)
+    n, c, h, w, k = s.n, s.c, s.h, s.w, s.k
+    nty, ntx = (h + 1) // 2, (w + 1) // 2
+    tiles = n * nty * ntx
+    blocks = -(-tiles // TILES)
+    blocks = -(-blocks // plan.threads) * plan.threads if blocks > 1 else blocks  # as many per core
+    per_block = -(-tiles // blocks)  # <= TILES
+    act = {"none": "v", "relu": "vmax(v, zero)", "relu6": "vmin(vmax(v, zero), six)"}[plan.activation]
+    L: list[str] = []
+    e = L.append
+    e("#include <stdlib.h>")
+    e("#include <omp.h>")
+    e(f"typedef float vf __attribute__((vector_size({4 * lanes}), aligned(4)));")
+    e(f"typedef int vi __attribute__((vector_size({4 * lanes}), aligned(4)));")
+    e("static inline vf ld(const float *p) { return *(const vf *)p; }")
+    e("static inline void st(float *p, vf v) { *(vf *)p = v; }")
+    e("static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
+    e("static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
+    # per-thread block buffers, kept between calls (thread-local pointers: no static TLS blocks)
+    e("static __thread float *block_buffer;")
+    e(f"void {FUNCTION}(const float *restrict x, const float *restrict u, const float *restrict b, "
+      "const float *restrict r, float *restrict y) {")
+    e("  const vf zero = {0}; const vf six = zero + 6.f; (void)six; (void)r; (void)b;")
+    e(f"  #pragma omp parallel num_threads({plan.threads})")
+    e("  {")
+    e("  if (!block_buffer)")
+    e(f"    block_buffer = aligned_alloc(64, sizeof(float) * 16 * {per_block} * {c + k});")
+    e("  float *restrict V = block_buffer;")
+    e(f"  float *restrict M = block_buffer + 16 * {per_block * c};")
+    e("  #pragma omp for schedule(static)")
+    e(f"  for (long blk = 0; blk < {blocks}; blk++) {{")
+    e(f"    const long t0 = blk * {per_block};")
+    e(f"    const long nt = t0 + {per_block} <= {tiles} ? {per_block} : {tiles} - t0;")
+    e("    for (long t = 0; t < nt; t++) {  /* V = B^T d B */")
+    e(f"      const long img = (t0 + t) / {nty * ntx}, ty = (t0 + t) / {ntx} % {nty}, tx = (t0 + t) % {ntx};")
+    e("      const long r0 = 2 * ty - 1, q0 = 2 * tx - 1;")
+    e("      int rin[4], qin[4];")
+    e(f"      for (int i = 0; i < 4; i++) {{ rin[i] = r0 + i >= 0 && r0 + i < {h}; "
+      f"qin[i] = q0 + i >= 0 && q0 + i < {w}; }}")
+    e(f"      const float *restrict xi = x + img * {h * w * c};")
+    e(f"      for (long c0 = 0; c0 < {c}; c0 += {lanes}) {{")
+    e("        vf d[4][4], s[4][4];")
+    e("        for (int i = 0; i < 4; i++) for (int j = 0; j < 4; j++)")
+    e(f"          d[i][j] = rin[i] && qin[j] ? ld(xi + ((r0 + i) * {w} + q0 + j) * {c} + c0) : zero;")
+    e("        for (int j = 0; j < 4; j++) {")
+    e("          s[0][j] = d[0][j] - d[2][j]; s[1][j] = d[1][j] + d[2][j];")
+    e("          s[2][j] = d[2][j] - d[1][j]; s[3][j] = d[1][j] - d[3][j]; }")
+    e(f"        float *restrict vt = V + t * {c} + c0;")
+    e("        for (int i = 0; i < 4; i++) {")
+    e(f"          st(vt + (i * 4 + 0) * {per_block * c}, s[i][0] - s[i][2]);")
+    e(f"          st(vt + (i * 4 + 1) * {per_block * c}, s[i][1] + s[i][2]);")
+    e(f"          st(vt + (i * 4 + 2) * {per_block * c}, s[i][2] - s[i][1]);")
+    e(f"          st(vt + (i * 4 + 3) * {per_block * c}, s[i][1] - s[i][3]); }}")
+    e("      }")
+    e("    }")
+    e("    for (int el = 0; el < 16; el++) {  /* M = V U, element by element */")
+    e(f"      const float *restrict ue = u + (long)el * {c * k};")
+    e(f"      const float *restrict ve = V + (long)el * {per_block * c};")
+    e(f"      float *restrict me = M + (long)el * {per_block * k};")
+    e(f"      for (long k0 = 0; k0 < {k}; k0 += {lanes * kv})")
+    e(f"      for (long ti = 0; ti < nt; ti += {ROWS}) {{")
+    e(f"        const long rows = nt - ti < {ROWS} ? nt - ti : {ROWS};")
+    e(f"        if (rows == {ROWS}) {{")
+    _register_block(e, ROWS, kv, c, k, lanes)
+    e("        } else {")
+    e("          for (long i = 0; i < rows; i++) {")
+    e("            vf " + ", ".join(f"a{j} = zero" for j in range(kv)) + ";")
+    e(f"            for (long cc = 0; cc < {c}; cc++) {{ const vf v = zero + ve[(ti + i) * {c} + cc];")
+    e("              " + " ".join(f"a{j} += v * ld(ue + cc * {k} + k0 + {lanes * j});" for j in range(kv)) + " }")
+    e("            " + " ".join(f"st(me + (ti + i) * {k} + k0 + {lanes * j}, a{j});" for j in range(kv)))
+    e("          }")
+    e("        }")
+    e("      }")
+    e("    }")
+    e("    for (long t = 0; t < nt; t++) {  /* Y = A^T M A, then the epilogue */")
+    e(f"      const long img = (t0 + t) / {nty * ntx}, ty = (t0 + t) / {ntx} % {nty}, tx = (t0 + t) % {ntx};")
+    e(f"      for (long k0 = 0; k0 < {k}; k0 += {lanes}) {{")
+    e("        vf m[16], a[2][4];")
+    e(f"        for (int el = 0; el < 16; el++) m[el] = ld(M + el * {per_block * k} + t * {k} + k0);")
+    e("        for (int j = 0; j < 4; j++) {")
+    e("          a[0][j] = m[j] + m[4 + j] + m[8 + j];")
+    e("          a[1][j] = m[4 + j] - m[8 + j] - m[12 + j]; }")
+    e(f"        const vf bv = {'ld(b + k0)' if plan.bias else 'zero'};")
+    e("        for (int i = 0; i < 2 && 2 * ty + i < %d; i++) {" % h)
+    e("          const vf o[2] = {a[i][0] + a[i][1] + a[i][2] + bv, a[i][1] - a[i][2] - a[i][3] + bv};")
+    e(f"          const long at = ((img * {h} + 2 * ty + i) * {w} + 2 * tx) * {k} + k0;")
+    e(f"          for (int j = 0; j < 2 && 2 * tx + j < {w}; j++) {{")
+    e(f"            vf v = o[j]{f' + ld(r + at + j * {k})' if plan.residual else ''};")
+    e(f"            st(y + at + j * {k}, {act});")
+    e("          }")
+    e("        }")
+    e("      }")
+    e("    }")
+    e("  }")
+    e("  }")
+    e("}")
+    return "\n".join(L) + "\n"
+
+
+def _register_block(e: Any, rows: int, kv: int, c: int, k: int, lanes: int) -> None:
+    """`rows` tiles x `kv` filter vectors accumulated in registers while the C channels stream past."""
+    for i in range(rows):
+        e("          vf " + ", ".join(f"a{i}_{j} = zero" for j in range(kv)) + ";")
+    e(f"          for (long cc = 0; cc < {c}; cc++) {{")
+    for j in range(kv):
+        e(f"            const vf u{j} = ld(ue + cc * {k} + k0 + {lanes * j});")
+    for i in range(rows):
+        e(f"            {{ const vf v = zero + ve[(ti + {i}) * {c} + cc]; "
+          + " ".join(f"a{i}_{j} += v * u{j};" for j in range(kv)) + " }")
+    e("          }")
+    for i in range(rows):
+        e("          " + " ".join(f"st(me + (ti + {i}) * {k} + k0 + {lanes * j}, a{i}_{j});" for j in range(kv)))
+
+
+class WinogradKernel:
+    """A built Winograd kernel; call it with channels_last tensors of the spec's shapes."""
+
+    def __init__(self, plan: WinogradPlan, target: Target):
+        if target.kind != "cpu":
+            raise MacoError(f"generated Winograd kernels are CPU code, not for {target.name!r}")
+        self.plan = plan
+        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 5)
+
+    def __call__(self, x: Any, u: np.ndarray, b: np.ndarray | None, residual: Any, y: Any) -> None:
+        """y = act(conv(x) + b + residual); the caller has checked shapes, dtype and memory
+        format, and packed u with plan.pack_weight."""
+        self.function(x.data_ptr(), u.ctypes.data, None if b is None else b.ctypes.data,
+                      None if residual is None else residual.data_ptr(), y.data_ptr())

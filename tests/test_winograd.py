@@ -1,0 +1,167 @@
+"""The Winograd F(2x2,3x3) kernel against torch on many shapes and every epilogue, its refusals and
+fallbacks, and a ResNet whose 3x3 convs it runs: chosen by timing in the model, saved, loaded."""
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import maco
+from maco import kernels
+from maco.deployment import describe
+from maco.errors import MacoError
+from maco.kernel_choice import MIN_GAIN, faster_winograd
+from maco.kernels.winograd import WinogradKernel, WinogradPlan, filter_vectors, winograd_can_run
+from maco.layouts import fuse
+from maco.layouts.deploy import plan
+from maco.layouts.fusion import FusedConv2d
+from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d, swap_module, winograd_module_can_run
+from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
+from maco.spec import ConvSpec
+
+HOST = kernels.host_target()
+ACT = {"none": lambda y: y, "relu": torch.relu, "relu6": lambda y: y.clamp(0, 6)}
+
+
+def _cases(seed: int, count: int):
+    """Random eligible shapes: batch 1-2, odd and even sizes down to 1 (a ragged last tile),
+    channels in 1-4 vectors, each epilogue."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        lanes = rng.choice([8, 16])
+        n, h, w = rng.choice([1, 1, 2]), rng.randint(1, 17), rng.randint(1, 17)
+        c, k = lanes * rng.randint(1, 4), lanes * filter_vectors(lanes) * rng.randint(1, 3)
+        yield (ConvSpec.parse(f"n{n}_c{c}_h{h}_w{w}_k{k}_r3_p1"), lanes, rng.random() < 0.7,
+               rng.choice(list(ACT)), rng.random() < 0.5)
+
+
+RESNET = [(s, 16, True, "relu", r) for s, _ in distinct_convs(conv_layers(build("resnet18"), example_input(1)))
+          if winograd_can_run(s) for r in (False, True)]
+
+
+@pytest.mark.parametrize("spec,lanes,bias,activation,residual", RESNET + list(_cases(0, 24)))
+def test_winograd_equals_torch(spec, lanes, bias, activation, residual):
+    plan_ = WinogradPlan(spec, bias, activation, residual, HOST.cores, lanes)
+    kernel = WinogradKernel(plan_, HOST)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(spec.weight_shape, generator=gen) / (3 * spec.c ** 0.5)
+    b = torch.randn(spec.k, generator=gen) if bias else None
+    r = torch.randn(spec.output_shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    want = torch.nn.functional.conv2d(x, w, b, padding=1)
+    want = ACT[activation](want + r if residual else want)
+    y = torch.full(spec.output_shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    for _ in range(2):  # the second call reuses the thread's block buffers
+        kernel(x, plan_.pack_weight(w.numpy()), None if b is None else b.numpy(), r if residual else None, y)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_the_filter_transform_is_g_g_gt():
+    """U = G g G^T for one filter by hand: a centre tap of 1 gives G[:, 1] G[:, 1]^T."""
+    spec = ConvSpec.parse("n1_c16_h4_w4_k64_r3_p1")
+    w = np.zeros(spec.weight_shape, np.float32)
+    w[3, 5, 1, 1] = 1.0
+    u = WinogradPlan(spec).pack_weight(w)
+    assert u.shape == (16, 16, 64)
+    col = np.array([0.0, 0.5, -0.5, 0.0])
+    assert np.allclose(u[:, 5, 3].reshape(4, 4), np.outer(col, col))
+    assert np.count_nonzero(u) == np.count_nonzero(np.outer(col, col))
+
+
+def test_refusals_name_the_value():
+    good = ConvSpec.parse("n1_c16_h8_w8_k64_r3_p1")
+    for text in ("n1_c16_h8_w8_k64_r3_s2_p1", "n1_c16_h8_w8_k64_r3x3_s2_p1", "n1_c16_h8_w8_k64_r5_p2",
+                 "n1_c16_h8_w8_k64_r3_p0", "n1_c8_h8_w8_k64_r3_p1", "n1_c16_h8_w8_k32_r3_p1",
+                 "n1_c16_h8_w8_k64_r3_p2_d2", "n1_c32_h8_w8_k64_r3_p1_g2"):
+        assert not winograd_can_run(ConvSpec.parse(text))
+        with pytest.raises(MacoError, match=re.escape(str(ConvSpec.parse(text)))):
+            WinogradPlan(ConvSpec.parse(text))
+    with pytest.raises(MacoError, match="'gelu'"):
+        WinogradPlan(good, activation="gelu")
+    with pytest.raises(MacoError, match="0"):
+        WinogradPlan(good, threads=0)
+    with pytest.raises(MacoError, match="vectors of 12"):
+        WinogradPlan(good, lanes=12)
+    assert winograd_can_run(good) and winograd_can_run(ConvSpec.parse("n1_c8_h8_w8_k16_r3_p1"), lanes=8)
+    assert not winograd_module_can_run(nn.Conv2d(16, 64, 3, padding=1, padding_mode="reflect"), good, HOST)
+
+
+def _fused(c: int, k: int, activation: str, residual: str) -> FusedConv2d:
+    conv = nn.Conv2d(c, k, 3, padding=1).eval()
+    fused = FusedConv2d(conv, conv.weight.detach(), conv.bias.detach(), activation, residual)
+    return fused.eval()
+
+
+def test_module_runs_the_epilogue_and_falls_back_elsewhere():
+    fused = _fused(16, 64, "relu", "before")
+    spec = ConvSpec.from_module(fused, (1, 16, 9, 9))
+    mod = MacoWinograd2d(fused, spec, HOST, preallocate=True)
+    x = torch.randn(1, 16, 9, 9).contiguous(memory_format=torch.channels_last)
+    r = torch.randn(1, 64, 9, 9).contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        torch.testing.assert_close(mod(x, r), fused(x, r), rtol=1e-4, atol=1e-5)
+        assert mod(x, r) is mod(x, r)  # one buffer
+        for args in ((torch.randn(1, 16, 9, 9), r), (x, r.contiguous()), (torch.randn(1, 16, 11, 11).contiguous(
+                memory_format=torch.channels_last), torch.randn(1, 64, 11, 11))):
+            torch.testing.assert_close(mod(*args), fused(*args), rtol=1e-4, atol=1e-5)
+    with pytest.raises(MacoError, match="no generated Winograd kernel"):
+        MacoWinograd2d(nn.Conv2d(16, 64, 3, stride=2, padding=1), ConvSpec.parse("n1_c16_h9_w9_k64_r3_s2_p1"), HOST)
+
+
+def test_resnet_picks_winograd_where_it_wins_and_saves_it(tmp_path):
+    model, x = build("resnet18"), example_input(1)
+    fused = fuse(model, x)
+    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
+    p = plan(fused, x, latency={(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")},
+             conversion=lambda shape, a, b: 1e-9)
+    gm = p.apply(fused)
+    layer1 = ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")
+    gm_first = next(path for path, m in gm.named_modules() if isinstance(m, nn.Conv2d)
+                    and (m.in_channels, m.out_channels, m.stride) == (64, 64, (1, 1)))
+    swap_module(gm, gm_first, MacoConv2d(gm.get_submodule(gm_first), layer1,
+                                         kernels.default_schedule(layer1, HOST, "NHWC"), HOST))
+    eligible = {path for path, m in gm.named_modules() if isinstance(m, nn.Conv2d) and not path.endswith("torch_conv")
+                and m.kernel_size == (3, 3) and m.stride == (1, 1)}
+    ratios = faster_winograd(gm, x, HOST, rounds=1)
+    assert set(ratios) == eligible | {gm_first} and len(ratios) == 13  # one of them a MacoConv2d
+    for path, ratio in ratios.items():
+        assert isinstance(gm.get_submodule(path), MacoWinograd2d) == (ratio >= MIN_GAIN), (path, ratio)
+    if not any(isinstance(m, MacoWinograd2d) for m in gm.modules()):  # the timing kept none: swap one anyway
+        swap_module(gm, gm_first, MacoWinograd2d(gm.get_submodule(gm_first).torch_conv, layer1, HOST))
+    dep = describe(gm, "planned_maco", x, HOST, p)
+    assert dep.winograd and all(set(v) == {"spec", "preallocate"} for v in dep.winograd.values())
+    (tmp_path / "m.maco").write_text(json.dumps(dep.to_dict()))
+    loaded = maco.load(tmp_path / "m.maco", build("resnet18"))
+    with torch.inference_mode():
+        want = model(x)
+        for got in (gm(x), loaded(x)):
+            assert float((want - got).abs().max() / want.abs().max()) < 1e-4
+    assert sum(isinstance(m, MacoWinograd2d) for m in loaded.modules()) == len(dep.winograd)
+    path, saved = next(iter(dep.winograd.items()))
+    dep.winograd[path] = {**saved, "spec": "n1_c16_h10_w10_k64_r3_p1"}
+    (tmp_path / "bad.maco").write_text(json.dumps(dep.to_dict()))
+    with pytest.raises(MacoError, match="is not the saved"):
+        maco.load(tmp_path / "bad.maco", build("resnet18"))
+
+
+def test_the_kernel_sum_counts_winograd_convs():
+    """conv_share times a Winograd conv's kernel alone (not the torch conv it wraps) and skips it
+    in the model's rest."""
+    from maco.layouts.end_to_end import conv_share
+
+    conv = nn.Conv2d(16, 64, 3, padding=1).eval()
+    spec = ConvSpec.from_module(conv, (1, 16, 20, 20))
+    model = nn.Sequential(MacoWinograd2d(conv, spec, HOST), nn.ReLU()).eval()
+    x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
+    share = conv_share(model, x, rounds=1, min_run_time=1e-4)
+    assert set(share.per_conv) == {"0"} and share.convs_s > 0
+    with torch.inference_mode():
+        want = model(x).clone()
+        model[0]._out = torch.zeros(spec.output_shape).contiguous(memory_format=torch.channels_last)
+        from maco.layouts.end_to_end import _Skipping
+        assert float(_Skipping(model).run((x,))().abs().max()) == 0.0  # the kernel did not run
+        model[0]._out = None
+        torch.testing.assert_close(model(x), want)  # and runs again after
