@@ -13,6 +13,7 @@ FIGURES: dict[str, str] = {
     "fig06": "fig06_space_size",
     "kernels_cpu": "kernels_cpu",
     "ceiling": "register_ceiling",
+    "winograd": "winograd_cpu",
     "fig12": "fig12_layout_plan",
     "fig13": "fig13_predictor_r2",
     "fig14": "fig14_error_threshold",

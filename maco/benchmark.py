@@ -13,6 +13,7 @@ from maco.errors import MacoError
 from maco.kernels.baselines import torch_conv
 from maco.kernels.cpu_codegen import ISA
 from maco.kernels.cpu_peak import flops_runner
+from maco.kernels.winograd import WinogradKernel, WinogradPlan, winograd_can_run
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -45,12 +46,14 @@ class BenchRow:
 
 
 def bench_layer(name: str, spec: ConvSpec, schedules: dict[str, Schedule], target: Target,
-                repeats: int = 5, min_run_time: float = 0.02, ceilings: bool = False) -> BenchRow:
+                repeats: int = 5, min_run_time: float = 0.02, ceilings: bool = False,
+                winograd: bool = False) -> BenchRow:
     """Time each MACO schedule and torch (NCHW, NHWC) in `repeats` interleaved rounds; every
     kernel is checked against torch first (MacoError when it is wrong). `ceilings` adds the
     layer's flops done by the FMA-peak loop ("FMA peak") and the register-tile mix ("microkernel
     ceiling", ISAs with intrinsics) to each round: `speedup(label, over=("FMA peak",))` is then
-    the label's fraction of the peak in the same spell of the machine."""
+    the label's fraction of the peak in the same spell of the machine. `winograd` adds the
+    Winograd kernel ("winograd", NHWC) where it computes the spec."""
     import torch
 
     torch.set_num_threads(target.cores)
@@ -76,6 +79,17 @@ def bench_layer(name: str, spec: ConvSpec, schedules: dict[str, Schedule], targe
                             f"output's magnitude (limit {CHECK_RTOL:g})")
         error = max(error, err)
         fns[label] = fn
+    if winograd and winograd_can_run(spec, target.simd_width):
+        plan = WinogradPlan(spec, bias=False, threads=target.cores, lanes=target.simd_width)
+        run = WinogradKernel(plan, target)
+        xl, u = x.contiguous(memory_format=torch.channels_last), plan.pack_weight(w.numpy())
+        out = torch.empty_like(ref, memory_format=torch.channels_last)
+        fns["winograd"] = functools.partial(run, xl, u, None, None, out)
+        fns["winograd"]()
+        err = float((out - ref).abs().max()) / scale
+        if not err <= CHECK_RTOL:
+            raise MacoError(f"{name}: the Winograd kernel is wrong: max error {err:.3g} of the output's magnitude")
+        error = max(error, err)
     fns["torch NCHW"] = torch_conv(spec, x, w, "NCHW")
     fns["torch NHWC"] = torch_conv(spec, x, w, "NHWC")
     if ceilings:
