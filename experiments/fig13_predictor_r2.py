@@ -20,6 +20,7 @@ and the predictor retrained on all rows with the chosen architecture to --save.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -227,9 +228,15 @@ def summarise(rows: list[dict[str, str]]) -> str:
     """REPORT.md: the NAS MLP's R2 and wrong picks beside the baselines and the re-measure ceiling."""
     by = {(r["model"], r["target"]): r for r in rows}
     nas = by.get(("NAS-MLP", "log"))
-    parts = [f"NAS-MLP on {nas.get('label') or 'seconds'}: R2 {num(nas, 'r2'):.3f} (log {num(nas, 'r2_log'):.3f}), "
-             f"{100 * num(nas, 'within_10pct'):.0f}% within 10%, wrong layout {100 * num(nas, 'wrong_picks'):.1f}% "
-             f"of pairs ({100 * num(nas, 'wrong_clear'):.1f}% of those > 5% apart)"] if nas else []
+    parts = []
+    if nas:
+        text = f"NAS-MLP on {nas.get('label') or 'seconds'}: R2 {num(nas, 'r2'):.3f} (log {num(nas, 'r2_log'):.3f})"
+        if math.isfinite(num(nas, "within_10pct")):
+            text += f", {100 * num(nas, 'within_10pct'):.0f}% within 10%"
+        text += f", wrong layout {100 * num(nas, 'wrong_picks'):.1f}% of pairs"
+        if math.isfinite(num(nas, "wrong_clear")):
+            text += f" ({100 * num(nas, 'wrong_clear'):.1f}% of those > 5% apart)"
+        parts.append(text)
     for model in ("GBRT", "linear", "SVR"):
         raw, log = by.get((model, "raw")), by.get((model, "log"))
         if raw and log:

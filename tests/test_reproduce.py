@@ -60,12 +60,19 @@ def test_report_summarises_every_figure_from_its_csv(tmp_path):
         "model,target,r2,r2_log,median_rel_error,wrong_picks,wrong_picks_5pct,pick_cost,pairs,test_rows,"
         "train_rows,fit_seconds\nNAS-MLP,log,0.9377,0.9888,0.1,0.118,0.07,0.01,1007,2014,8056,600\n"
         "re-measure,-,0.931,0.99,0.16,0.016,0.016,0.01,60,120,8056,5\n")
+    (tmp_path / "winograd_cpu.csv").write_text(
+        "network,layer,spec,winograd_gflops,direct_gflops,torch_gflops,torch_layout,peak_gflops,over_direct,"
+        "over_torch,winograd_of_peak,direct_of_peak,max_error\n"
+        "resnet18,layer1,s1,520,380,320,NHWC,450,1.37,1.6,1.16,0.84,1e-6\n"
+        "resnet18,layer4,s4,110,330,150,NHWC,450,0.33,0.7,0.24,0.73,1e-6\n")
     text = write_report(tmp_path, {"fig18": "ok"}).read_text()
+    assert "2 layers: Winograd over MACO's direct kernel geomean 0.67x, ahead on 1 (best 1.37x on " \
+           "resnet18:layer1, 116% of the FMA peak in direct-conv flops)" in text
     assert "resnet18: planned torch 1.21x, with MACO kernels in 8 conv(s) 1.35x" in text
     assert "in a quarter of the trials on 1 of 2 layers" in text
     assert "l1: pruned 330 vs full 240 vs MetaSchedule 120 GFLOP/s, default 400" in text
     assert "l2: pruned 300 vs full 310 GFLOP/s, default 380" in text
-    assert "NAS-MLP R2 0.938 (log 0.989)" in text and "re-timing 60 test convs: R2 0.931" in text
+    assert "NAS-MLP on seconds: R2 0.938 (log 0.989), wrong layout 11.8% of pairs;" in text and "re-timing 60 test convs: R2 0.931" in text
     assert "| fig18 |" in text and "| ok |" in text
 
 
