@@ -324,9 +324,11 @@ def load(so: Path, function: str) -> ctypes._CFuncPtr:
     return fn
 
 
-def pointer_function(source: str, target: Target, function: str, args: int) -> ctypes._CFuncPtr:
+def pointer_function(source: str, target: Target, function: str, args: int, what: str) -> ctypes._CFuncPtr:
     """`function` of `source` built for `target` (from the cache when built before), taking `args`
-    pointers: the generated linear, pooling and depthwise kernels."""
+    pointers: the generated `what` kernels (linear, pooling, depthwise, Winograd), CPU code only."""
+    if target.kind != "cpu":
+        raise MacoError(f"generated {what} kernels are CPU code, not for {target.name!r}")
     fn = load(build(source, flags_for(target)), function)
     fn.argtypes = [ctypes.c_void_p] * args
     return fn

@@ -185,10 +185,8 @@ class DepthwiseKernel:
     """A built depthwise kernel; call it with contiguous tensors in the plan's layout."""
 
     def __init__(self, plan: DepthwisePlan, target: Target):
-        if target.kind != "cpu":
-            raise MacoError(f"generated depthwise kernels are CPU code, not for {target.name!r}")
         self.plan = plan
-        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 4)
+        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 4, "depthwise")
 
     def __call__(self, x: Any, w: np.ndarray, b: np.ndarray | None, y: Any) -> None:
         """y = act(depthwise(x, w) + b); the caller has checked shapes, dtype and memory format,

@@ -177,10 +177,8 @@ class PoolKernel:
     """A built pooling kernel; call it with contiguous tensors in the plan's layout."""
 
     def __init__(self, plan: PoolPlan, target: Target):
-        if target.kind != "cpu":
-            raise MacoError(f"generated pooling kernels are CPU code, not for {target.name!r}")
         self.plan = plan
-        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 2)
+        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 2, "pooling")
 
     def __call__(self, x: Any, y: Any) -> None:
         """y = pool(x); the caller has checked shapes, dtype and memory format."""

@@ -213,10 +213,8 @@ class WinogradKernel:
     """A built Winograd kernel; call it with channels_last tensors of the spec's shapes."""
 
     def __init__(self, plan: WinogradPlan, target: Target):
-        if target.kind != "cpu":
-            raise MacoError(f"generated Winograd kernels are CPU code, not for {target.name!r}")
         self.plan = plan
-        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 5)
+        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 5, "Winograd")
 
     def __call__(self, x: Any, u: np.ndarray, b: np.ndarray | None, residual: Any, y: Any) -> None:
         """y = act(conv(x) + b + residual); the caller has checked shapes, dtype and memory
