@@ -160,11 +160,7 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
     gm = plan.apply(fused)
     for conv_path, c in dep.convs.items():
         conv = _submodule(gm, conv_path, nn.Conv2d)
-        if not isinstance(c, dict) or not isinstance(c.get("spec"), str):
-            raise MacoError(f"{str(path)!r}: conv {short(conv_path)} has no spec")
-        spec = ConvSpec.parse(c["spec"])
-        if spec != ConvSpec.from_module(conv, spec.input_shape):
-            raise MacoError(f"{str(path)!r}: conv {short(conv_path)} is not the saved {spec}")
+        spec = _saved_spec(path, "conv", conv_path, conv, c)
         schedule = Schedule.from_dict(c.get("schedule"))
         schedule = default_schedule(spec, host, schedule.layout) if foreign else schedule.validate(spec, host)
         swap_module(gm, conv_path, MacoConv2d(conv, spec, schedule, host, bool(c.get("preallocate"))))
@@ -185,18 +181,14 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
         swap_module(gm, pool_path, MacoPool2d(pool, tuple(shape), layout, host, bool(p.get("preallocate"))))
     for conv_path, d in dep.depthwise.items():
         conv = _submodule(gm, conv_path, nn.Conv2d)
-        spec = ConvSpec.parse(d.get("spec")) if isinstance(d, dict) and isinstance(d.get("spec"), str) else None
-        if spec is None or spec != _spec_of(conv, spec.input_shape):
-            raise MacoError(f"{str(path)!r}: depthwise conv {short(conv_path)} is not the saved {short(spec)}")
+        spec = _saved_spec(path, "depthwise conv", conv_path, conv, d)
         if d.get("layout") not in ("NCHW", "NHWC") or not depthwise_can_run(conv, spec):
             raise MacoError(f"{str(path)!r}: no generated kernel runs depthwise conv {short(conv_path)} "
                             f"({spec}) in {short(d.get('layout'))}")
         swap_module(gm, conv_path, MacoDepthwise2d(conv, spec, d["layout"], host, bool(d.get("preallocate"))))
     for conv_path, d in dep.winograd.items():
         conv = _submodule(gm, conv_path, nn.Conv2d)
-        spec = ConvSpec.parse(d.get("spec")) if isinstance(d, dict) and isinstance(d.get("spec"), str) else None
-        if spec is None or spec != _spec_of(conv, spec.input_shape):
-            raise MacoError(f"{str(path)!r}: Winograd conv {short(conv_path)} is not the saved {short(spec)}")
+        spec = _saved_spec(path, "Winograd conv", conv_path, conv, d)
         if not winograd_module_can_run(conv, spec, host):
             if foreign:  # another machine's vectors: torch runs it here, as a default would
                 continue
@@ -223,12 +215,18 @@ def _positive_ints(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
 
 
-def _spec_of(conv: nn.Conv2d, shape: tuple[int, ...]) -> ConvSpec | None:
-    """The conv's spec on an input of `shape`, None where that input does not fit it."""
+def _saved_spec(path: Any, what: str, conv_path: str, conv: nn.Conv2d, entry: Any) -> ConvSpec:
+    """The spec a section of the file saved for `conv`, which must be the conv's own on that input."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("spec"), str):
+        raise MacoError(f"{str(path)!r}: {what} {short(conv_path)} has no spec")
+    spec = ConvSpec.parse(entry["spec"])
     try:
-        return ConvSpec.from_module(conv, shape)
+        own = ConvSpec.from_module(conv, spec.input_shape)
     except MacoError:
-        return None
+        own = None
+    if spec != own:
+        raise MacoError(f"{str(path)!r}: {what} {short(conv_path)} is not the saved {spec}")
+    return spec
 
 
 def _submodule(gm: nn.Module, path: Any, kind: type | tuple[type, ...]) -> nn.Module:
