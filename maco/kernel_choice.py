@@ -124,14 +124,10 @@ def faster_depthwise(gm: fx.GraphModule, example_input: Any, target: Target, rou
     generated depthwise kernel (kernels.depthwise) runs at least MIN_GAIN faster, in the memory
     format its input has in the model."""
     def make(conv: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
-        conv = conv.torch_conv if isinstance(conv, MacoConv2d) else conv
-        layout = _layout(x)
-        if layout is None or x.dtype != torch.float32:
+        found = _torch_conv_on(conv, x, ("NCHW", "NHWC"))
+        if found is None or not depthwise_can_run(*found[:2]):
             return None
-        spec = ConvSpec.from_module(conv, tuple(x.shape))
-        if not depthwise_can_run(conv, spec):
-            return None
-        return MacoDepthwise2d(conv, spec, layout, target, preallocate=preallocate)
+        return MacoDepthwise2d(*found, target, preallocate=preallocate)
     return _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
 
 
@@ -140,14 +136,22 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
     (run by torch or by a MacoConv2d) for the Winograd kernel (kernels.winograd) where that runs
     at least MIN_GAIN faster than what runs it now, residual and all."""
     def make(conv: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
-        conv = conv.torch_conv if isinstance(conv, MacoConv2d) else conv
-        if _layout(x) != "NHWC" or x.dtype != torch.float32:
+        found = _torch_conv_on(conv, x, ("NHWC",))
+        if found is None or not winograd_module_can_run(*found[:2], target):
             return None
-        spec = ConvSpec.from_module(conv, tuple(x.shape))
-        if not winograd_module_can_run(conv, spec, target):
-            return None
-        return MacoWinograd2d(conv, spec, target, preallocate=preallocate)
+        return MacoWinograd2d(*found[:2], target, preallocate=preallocate)
     return _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
+
+
+def _torch_conv_on(conv: nn.Module, x: torch.Tensor,
+                   layouts: tuple[str, ...]) -> tuple[nn.Conv2d, ConvSpec, str] | None:
+    """The torch conv under `conv` (a MacoConv2d keeps the one it replaced), its spec on `x` and
+    x's layout; None where x is not float32 in one of `layouts`."""
+    layout = _layout(x)
+    if layout not in layouts or x.dtype != torch.float32:
+        return None
+    conv = conv.torch_conv if isinstance(conv, MacoConv2d) else conv
+    return conv, ConvSpec.from_module(conv, tuple(x.shape)), layout
 
 
 def _layout(x: torch.Tensor) -> str | None:
