@@ -181,3 +181,21 @@ def save_plot(fig: Any, path: Path, dpi: int = 120) -> None:
     fig.savefig(buf, format="png", dpi=dpi)
     pyplot().close(fig)
     write_atomic(path, buf.getvalue())
+
+
+def layer_bars(rows: Sequence[Mapping[str, Any]], bars: Sequence[tuple[str, str]], title: str,
+               ylabel: str = "GFLOP/s", width: float = 0.55) -> tuple[Any, Any, Any]:
+    """A figure with one group of bars per conv layer (`bars`: column, label) and the FMA peak timed
+    in the same rounds as a tick above each group; returns (figure, axes, x) for what a plot adds."""
+    import numpy as np
+
+    x = np.arange(len(rows))
+    fig, ax = pyplot().subplots(figsize=(max(8, width * len(rows)), 4.5))
+    step = 0.8 / len(bars)
+    for i, (col, label) in enumerate(bars):
+        ax.bar(x + (i - (len(bars) - 1) / 2) * step, [r[col] for r in rows], step, label=label)
+    ax.plot(x, [r["peak_gflops"] for r in rows], "k_", ms=12, label="FMA peak, same rounds")
+    ax.set_xticks(x, [f"{r['network']}:{r['layer']}" for r in rows], rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return fig, ax, x

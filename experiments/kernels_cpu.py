@@ -20,7 +20,7 @@ from pathlib import Path
 
 from maco import Target, kernels
 from maco.benchmark import bench_layer
-from maco.experiments.common import (Figure, geomean, num, out_dir, parser, pyplot, save_plot, write_csv,
+from maco.experiments.common import (Figure, geomean, layer_bars, num, out_dir, parser, save_plot, write_csv,
                                      write_env)
 from maco.layouts.networks import distinct_convs, network_convs
 
@@ -50,24 +50,13 @@ def layers(networks: list[str], quick: bool) -> list[tuple[str, str, object]]:
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    import numpy as np
-
-    plt = pyplot()
-    labels = [f"{r['network']}:{r['layer']}" for r in rows]
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 4.5))
-    for i, (col, name) in enumerate((("maco_gflops", "MACO (best layout)"),
-                                     ("torch_nchw_gflops", "torch NCHW"),
-                                     ("torch_nhwc_gflops", "torch channels_last"))):
-        ax.bar(x + (i - 1) * 0.27, [r[col] for r in rows], 0.27, label=name)
-    ax.plot(x, [r["peak_gflops"] for r in rows], "k_", ms=12, label="FMA peak, same rounds")
+    fig, ax, x = layer_bars(rows, (("maco_gflops", "MACO (best layout)"), ("torch_nchw_gflops", "torch NCHW"),
+                                   ("torch_nhwc_gflops", "torch channels_last")),
+                            "CPU conv kernels, batch 1, geomean speedup over torch's faster layout "
+                            f"{geomean([r['speedup'] for r in rows]):.2f}x")
     ax.plot(x, [r["ceiling_gflops"] for r in rows], "_", color="grey", ms=12,
             label="register-tile ceiling (loads + FMAs in L1), same rounds")
     ax.axhline(rows[0]["best_peak_gflops"], color="k", ls=":", lw=0.8, label="best FMA peak measured here")
-    ax.set_xticks(x, labels, rotation=70, ha="right", fontsize=7)
-    ax.set_ylabel("GFLOP/s")
-    ax.set_title(f"CPU conv kernels, batch 1, geomean speedup over torch's faster layout "
-                 f"{geomean([r['speedup'] for r in rows]):.2f}x")
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_plot(fig, path, dpi=130)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from maco import Target, kernels
 from maco.benchmark import bench_layer
-from maco.experiments.common import Figure, geomean, num, out_dir, parser, pyplot, save_plot, write_csv, write_env
+from maco.experiments.common import Figure, geomean, layer_bars, num, out_dir, parser, save_plot, write_csv, write_env
 from maco.kernels.winograd import winograd_can_run
 from maco.layouts.networks import distinct_convs, network_convs
 
@@ -38,19 +38,10 @@ def layers(networks: list[str], lanes: int, quick: bool) -> list[tuple[str, str,
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    import numpy as np
-
-    plt = pyplot()
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows)), 4.5))
-    for i, (col, name) in enumerate((("winograd_gflops", "MACO Winograd"), ("direct_gflops", "MACO direct (default)"),
-                                     ("torch_gflops", "torch, faster layout"))):
-        ax.bar(x + (i - 1) * 0.27, [r[col] for r in rows], 0.27, label=name)
-    ax.plot(x, [r["peak_gflops"] for r in rows], "k_", ms=12, label="FMA peak, same rounds")
-    ax.set_xticks(x, [f"{r['network']}:{r['layer']}" for r in rows], rotation=70, ha="right", fontsize=7)
-    ax.set_ylabel("GFLOP/s (direct conv's flops)")
-    ax.set_title(f"3x3 stride-1 convs, batch 1: Winograd over MACO's direct kernel, geomean "
-                 f"{geomean([r['over_direct'] for r in rows]):.2f}x")
+    fig, ax, _ = layer_bars(rows, (("winograd_gflops", "MACO Winograd"), ("direct_gflops", "MACO direct (default)"),
+                                   ("torch_gflops", "torch, faster layout")),
+                            "3x3 stride-1 convs, batch 1: Winograd over MACO's direct kernel, geomean "
+                            f"{geomean([r['over_direct'] for r in rows]):.2f}x", "GFLOP/s (direct conv's flops)", 0.6)
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_plot(fig, path, dpi=130)
