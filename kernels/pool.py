@@ -4,8 +4,9 @@ A pooling layer does almost no arithmetic: its time is reading its input once. t
 max_pool2d also computes the argmax indices (even under inference_mode) and walks the window per
 channel; on ResNet-18's 112x112x64 NHWC maxpool it took ~225 us, 2% of the optimized model. Here
 each output pixel takes the max (or sum) of whole channel rows of its window, which the compiler
-vectorises over the contiguous channels in NHWC (over output columns in NCHW), with the output
-rows split over the cores.
+vectorises over the contiguous channels in NHWC; in NCHW a window's rows are first reduced down
+whole input rows (contiguous, vectorised), then each output reduces its columns of that row.
+The output rows (NHWC) or planes (NCHW) are split over the cores.
 
 Every window is a product of a row range and a column range, so a plan is the per-output-row and
 per-output-column [start, end) bounds and divisors, computed here the way torch does for
@@ -144,19 +145,32 @@ class PoolPlan:
           for (long ch = 0; ch < {cb}; ch++) yo[ch] = acc[ch] * s;
         }}"""
         else:
+            # separable: a window's rows reduced down whole input rows, row after row (contiguous,
+            # vectorised), then each output's columns along that one reduced row (branch-free)
+            vstep = "red[q] = (v > t || v != v) ? v : t" if self.kind == "max" else "red[q] = t + v"
+            hstep = "a = v != v ? v : (v > a ? v : a)" if self.kind == "max" else "a += v"
             body = f"""
   #pragma omp parallel for collapse(2) schedule(static) num_threads({self.threads})
   for (long b = 0; b < {n}; b++)
     for (long ch = 0; ch < {c}; ch++) {{
       const float *restrict xp = x + (b * {c} + ch) * {h * w};
       float *restrict yp = y + (b * {c} + ch) * {oh * ow};
-      for (long i = 0; i < {oh}; i++)
+      float red[{w}];
+      for (long i = 0; i < {oh}; i++) {{
+        const float *restrict x0 = xp + rs[i] * {w};
+        #pragma omp simd
+        for (long q = 0; q < {w}; q++) red[q] = x0[q];
+        for (long r = rs[i] + 1; r < re[i]; r++) {{
+          const float *restrict xr = xp + r * {w};
+          #pragma omp simd
+          for (long q = 0; q < {w}; q++) {{ const float v = xr[q], t = red[q]; {vstep}; }}
+        }}
         for (long j = 0; j < {ow}; j++) {{
-          float a = {init};
-          for (long r = rs[i]; r < re[i]; r++)
-            for (long q = cs[j]; q < ce[j]; q++) {{ const float v = xp[r * {w} + q]; {step}; }}
+          float a = red[cs[j]];
+          for (long q = cs[j] + 1; q < ce[j]; q++) {{ const float v = red[q]; {hstep}; }}
           yp[i * {ow} + j] = a * {scale};
         }}
+      }}
     }}"""
         what = f"MACO {self.kind} pool: {n}x{c}x{h}x{w} to {oh}x{ow}, {self.layout}"
         return f"""{comment(what)}

@@ -9,13 +9,16 @@ the FMA peak, so this is the only way left to do them faster.
 The kernel works on blocks of TILES output tiles at a time, in one core's caches: it transforms
 the block's input tiles into V (16 x tiles x C), multiplies each of the 16 elements' tile x C
 matrix by the filters' C x K matrix U (a register-tiled GEMM: ROWS tiles x KV vectors of k
-accumulate while the channels stream past), and transforms the products back into outputs,
-adding bias and residual and applying the activation before the store. Blocks are split over
-the cores. The block buffers are per thread, allocated on the first call and kept.
+accumulate while the channels stream past; U is packed so that each register block's C x KV
+vectors panel is contiguous and streams in order), and transforms the products back into
+outputs, adding bias and residual and applying the activation before the store. A work item is
+a block and a part of the filters: with at least as many blocks as threads the blocks are shared
+out; a deep layer with fewer blocks (7x7x512: one) splits its filters instead, so that every core
+works and reads only its share of U. The block buffers are per thread, allocated on the first
+call and kept.
 
-It pays where the filters' transform (16/9 of the weights) stays in cache next to the blocks:
-the early, wide layers (56x56x64, 28x28x128). A deep layer with few tiles re-reads large
-filters for every block; kernel_choice keeps it only where it measures faster in the model.
+U is 16/9 of the weights: a deep layer reads it from memory on every call, which kernel_choice
+weighs by timing the kernel in the model.
 """
 from __future__ import annotations
 
@@ -55,8 +58,19 @@ def winograd_can_run(spec: ConvSpec, lanes: int = 16) -> bool:
 
 
 @dataclass(frozen=True)
+class Split:
+    """How the output tiles and filters are shared out: `blocks` blocks of at most `tiles` tiles,
+    each block's filters in `k_parts` parts; one work item is a block and a part."""
+
+    tiles: int
+    blocks: int
+    k_parts: int
+
+
+@dataclass(frozen=True)
 class WinogradPlan:
-    """One conv (spec) in NHWC, its epilogue and threads, on vectors of `lanes` floats."""
+    """One conv (spec) in NHWC, its epilogue and threads, on vectors of `lanes` floats.
+    `tiles_per_block` and `k_parts` override the work split (see `split`)."""
 
     spec: ConvSpec
     bias: bool = True
@@ -64,6 +78,8 @@ class WinogradPlan:
     residual: bool = False
     threads: int = 1
     lanes: int = 16
+    tiles_per_block: int | None = None
+    k_parts: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, ConvSpec):
@@ -76,16 +92,48 @@ class WinogradPlan:
                             f"not {self.spec}")
         if self.activation not in ACTIVATIONS:
             raise MacoError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
-            raise MacoError(f"WinogradPlan.threads must be a positive int, got {self.threads!r}")
+        for name in ("threads", "tiles_per_block", "k_parts"):
+            value = getattr(self, name)
+            if (value is not None or name == "threads") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise MacoError(f"WinogradPlan.{name} must be a positive int, got {value!r}")
+        if self.k_parts is not None and self.spec.k % (self.k_parts * self.lanes * filter_vectors(self.lanes)):
+            raise MacoError(f"WinogradPlan.k_parts={self.k_parts} does not split {self.spec.k} filters into "
+                            f"whole register blocks of {self.lanes * filter_vectors(self.lanes)}")
 
-    def pack_weight(self, w: np.ndarray) -> np.ndarray:
-        """(K, C, 3, 3) -> U = G g G^T as (16, C, K): per element, the C x K matrix the GEMM reads
-        (computed in float64, stored as float32)."""
+    @cached_property
+    def split(self) -> Split:
+        """The work split. Blocks of at most TILES tiles keep a block's V and M in the core's L2;
+        with at least as many blocks as threads, the blocks are shared out (as many per thread);
+        with fewer, each block's filters are split into parts so that every thread works, and each
+        thread reads only its part of U."""
+        s = self.spec
+        tiles = s.n * ((s.h + 1) // 2) * ((s.w + 1) // 2)
+        blocks = -(-tiles // (self.tiles_per_block or TILES))
+        parts = self.k_parts
+        if parts is None:
+            parts = 1
+            if blocks < self.threads:
+                whole = s.k // (self.lanes * filter_vectors(self.lanes))  # register blocks of filters
+                parts = max(p for p in range(1, self.threads // blocks + 1) if whole % p == 0)
+        if self.tiles_per_block is None and parts == 1 and blocks > 1:
+            blocks = -(-blocks // self.threads) * self.threads  # as many per thread
+        per_block = -(-tiles // blocks)
+        return Split(per_block, -(-tiles // per_block), parts)
+
+    def transformed_weight(self, w: np.ndarray) -> np.ndarray:
+        """(K, C, 3, 3) -> U = G g G^T as (16, C, K): per element, the C x K matrix the GEMM
+        multiplies by (computed in float64)."""
         s = self.spec
         w = np.asarray(w, dtype=np.float64).reshape(s.k, s.c, 3, 3)
-        u = np.einsum("ia,kcab,jb->ijck", G, w, G)
-        return np.ascontiguousarray(u.reshape(16, s.c, s.k), dtype=np.float32)
+        return np.einsum("ia,kcab,jb->ijck", G, w, G).reshape(16, s.c, s.k)
+
+    def pack_weight(self, w: np.ndarray) -> np.ndarray:
+        """U as the kernel reads it, float32 (16, K / B, C, B) for register blocks of B filters:
+        each block's C x B panel is contiguous, so the GEMM streams it in order."""
+        s, block = self.spec, self.lanes * filter_vectors(self.lanes)
+        u = self.transformed_weight(w).reshape(16, s.c, s.k // block, block).transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(u, dtype=np.float32)
 
     @cached_property
     def source(self) -> str:
@@ -99,9 +147,9 @@ def _source(plan: WinogradPlan) -> str:
     n, c, h, w, k = s.n, s.c, s.h, s.w, s.k
     nty, ntx = (h + 1) // 2, (w + 1) // 2
     tiles = n * nty * ntx
-    blocks = -(-tiles // TILES)
-    blocks = -(-blocks // plan.threads) * plan.threads if blocks > 1 else blocks  # as many per core
-    per_block = -(-tiles // blocks)  # <= TILES
+    split = plan.split
+    per_block, blocks, parts = split.tiles, split.blocks, split.k_parts
+    kp = k // parts  # filters of one part
     act = {"none": "v", "relu": "vmax(v, zero)", "relu6": "vmin(vmax(v, zero), six)"}[plan.activation]
     L: list[str] = []
     e = L.append
@@ -121,13 +169,17 @@ def _source(plan: WinogradPlan) -> str:
     e(f"  #pragma omp parallel num_threads({plan.threads})")
     e("  {")
     e("  if (!block_buffer)")
-    e(f"    block_buffer = aligned_alloc(64, sizeof(float) * 16 * {per_block} * {c + k});")
+    e(f"    block_buffer = aligned_alloc(64, sizeof(float) * 16 * {per_block} * {c + kp});")
     e("  float *restrict V = block_buffer;")
     e(f"  float *restrict M = block_buffer + 16 * {per_block * c};")
+    e("  long done = -1;  /* the block whose V this thread holds */")
+    # items run part-major within a block, so a thread with several items of one block transforms it once
     e("  #pragma omp for schedule(static)")
-    e(f"  for (long blk = 0; blk < {blocks}; blk++) {{")
+    e(f"  for (long item = 0; item < {blocks * parts}; item++) {{")
+    e(f"    const long blk = item / {parts}, k1 = item % {parts} * {kp};")
     e(f"    const long t0 = blk * {per_block};")
     e(f"    const long nt = t0 + {per_block} <= {tiles} ? {per_block} : {tiles} - t0;")
+    e("    if (blk != done) { done = blk;")
     e("    for (long t = 0; t < nt; t++) {  /* V = B^T d B */")
     e(f"      const long img = (t0 + t) / {nty * ntx}, ty = (t0 + t) / {ntx} % {nty}, tx = (t0 + t) % {ntx};")
     e("      const long r0 = 2 * ty - 1, q0 = 2 * tx - 1;")
@@ -150,37 +202,34 @@ def _source(plan: WinogradPlan) -> str:
     e(f"          st(vt + (i * 4 + 3) * {per_block * c}, s[i][1] - s[i][3]); }}")
     e("      }")
     e("    }")
-    e("    for (int el = 0; el < 16; el++) {  /* M = V U, element by element */")
-    e(f"      const float *restrict ue = u + (long)el * {c * k};")
+    e("    }")
+    e("    for (int el = 0; el < 16; el++) {  /* M = V U, element by element, this part's filters */")
     e(f"      const float *restrict ve = V + (long)el * {per_block * c};")
-    e(f"      float *restrict me = M + (long)el * {per_block * k};")
-    e(f"      for (long k0 = 0; k0 < {k}; k0 += {lanes * kv})")
+    e(f"      float *restrict me = M + (long)el * {per_block * kp};")
+    e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes * kv}) {{")
+    e(f"      const float *restrict ue = u + (long)el * {c * k} + (k1 + k0) * {c};  /* this block's panel */")
     e(f"      for (long ti = 0; ti < nt; ti += {ROWS}) {{")
-    e(f"        const long rows = nt - ti < {ROWS} ? nt - ti : {ROWS};")
-    e(f"        if (rows == {ROWS}) {{")
-    _register_block(e, ROWS, kv, c, k, lanes)
-    e("        } else {")
-    e("          for (long i = 0; i < rows; i++) {")
-    e("            vf " + ", ".join(f"a{j} = zero" for j in range(kv)) + ";")
-    e(f"            for (long cc = 0; cc < {c}; cc++) {{ const vf v = zero + ve[(ti + i) * {c} + cc];")
-    e("              " + " ".join(f"a{j} += v * ld(ue + cc * {k} + k0 + {lanes * j});" for j in range(kv)) + " }")
-    e("            " + " ".join(f"st(me + (ti + i) * {k} + k0 + {lanes * j}, a{j});" for j in range(kv)))
-    e("          }")
+    e(f"        switch (nt - ti < {ROWS} ? nt - ti : {ROWS}) {{  /* the last rows of a block too */")
+    for rows in range(ROWS, 0, -1):
+        e(f"        case {rows}: {{")
+        _register_block(e, rows, kv, c, kp, lanes)
+        e("          break; }")
     e("        }")
+    e("      }")
     e("      }")
     e("    }")
     e("    for (long t = 0; t < nt; t++) {  /* Y = A^T M A, then the epilogue */")
     e(f"      const long img = (t0 + t) / {nty * ntx}, ty = (t0 + t) / {ntx} % {nty}, tx = (t0 + t) % {ntx};")
-    e(f"      for (long k0 = 0; k0 < {k}; k0 += {lanes}) {{")
+    e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes}) {{")
     e("        vf m[16], a[2][4];")
-    e(f"        for (int el = 0; el < 16; el++) m[el] = ld(M + el * {per_block * k} + t * {k} + k0);")
+    e(f"        for (int el = 0; el < 16; el++) m[el] = ld(M + el * {per_block * kp} + t * {kp} + k0);")
     e("        for (int j = 0; j < 4; j++) {")
     e("          a[0][j] = m[j] + m[4 + j] + m[8 + j];")
     e("          a[1][j] = m[4 + j] - m[8 + j] - m[12 + j]; }")
-    e(f"        const vf bv = {'ld(b + k0)' if plan.bias else 'zero'};")
+    e(f"        const vf bv = {'ld(b + k1 + k0)' if plan.bias else 'zero'};")
     e("        for (int i = 0; i < 2 && 2 * ty + i < %d; i++) {" % h)
     e("          const vf o[2] = {a[i][0] + a[i][1] + a[i][2] + bv, a[i][1] - a[i][2] - a[i][3] + bv};")
-    e(f"          const long at = ((img * {h} + 2 * ty + i) * {w} + 2 * tx) * {k} + k0;")
+    e(f"          const long at = ((img * {h} + 2 * ty + i) * {w} + 2 * tx) * {k} + k1 + k0;")
     e(f"          for (int j = 0; j < 2 && 2 * tx + j < {w}; j++) {{")
     e(f"            vf v = o[j]{f' + ld(r + at + j * {k})' if plan.residual else ''};")
     e(f"            st(y + at + j * {k}, {act});")
@@ -194,19 +243,20 @@ def _source(plan: WinogradPlan) -> str:
     return "\n".join(L) + "\n"
 
 
-def _register_block(e: Any, rows: int, kv: int, c: int, k: int, lanes: int) -> None:
-    """`rows` tiles x `kv` filter vectors accumulated in registers while the C channels stream past."""
+def _register_block(e: Any, rows: int, kv: int, c: int, kp: int, lanes: int) -> None:
+    """`rows` tiles x `kv` filter vectors accumulated in registers while the C channels stream past
+    (a panel of U, rows kv vectors long; M rows kp floats apart)."""
     for i in range(rows):
         e("          vf " + ", ".join(f"a{i}_{j} = zero" for j in range(kv)) + ";")
     e(f"          for (long cc = 0; cc < {c}; cc++) {{")
     for j in range(kv):
-        e(f"            const vf u{j} = ld(ue + cc * {k} + k0 + {lanes * j});")
+        e(f"            const vf u{j} = ld(ue + cc * {lanes * kv} + {lanes * j});")
     for i in range(rows):
         e(f"            {{ const vf v = zero + ve[(ti + {i}) * {c} + cc]; "
           + " ".join(f"a{i}_{j} += v * u{j};" for j in range(kv)) + " }")
     e("          }")
     for i in range(rows):
-        e("          " + " ".join(f"st(me + (ti + {i}) * {k} + k0 + {lanes * j}, a{i}_{j});" for j in range(kv)))
+        e("          " + " ".join(f"st(me + (ti + {i}) * {kp} + k0 + {lanes * j}, a{i}_{j});" for j in range(kv)))
 
 
 class WinogradKernel:

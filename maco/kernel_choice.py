@@ -87,6 +87,32 @@ def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratio
     return ratios
 
 
+def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[tuple[ConvSpec, str], float],
+                  target: Target, rounds: int = 3) -> tuple[dict[tuple[ConvSpec, str], float], dict[ConvSpec, float]]:
+    """The planner's latency table with the Winograd kernel's time in NHWC wherever it beats the
+    entry there (torch's or a MACO kernel's), and torch's time over Winograd's per conv tried.
+    Winograd runs only NHWC convs, and is swapped in after planning (faster_winograd): a plan
+    made without it would keep such a conv in NCHW wherever torch's NCHW conv is the faster."""
+    table, ratios = dict(table), {}
+    steady_allocator()
+    gen = torch.Generator().manual_seed(0)
+    for (spec, layout), torch_s in torch_seconds.items():
+        conv = nn.Conv2d(spec.c, spec.k, (spec.kh, spec.kw), spec.stride, spec.padding, spec.dilation,
+                         spec.groups, bias=False).eval()
+        if layout != "NHWC" or target.kind != "cpu" or not winograd_module_can_run(conv, spec, target):
+            continue
+        x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
+        winograd = MacoWinograd2d(conv, spec, target)
+        runs = {"torch": torch_conv(spec, x, conv.weight.detach(), layout), "maco": lambda: winograd(x)}
+        with torch.inference_mode():
+            for fn in runs.values():
+                fn()
+            ratios[spec] = statistics.median(_round_ratios(runs, rounds))
+        if ratios[spec] >= MIN_GAIN:
+            table[(spec, layout)] = min(table[(spec, layout)], torch_s / ratios[spec])
+    return table, ratios
+
+
 CLOSE = (0.95, 1.1)  # in-process ratios this near MIN_GAIN are timed 3x as long: at 3 rounds a kernel
 # measured 1.10x and 1.03x in two calls a second apart, and 1.01x in optimize (torch kept there)
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from maco.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears,
-                                faster_pools, faster_winograd)
+                                faster_pools, faster_winograd, with_winograd)
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
@@ -48,12 +48,17 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     candidates are re-timed beside torch here (kernel_choice), the plan is made from the faster
     of each, and the planned MACO model gets the kernels and the linear layers that won."""
     table, chosen, ratios = faster_kernels(torch_seconds, candidates, target)
+    cpu = target.kind == "cpu"
+    if cpu and "NHWC" in layouts:  # the plan keeps a conv in NHWC where Winograd would run it fastest
+        table, planned_winograd = with_winograd(table, torch_seconds, target)
+        if planned_winograd:
+            log(f"      Winograd beats torch in NHWC on {sum(r >= MIN_GAIN for r in planned_winograd.values())} "
+                f"of {len(planned_winograd)} distinct 3x3 convs; the planner sees its times")
     fused = fuse(model, example_input)
     log("      planning layouts with the measured latencies (conversions measured)")
     plan = plan_layouts(fused, example_input, layouts=layouts, latency=table, device=device, target=target)
     models: dict[str, Any] = {"default": model, "fused": fused, "planned_torch": plan.apply(fused)}
     planned_maco = plan.apply(fused)
-    cpu = target.kind == "cpu"
     swapped = use_maco_kernels(planned_maco, plan, chosen, target) if cpu else []
     linears = faster_linears(planned_maco, example_input, target) if cpu else {}
     pools = faster_pools(planned_maco, example_input, target) if cpu else {}

@@ -14,7 +14,7 @@ from maco import kernels
 from maco.deployment import describe
 from maco.errors import MacoError
 from maco.kernel_choice import MIN_GAIN, faster_winograd
-from maco.kernels.winograd import WinogradKernel, WinogradPlan, filter_vectors, winograd_can_run
+from maco.kernels.winograd import TILES, Split, WinogradKernel, WinogradPlan, filter_vectors, winograd_can_run
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
 from maco.layouts.fusion import FusedConv2d
@@ -61,14 +61,19 @@ def test_winograd_equals_torch(spec, lanes, bias, activation, residual):
 
 def test_the_filter_transform_is_g_g_gt():
     """U = G g G^T for one filter by hand: a centre tap of 1 gives G[:, 1] G[:, 1]^T."""
-    spec = ConvSpec.parse("n1_c16_h4_w4_k64_r3_p1")
+    spec = ConvSpec.parse("n1_c16_h4_w4_k128_r3_p1")
     w = np.zeros(spec.weight_shape, np.float32)
-    w[3, 5, 1, 1] = 1.0
-    u = WinogradPlan(spec).pack_weight(w)
-    assert u.shape == (16, 16, 64)
+    w[67, 5, 1, 1] = 1.0
+    u = WinogradPlan(spec).transformed_weight(w)
+    assert u.shape == (16, 16, 128)
     col = np.array([0.0, 0.5, -0.5, 0.0])
-    assert np.allclose(u[:, 5, 3].reshape(4, 4), np.outer(col, col))
+    assert np.allclose(u[:, 5, 67].reshape(4, 4), np.outer(col, col))
     assert np.count_nonzero(u) == np.count_nonzero(np.outer(col, col))
+    # packed: per element, one contiguous C x 64 panel per register block of 64 filters
+    packed = WinogradPlan(spec).pack_weight(w)
+    assert packed.shape == (16, 2, 16, 64) and packed.dtype == np.float32
+    assert np.array_equal(packed[:, 1, 5, 3], u[:, 5, 67].astype(np.float32))
+    assert np.array_equal(packed.transpose(0, 2, 1, 3).reshape(16, 16, 128), u.astype(np.float32))
 
 
 def test_refusals_name_the_value():
@@ -87,6 +92,55 @@ def test_refusals_name_the_value():
         WinogradPlan(good, lanes=12)
     assert winograd_can_run(good) and winograd_can_run(ConvSpec.parse("n1_c8_h8_w8_k16_r3_p1"), lanes=8)
     assert not winograd_module_can_run(nn.Conv2d(16, 64, 3, padding=1, padding_mode="reflect"), good, HOST)
+
+
+def test_the_work_split_keeps_every_thread_busy():
+    """Many tiles: blocks of at most TILES tiles, as many per thread; fewer blocks than threads:
+    the filters split into parts (whole register blocks), so each thread reads part of U."""
+    deep = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")  # 16 tiles: one block
+    assert WinogradPlan(deep, threads=2).split == Split(16, 1, 2)
+    assert WinogradPlan(deep, threads=4).split == Split(16, 1, 4)
+    assert WinogradPlan(deep, threads=1).split == Split(16, 1, 1)
+    assert WinogradPlan(ConvSpec.parse("n1_c64_h8_w8_k64_r3_p1"), threads=2).split == Split(16, 1, 1)  # one part
+    wide = WinogradPlan(ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1"), threads=2).split
+    assert wide.blocks % 2 == 0 and wide.tiles <= TILES and wide.tiles * wide.blocks >= 28 * 28 and wide.k_parts == 1
+    assert WinogradPlan(deep, threads=2, tiles_per_block=5, k_parts=4).split == Split(4, 4, 4)
+    with pytest.raises(MacoError, match="k_parts=3 does not split 512"):
+        WinogradPlan(deep, k_parts=3)
+    with pytest.raises(MacoError, match="tiles_per_block must be a positive int, got 0"):
+        WinogradPlan(deep, tiles_per_block=0)
+
+
+@pytest.mark.parametrize("tiles,parts", [(1, 1), (5, 2), (7, 3), (64, 3), (None, 1)])
+def test_every_split_computes_the_same_conv(tiles, parts):
+    spec = ConvSpec.parse("n2_c32_h9_w11_k384_r3_p1")
+    plan_ = WinogradPlan(spec, True, "relu", True, 2, 16, tiles_per_block=tiles, k_parts=parts)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(spec.weight_shape, generator=gen) / 17, torch.randn(spec.k, generator=gen)
+    r = torch.randn(spec.output_shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    want = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1) + r)
+    y = torch.full(spec.output_shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    WinogradKernel(plan_, HOST)(x, plan_.pack_weight(w.numpy()), b.numpy(), r, y)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_the_planner_sees_winograd_where_it_beats_torch(monkeypatch):
+    """with_winograd puts Winograd's time into the NHWC entries of the 3x3 stride-1 convs it beats
+    torch on (not NCHW, not other convs, not where it loses), so that the plan keeps them NHWC."""
+    from maco import kernel_choice
+
+    ratio = {"value": 2.0}
+    monkeypatch.setattr(kernel_choice, "_round_ratios", lambda runs, rounds: [ratio["value"]] * rounds)
+    three, strided = ConvSpec.parse("n1_c16_h8_w8_k64_r3_p1"), ConvSpec.parse("n1_c16_h8_w8_k64_r3_s2_p1")
+    torch_s = {(three, "NCHW"): 1.0, (three, "NHWC"): 3.0, (strided, "NHWC"): 3.0}
+    table = {**torch_s, (three, "NHWC"): 2.5}  # a MACO direct kernel was faster than torch there
+    got, ratios = kernel_choice.with_winograd(table, torch_s, HOST)
+    assert ratios == {three: 2.0} and got == {**table, (three, "NHWC"): 1.5}
+    ratio["value"] = 1.1  # Winograd beats torch but not the direct kernel: the faster entry stays
+    assert kernel_choice.with_winograd(table, torch_s, HOST)[0] == table
+    ratio["value"] = 0.9
+    assert kernel_choice.with_winograd(table, torch_s, HOST)[0] == table
 
 
 def _fused(c: int, k: int, activation: str, residual: str) -> FusedConv2d:
