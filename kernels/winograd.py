@@ -36,11 +36,22 @@ from maco.spec import ConvSpec
 from maco.target import Target
 
 FUNCTION = "maco_winograd"
-TILES = 36  # output tiles per block at most: its V and M (16 x 36 x 128 floats) stay in the core's L2
+TILES = {2: 36, 4: 16}  # output tiles per block at most, per tile size: its V and M stay in the core's L2
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
 KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
-# Winograd F(2x2, 3x3) (Lavin and Gray, 2016): U = G g G^T, V = B^T d B, Y = A^T (U * V) A
-G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+# Winograd F(m x m, 3x3) (Lavin and Gray, 2016): U = G g G^T, V = B^T d B, Y = A^T (U * V) A, for output
+# tiles of m x m from input tiles of (m + 2) x (m + 2); B^T and A^T hold small integers (exact in C)
+TRANSFORMS = {
+    2: {"BT": [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
+        "G": [[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]],
+        "AT": [[1, 1, 1, 0], [0, 1, -1, -1]]},
+    4: {"BT": [[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0],
+               [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]],
+        "G": [[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
+              [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]],
+        "AT": [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]]},
+}
+TILE_SIZES = tuple(TRANSFORMS)
 
 
 def filter_vectors(lanes: int) -> int:
@@ -69,7 +80,8 @@ class Split:
 
 @dataclass(frozen=True)
 class WinogradPlan:
-    """One conv (spec) in NHWC, its epilogue and threads, on vectors of `lanes` floats.
+    """One conv (spec) in NHWC, its epilogue and threads, on vectors of `lanes` floats, in output
+    tiles of m x m (2: 16 multiplies per 4 outputs; 4: 36 per 16, with U 4x the weights).
     `tiles_per_block` and `k_parts` override the work split (see `split`)."""
 
     spec: ConvSpec
@@ -80,14 +92,17 @@ class WinogradPlan:
     lanes: int = 16
     tiles_per_block: int | None = None
     k_parts: int | None = None
+    m: int = 2  # output tile size: F(m x m, 3x3)
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, ConvSpec):
             raise MacoError(f"a Winograd plan needs a maco.ConvSpec, got {type(self.spec).__name__}")
+        if type(self.m) is not int or self.m not in TILE_SIZES:
+            raise MacoError(f"Winograd output tiles of {self.m!r}: the kernel knows {TILE_SIZES}")
         if self.lanes not in (4, 8, 16):
             raise MacoError(f"vectors of {self.lanes!r} floats: the kernel knows 4, 8 and 16")
         if not winograd_can_run(self.spec, self.lanes):
-            raise MacoError(f"Winograd F(2x2,3x3) computes 3x3 stride-1 convs with padding 1, no groups, "
+            raise MacoError(f"Winograd F(m x m,3x3) computes 3x3 stride-1 convs with padding 1, no groups, "
                             f"C a multiple of {self.lanes} and K of {self.lanes * filter_vectors(self.lanes)}; "
                             f"not {self.spec}")
         if self.activation not in ACTIVATIONS:
@@ -103,13 +118,13 @@ class WinogradPlan:
 
     @cached_property
     def split(self) -> Split:
-        """The work split. Blocks of at most TILES tiles keep a block's V and M in the core's L2;
+        """The work split. Blocks of at most TILES[m] tiles keep a block's V and M in the core's L2;
         with at least as many blocks as threads, the blocks are shared out (as many per thread);
         with fewer, each block's filters are split into parts so that every thread works, and each
         thread reads only its part of U."""
         s = self.spec
-        tiles = s.n * ((s.h + 1) // 2) * ((s.w + 1) // 2)
-        blocks = -(-tiles // (self.tiles_per_block or TILES))
+        tiles = s.n * -(-s.h // self.m) * -(-s.w // self.m)
+        blocks = -(-tiles // (self.tiles_per_block or TILES[self.m]))
         parts = self.k_parts
         if parts is None:
             parts = 1
@@ -121,31 +136,51 @@ class WinogradPlan:
         per_block = -(-tiles // blocks)
         return Split(per_block, -(-tiles // per_block), parts)
 
+    @property
+    def elements(self) -> int:
+        """Elements of a transformed tile, (m + 2)^2: the GEMMs per block."""
+        return (self.m + 2) ** 2
+
     def transformed_weight(self, w: np.ndarray) -> np.ndarray:
-        """(K, C, 3, 3) -> U = G g G^T as (16, C, K): per element, the C x K matrix the GEMM
+        """(K, C, 3, 3) -> U = G g G^T as (elements, C, K): per element, the C x K matrix the GEMM
         multiplies by (computed in float64)."""
-        s = self.spec
+        s, g = self.spec, np.array(TRANSFORMS[self.m]["G"], dtype=np.float64)
         w = np.asarray(w, dtype=np.float64).reshape(s.k, s.c, 3, 3)
-        return np.einsum("ia,kcab,jb->ijck", G, w, G).reshape(16, s.c, s.k)
+        return np.einsum("ia,kcab,jb->ijck", g, w, g).reshape(self.elements, s.c, s.k)
 
     def pack_weight(self, w: np.ndarray) -> np.ndarray:
-        """U as the kernel reads it, float32 (16, K / B, C, B) for register blocks of B filters:
-        each block's C x B panel is contiguous, so the GEMM streams it in order."""
+        """U as the kernel reads it, float32 (elements, K / B, C, B) for register blocks of B
+        filters: each block's C x B panel is contiguous, so the GEMM streams it in order."""
         s, block = self.spec, self.lanes * filter_vectors(self.lanes)
-        u = self.transformed_weight(w).reshape(16, s.c, s.k // block, block).transpose(0, 2, 1, 3)
+        u = self.transformed_weight(w).reshape(self.elements, s.c, s.k // block, block).transpose(0, 2, 1, 3)
         return np.ascontiguousarray(u, dtype=np.float32)
 
     @cached_property
     def source(self) -> str:
-        what = (f"MACO Winograd F(2x2,3x3) conv: {self.spec}, NHWC, bias={self.bias}, "
+        what = (f"MACO Winograd F({self.m}x{self.m},3x3) conv: {self.spec}, NHWC, bias={self.bias}, "
                 f"activation={self.activation}, residual={self.residual}, threads={self.threads}")
         return f"{comment(what)}\n{_source(self)}"
 
 
+def _combination(terms: list[tuple[float, str]]) -> str:
+    """sum(coefficient * vector) as C, the zero terms left out and +-1 as a plain add or subtract
+    (the coefficients are B^T's and A^T's small integers, written exactly)."""
+    out = ""
+    for coef, name in terms:
+        if coef == 0:
+            continue
+        sign, mag = ("-" if coef < 0 else "+"), abs(coef)
+        term = name if mag == 1 else f"{float(mag)!r}f * {name}"
+        out += f" {sign} {term}" if out else (f"-{term}" if sign == "-" else term)
+    return out or "zero"
+
+
 def _source(plan: WinogradPlan) -> str:
-    s, lanes, kv = plan.spec, plan.lanes, filter_vectors(plan.lanes)
+    s, lanes, kv, m = plan.spec, plan.lanes, filter_vectors(plan.lanes), plan.m
     n, c, h, w, k = s.n, s.c, s.h, s.w, s.k
-    nty, ntx = (h + 1) // 2, (w + 1) // 2
+    a, els = m + 2, plan.elements  # input tile side, transformed elements
+    bt, at = TRANSFORMS[m]["BT"], TRANSFORMS[m]["AT"]
+    nty, ntx = -(-h // m), -(-w // m)
     tiles = n * nty * ntx
     split = plan.split
     per_block, blocks, parts = split.tiles, split.blocks, split.k_parts
@@ -169,9 +204,9 @@ def _source(plan: WinogradPlan) -> str:
     e(f"  #pragma omp parallel num_threads({plan.threads})")
     e("  {")
     e("  if (!block_buffer)")
-    e(f"    block_buffer = aligned_alloc(64, sizeof(float) * 16 * {per_block} * {c + kp});")
+    e(f"    block_buffer = aligned_alloc(64, sizeof(float) * {els} * {per_block} * {c + kp});")
     e("  float *restrict V = block_buffer;")
-    e(f"  float *restrict M = block_buffer + 16 * {per_block * c};")
+    e(f"  float *restrict M = block_buffer + {els * per_block * c};")
     e("  long done = -1;  /* the block whose V this thread holds */")
     # items run part-major within a block, so a thread with several items of one block transforms it once
     e("  #pragma omp for schedule(static)")
@@ -182,28 +217,28 @@ def _source(plan: WinogradPlan) -> str:
     e("    if (blk != done) { done = blk;")
     e("    for (long t = 0; t < nt; t++) {  /* V = B^T d B */")
     e(f"      const long img = (t0 + t) / {nty * ntx}, ty = (t0 + t) / {ntx} % {nty}, tx = (t0 + t) % {ntx};")
-    e("      const long r0 = 2 * ty - 1, q0 = 2 * tx - 1;")
-    e("      int rin[4], qin[4];")
-    e(f"      for (int i = 0; i < 4; i++) {{ rin[i] = r0 + i >= 0 && r0 + i < {h}; "
+    e(f"      const long r0 = {m} * ty - 1, q0 = {m} * tx - 1;")
+    e(f"      int rin[{a}], qin[{a}];")
+    e(f"      for (int i = 0; i < {a}; i++) {{ rin[i] = r0 + i >= 0 && r0 + i < {h}; "
       f"qin[i] = q0 + i >= 0 && q0 + i < {w}; }}")
     e(f"      const float *restrict xi = x + img * {h * w * c};")
     e(f"      for (long c0 = 0; c0 < {c}; c0 += {lanes}) {{")
-    e("        vf d[4][4], s[4][4];")
-    e("        for (int i = 0; i < 4; i++) for (int j = 0; j < 4; j++)")
+    e(f"        vf d[{a}][{a}], s[{a}][{a}];")
+    e(f"        for (int i = 0; i < {a}; i++) for (int j = 0; j < {a}; j++)")
     e(f"          d[i][j] = rin[i] && qin[j] ? ld(xi + ((r0 + i) * {w} + q0 + j) * {c} + c0) : zero;")
-    e("        for (int j = 0; j < 4; j++) {")
-    e("          s[0][j] = d[0][j] - d[2][j]; s[1][j] = d[1][j] + d[2][j];")
-    e("          s[2][j] = d[2][j] - d[1][j]; s[3][j] = d[1][j] - d[3][j]; }")
+    e(f"        for (int j = 0; j < {a}; j++) {{")
+    for i in range(a):
+        e(f"          s[{i}][j] = {_combination([(bt[i][q], f'd[{q}][j]') for q in range(a)])};")
+    e("        }")
     e(f"        float *restrict vt = V + t * {c} + c0;")
-    e("        for (int i = 0; i < 4; i++) {")
-    e(f"          st(vt + (i * 4 + 0) * {per_block * c}, s[i][0] - s[i][2]);")
-    e(f"          st(vt + (i * 4 + 1) * {per_block * c}, s[i][1] + s[i][2]);")
-    e(f"          st(vt + (i * 4 + 2) * {per_block * c}, s[i][2] - s[i][1]);")
-    e(f"          st(vt + (i * 4 + 3) * {per_block * c}, s[i][1] - s[i][3]); }}")
+    e(f"        for (int i = 0; i < {a}; i++) {{")
+    for j in range(a):
+        e(f"          st(vt + (i * {a} + {j}) * {per_block * c}, {_combination([(bt[j][q], f's[i][{q}]') for q in range(a)])});")
+    e("        }")
     e("      }")
     e("    }")
     e("    }")
-    e("    for (int el = 0; el < 16; el++) {  /* M = V U, element by element, this part's filters */")
+    e(f"    for (int el = 0; el < {els}; el++) {{  /* M = V U, element by element, this part's filters */")
     e(f"      const float *restrict ve = V + (long)el * {per_block * c};")
     e(f"      float *restrict me = M + (long)el * {per_block * kp};")
     e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes * kv}) {{")
@@ -221,16 +256,18 @@ def _source(plan: WinogradPlan) -> str:
     e("    for (long t = 0; t < nt; t++) {  /* Y = A^T M A, then the epilogue */")
     e(f"      const long img = (t0 + t) / {nty * ntx}, ty = (t0 + t) / {ntx} % {nty}, tx = (t0 + t) % {ntx};")
     e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes}) {{")
-    e("        vf m[16], a[2][4];")
-    e(f"        for (int el = 0; el < 16; el++) m[el] = ld(M + el * {per_block * kp} + t * {kp} + k0);")
-    e("        for (int j = 0; j < 4; j++) {")
-    e("          a[0][j] = m[j] + m[4 + j] + m[8 + j];")
-    e("          a[1][j] = m[4 + j] - m[8 + j] - m[12 + j]; }")
+    e(f"        vf mm[{els}], p[{m}][{a}];")
+    e(f"        for (int el = 0; el < {els}; el++) mm[el] = ld(M + el * {per_block * kp} + t * {kp} + k0);")
+    e(f"        for (int j = 0; j < {a}; j++) {{")
+    for i in range(m):
+        e(f"          p[{i}][j] = {_combination([(at[i][q], f'mm[{q * a} + j]') for q in range(a)])};")
+    e("        }")
     e(f"        const vf bv = {'ld(b + k1 + k0)' if plan.bias else 'zero'};")
-    e("        for (int i = 0; i < 2 && 2 * ty + i < %d; i++) {" % h)
-    e("          const vf o[2] = {a[i][0] + a[i][1] + a[i][2] + bv, a[i][1] - a[i][2] - a[i][3] + bv};")
-    e(f"          const long at = ((img * {h} + 2 * ty + i) * {w} + 2 * tx) * {k} + k1 + k0;")
-    e(f"          for (int j = 0; j < 2 && 2 * tx + j < {w}; j++) {{")
+    e(f"        for (int i = 0; i < {m} && {m} * ty + i < {h}; i++) {{")
+    e(f"          const vf o[{m}] = {{" + ", ".join(
+        _combination([(at[j][q], f"p[i][{q}]") for q in range(a)]) + " + bv" for j in range(m)) + "};")
+    e(f"          const long at = ((img * {h} + {m} * ty + i) * {w} + {m} * tx) * {k} + k1 + k0;")
+    e(f"          for (int j = 0; j < {m} && {m} * tx + j < {w}; j++) {{")
     e(f"            vf v = o[j]{f' + ld(r + at + j * {k})' if plan.residual else ''};")
     e(f"            st(y + at + j * {k}, {act});")
     e("          }")

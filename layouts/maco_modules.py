@@ -202,21 +202,25 @@ class MacoDepthwise2d(_GeneratedOp):
 
 class MacoWinograd2d(_GeneratedOp):
     """A 3x3 stride-1 `conv` (a Conv2d or FusedConv2d) run by the Winograd kernel
-    (kernels.winograd) in NHWC for the one input shape it was built for; any other input runs
-    `conv` itself."""
+    (kernels.winograd) in NHWC, in output tiles of m x m, for the one input shape it was built
+    for; any other input runs `conv` itself."""
 
-    def __init__(self, conv: nn.Conv2d, spec: ConvSpec, target: Target, preallocate: bool = False):
+    def __init__(self, conv: nn.Conv2d, spec: ConvSpec, target: Target, preallocate: bool = False, m: int = 2):
         super().__init__()
         activation, residual = epilogue_of(conv)
         if not winograd_module_can_run(conv, spec, target):
             raise MacoError(f"no generated Winograd kernel computes {conv} ({spec}) on {target.name}")
         self.spec, self.layout, self.torch_conv = spec, "NHWC", conv
         self._plan = WinogradPlan(spec, conv.bias is not None, activation, residual == "before", target.cores,
-                                  target.simd_width)
+                                  target.simd_width, m=m)
         self._kernel = WinogradKernel(self._plan, target)
         self._weight = self._plan.pack_weight(conv.weight.detach().numpy())
         self._bias = None if conv.bias is None else conv.bias.detach().numpy().astype("float32")
         self._output_in("NHWC", spec.output_shape, preallocate)
+
+    @property
+    def m(self) -> int:
+        return self._plan.m
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if (not self._runs(x, self.spec.input_shape) or self._plan.residual != (residual is not None)
@@ -227,7 +231,7 @@ class MacoWinograd2d(_GeneratedOp):
         return out
 
     def extra_repr(self) -> str:
-        return (f"{self.spec}, Winograd F(2x2,3x3), NHWC, activation={self._plan.activation}, "
+        return (f"{self.spec}, Winograd F({self.m}x{self.m},3x3), NHWC, activation={self._plan.activation}, "
                 f"residual={self._plan.residual}, preallocated={self.preallocated}")
 
 

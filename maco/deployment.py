@@ -27,6 +27,7 @@ from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.kernel_choice import POOLS
 from maco.kernels.pool import plan_for
+from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
                                        winograd_module_can_run, depthwise_can_run,
                                        swap_module)
@@ -55,7 +56,7 @@ class Deployment:
     linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch, preallocate
     pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout, preallocate
     depthwise: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, layout, preallocate
-    winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, preallocate
+    winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, tile, preallocate
 
     def to_dict(self) -> dict[str, Any]:
         from maco import __version__
@@ -115,7 +116,7 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
         elif isinstance(mod, MacoDepthwise2d):
             dep.depthwise[path] = {"spec": str(mod.spec), "layout": mod.layout, "preallocate": mod.preallocated}
         elif isinstance(mod, MacoWinograd2d):
-            dep.winograd[path] = {"spec": str(mod.spec), "preallocate": mod.preallocated}
+            dep.winograd[path] = {"spec": str(mod.spec), "tile": mod.m, "preallocate": mod.preallocated}
     return dep
 
 
@@ -189,11 +190,15 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
     for conv_path, d in dep.winograd.items():
         conv = _submodule(gm, conv_path, nn.Conv2d)
         spec = _saved_spec(path, "Winograd conv", conv_path, conv, d)
+        tile = d.get("tile", 2)  # files from before F(4x4) hold no tile size
+        if type(tile) is not int or tile not in TILE_SIZES:
+            raise MacoError(f"{str(path)!r}: Winograd conv {short(conv_path)} has output tiles of {short(tile)}; "
+                            f"the kernel knows {TILE_SIZES}")
         if not winograd_module_can_run(conv, spec, host):
             if foreign:  # another machine's vectors: torch runs it here, as a default would
                 continue
             raise MacoError(f"{str(path)!r}: no generated Winograd kernel runs conv {short(conv_path)} ({spec})")
-        swap_module(gm, conv_path, MacoWinograd2d(conv, spec, host, bool(d.get("preallocate"))))
+        swap_module(gm, conv_path, MacoWinograd2d(conv, spec, host, bool(d.get("preallocate")), tile))
     gm.meta["maco"] = dep
     return gm
 

@@ -13,6 +13,7 @@ from torch import nn
 from maco.kernels.baselines import torch_conv
 from maco.kernels.linear import MAX_BATCH
 from maco.kernels.pool import plan_for
+from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
                                        call_sites, depthwise_can_run, escapes, swap_module,
                                        winograd_module_can_run)
@@ -20,7 +21,7 @@ from maco.records import Record
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
-from maco.timing import interleaved_rounds, steady_allocator
+from maco.timing import CacheEvictor, interleaved_rounds, steady_allocator
 
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
 Chosen = dict[ConvSpec, dict[str, Schedule]]  # spec -> layout -> schedule
@@ -87,27 +88,36 @@ def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratio
     return ratios
 
 
+def evictor(target: Target) -> CacheEvictor:
+    """What evicts the target's caches between timed calls (timing.CacheEvictor): Winograd's U
+    is 16/9 (F(2x2)) or 4x (F(4x4)) of the weights, so which kernel wins inside a model whose
+    weights outgrow the caches shows only when each is timed with its weights in memory."""
+    return CacheEvictor(max(level.capacity for level in target.levels))
+
+
 def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[tuple[ConvSpec, str], float],
                   target: Target, rounds: int = 3) -> tuple[dict[tuple[ConvSpec, str], float], dict[ConvSpec, float]]:
-    """The planner's latency table with the Winograd kernel's time in NHWC wherever it beats the
-    entry there (torch's or a MACO kernel's), and torch's time over Winograd's per conv tried.
+    """The planner's latency table with the Winograd kernel's time in NHWC (its faster tile size)
+    wherever it beats the entry there (torch's or a MACO kernel's), and torch's time over
+    Winograd's per conv tried.
     Winograd runs only NHWC convs, and is swapped in after planning (faster_winograd): a plan
     made without it would keep such a conv in NCHW wherever torch's NCHW conv is the faster."""
     table, ratios = dict(table), {}
     steady_allocator()
-    gen = torch.Generator().manual_seed(0)
+    gen, evict = torch.Generator().manual_seed(0), evictor(target)
     for (spec, layout), torch_s in torch_seconds.items():
         conv = nn.Conv2d(spec.c, spec.k, (spec.kh, spec.kw), spec.stride, spec.padding, spec.dilation,
                          spec.groups, bias=False).eval()
         if layout != "NHWC" or target.kind != "cpu" or not winograd_module_can_run(conv, spec, target):
             continue
         x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
-        winograd = MacoWinograd2d(conv, spec, target)
-        runs = {"torch": torch_conv(spec, x, conv.weight.detach(), layout), "maco": lambda: winograd(x)}
-        with torch.inference_mode():
-            for fn in runs.values():
-                fn()
-            ratios[spec] = statistics.median(_round_ratios(runs, rounds))
+        for m in TILE_SIZES:
+            winograd = MacoWinograd2d(conv, spec, target, m=m)
+            runs = {"torch": torch_conv(spec, x, conv.weight.detach(), layout), "maco": lambda: winograd(x)}
+            with torch.inference_mode():
+                for fn in runs.values():
+                    fn()
+                ratios[spec] = max(ratios.get(spec, 0.0), statistics.median(_round_ratios(runs, rounds, evict)))
         if ratios[spec] >= MIN_GAIN:
             table[(spec, layout)] = min(table[(spec, layout)], torch_s / ratios[spec])
     return table, ratios
@@ -117,10 +127,11 @@ CLOSE = (0.95, 1.1)  # in-process ratios this near MIN_GAIN are timed 3x as long
 # measured 1.10x and 1.03x in two calls a second apart, and 1.01x in optimize (torch kept there)
 
 
-def _round_ratios(runs: dict[str, Callable[[], Any]], rounds: int) -> list[float]:
+def _round_ratios(runs: dict[str, Callable[[], Any]], rounds: int,
+                  before: Callable[[], Any] | None = None) -> list[float]:
     """torch's time over MACO's per interleaved round, each from the fastest repeat of each (the
-    least disturbed by anything else running)."""
-    timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
+    least disturbed by anything else running); `before` runs before each timed call."""
+    timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2, before=before)
     return [t.min / m.min for t, m in zip(timed["torch"], timed["maco"])]
 
 
@@ -160,13 +171,24 @@ def faster_depthwise(gm: fx.GraphModule, example_input: Any, target: Target, rou
 def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
     """Swap (in place) each 3x3 stride-1 conv of `gm` whose input is channels_last in the model
     (run by torch or by a MacoConv2d) for the Winograd kernel (kernels.winograd) where that runs
-    at least MIN_GAIN faster than what runs it now, residual and all."""
-    def make(conv: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
-        found = _torch_conv_on(conv, x, ("NHWC",))
-        if found is None or not winograd_module_can_run(*found[:2], target):
-            return None
-        return MacoWinograd2d(*found[:2], target, preallocate=preallocate)
-    return _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
+    at least MIN_GAIN faster than what runs it now, residual and all: each tile size in turn,
+    against what runs the conv by then. Returns path -> the time of what ran the conv at first
+    over the time of what runs it now (below MIN_GAIN where no Winograd kernel won)."""
+    tried: ModuleRatios = {}  # the best ratio timed
+    evict = evictor(target)
+    won: ModuleRatios = {}  # the product of the ratios that won: the first module's time over the last's
+    for m in TILE_SIZES:
+        def make(conv: nn.Module, x: torch.Tensor, preallocate: bool, m: int = m) -> nn.Module | None:
+            found = _torch_conv_on(conv, x, ("NHWC",))
+            if found is None or not winograd_module_can_run(*found[:2], target) or getattr(conv, "m", None) == m:
+                return None
+            return MacoWinograd2d(*found[:2], target, preallocate=preallocate, m=m)
+        types = (nn.Conv2d, MacoConv2d, MacoWinograd2d)
+        for path, ratio in _faster_modules(gm, example_input, types, make, rounds, evict).items():
+            tried[path] = max(tried.get(path, 0.0), ratio)
+            if ratio >= MIN_GAIN:
+                won[path] = won.get(path, 1.0) * ratio
+    return {path: won.get(path, best) for path, best in tried.items()}
 
 
 def _torch_conv_on(conv: nn.Module, x: torch.Tensor,
@@ -176,7 +198,7 @@ def _torch_conv_on(conv: nn.Module, x: torch.Tensor,
     layout = _layout(x)
     if layout not in layouts or x.dtype != torch.float32:
         return None
-    conv = conv.torch_conv if isinstance(conv, MacoConv2d) else conv
+    conv = conv.torch_conv if isinstance(conv, (MacoConv2d, MacoWinograd2d)) else conv
     return conv, ConvSpec.from_module(conv, tuple(x.shape)), layout
 
 
@@ -189,11 +211,12 @@ def _layout(x: torch.Tensor) -> str | None:
 
 def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, ...],
                     make: Callable[[nn.Module, torch.Tensor, bool], nn.Module | None],
-                    rounds: int) -> ModuleRatios:
+                    rounds: int, before: Callable[[], Any] | None = None) -> ModuleRatios:
     """Each module of `types` called in `gm`, and the generated-kernel module `make` builds for the
     input it sees in the model (None: none fits), timed beside it here in interleaved rounds on
-    the arguments it gets there; swapped in place where MACO wins by MIN_GAIN (its output preallocated when the
-    module is called once and its output stays inside the model)."""
+    the arguments it gets there (`before` runs before each timed call); swapped in place where MACO
+    wins by MIN_GAIN (its output preallocated when the module is called once and its output stays
+    inside the model)."""
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     seen: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]] = {}
 
@@ -222,7 +245,7 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
         with torch.inference_mode():
             for fn in runs.values():
                 fn()
-            timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
+            timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2, before=before)
         ratios[path] = statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
         if ratios[path] >= MIN_GAIN:
             sites = calls[path]

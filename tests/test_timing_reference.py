@@ -41,3 +41,32 @@ def test_plain_timings_keep_their_dict_and_referenced_ones_round_trip() -> None:
     assert Timing(**ref.to_dict()) == ref
     with pytest.raises(ValueError, match="work must be positive"):
         time_with_reference(lambda: None, lambda: None, work=0)
+
+
+def test_what_runs_before_each_call_stays_off_the_clock() -> None:
+    """time_callable(before=...): each call is timed alone, `before` (a cache eviction, here a
+    sleep 20x as long as the call) first and off the clock."""
+    import time
+
+    calls: list[str] = []
+
+    def fn() -> None:
+        calls.append("fn")
+        time.sleep(0.001)
+
+    def before() -> None:
+        calls.append("before")
+        time.sleep(0.02)
+
+    got = timing.time_callable(fn, repeats=5, warmup=1, min_run_time=1e-3, before=before)
+    assert got.number == 1 and got.repeats >= 5
+    assert 0.001 <= got.median < 0.01  # the call's time, not the eviction's
+    assert calls[0] == "fn" and calls[1:] == ["before", "fn"] * got.repeats  # the warm-up, then each call
+
+
+def test_the_cache_evictor_reads_twice_the_cache() -> None:
+    evict = timing.CacheEvictor(4 << 20)
+    assert evict.buffer.nbytes == 8 << 20
+    evict()
+    evict()
+    assert evict.sink == 2 * (8 << 20) // 64  # one float64 of 1.0 per 64-byte line, twice

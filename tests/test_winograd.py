@@ -14,7 +14,8 @@ from maco import kernels
 from maco.deployment import describe
 from maco.errors import MacoError
 from maco.kernel_choice import MIN_GAIN, faster_winograd
-from maco.kernels.winograd import TILES, Split, WinogradKernel, WinogradPlan, filter_vectors, winograd_can_run
+from maco.kernels.winograd import (TILE_SIZES, TILES, TRANSFORMS, Split, WinogradKernel, WinogradPlan,
+                                   filter_vectors, winograd_can_run)
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
 from maco.layouts.fusion import FusedConv2d
@@ -42,9 +43,31 @@ RESNET = [(s, 16, True, "relu", r) for s, _ in distinct_convs(conv_layers(build(
           if winograd_can_run(s) for r in (False, True)]
 
 
+def test_the_transforms_compute_a_correlation_exactly():
+    """A^T ((G g) * (B^T d)) = the valid correlation of d with g, for every tile size, in exact
+    rational arithmetic (so float64 U and the integer B^T, A^T in C carry no error of their own)."""
+    from fractions import Fraction
+
+    rng = random.Random(3)
+    for m, t in TRANSFORMS.items():
+        a = m + 2
+        bt = [[Fraction(v) for v in row] for row in t["BT"]]
+        at = [[Fraction(v) for v in row] for row in t["AT"]]
+        g_t = [[Fraction(v).limit_denominator(100) for v in row] for row in t["G"]]
+        assert len(bt) == a and len(at) == m and len(g_t) == a
+        for _ in range(5):
+            d = [Fraction(rng.randint(-9, 9)) for _ in range(a)]
+            g = [Fraction(rng.randint(-9, 9)) for _ in range(3)]
+            u = [sum(g_t[i][q] * g[q] for q in range(3)) for i in range(a)]
+            v = [sum(bt[i][q] * d[q] for q in range(a)) for i in range(a)]
+            y = [sum(at[i][q] * u[q] * v[q] for q in range(a)) for i in range(m)]
+            assert y == [sum(d[i + q] * g[q] for q in range(3)) for i in range(m)], m
+
+
+@pytest.mark.parametrize("m", TILE_SIZES)
 @pytest.mark.parametrize("spec,lanes,bias,activation,residual", RESNET + list(_cases(0, 24)))
-def test_winograd_equals_torch(spec, lanes, bias, activation, residual):
-    plan_ = WinogradPlan(spec, bias, activation, residual, HOST.cores, lanes)
+def test_winograd_equals_torch(spec, lanes, bias, activation, residual, m):
+    plan_ = WinogradPlan(spec, bias, activation, residual, HOST.cores, lanes, m=m)
     kernel = WinogradKernel(plan_, HOST)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
@@ -65,6 +88,7 @@ def test_the_filter_transform_is_g_g_gt():
     w = np.zeros(spec.weight_shape, np.float32)
     w[67, 5, 1, 1] = 1.0
     u = WinogradPlan(spec).transformed_weight(w)
+    assert WinogradPlan(spec, m=4).transformed_weight(w).shape == (36, 16, 128)
     assert u.shape == (16, 16, 128)
     col = np.array([0.0, 0.5, -0.5, 0.0])
     assert np.allclose(u[:, 5, 67].reshape(4, 4), np.outer(col, col))
@@ -103,18 +127,21 @@ def test_the_work_split_keeps_every_thread_busy():
     assert WinogradPlan(deep, threads=1).split == Split(16, 1, 1)
     assert WinogradPlan(ConvSpec.parse("n1_c64_h8_w8_k64_r3_p1"), threads=2).split == Split(16, 1, 1)  # one part
     wide = WinogradPlan(ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1"), threads=2).split
-    assert wide.blocks % 2 == 0 and wide.tiles <= TILES and wide.tiles * wide.blocks >= 28 * 28 and wide.k_parts == 1
+    assert wide.blocks % 2 == 0 and wide.tiles <= TILES[2] and wide.tiles * wide.blocks >= 28 * 28 and wide.k_parts == 1
     assert WinogradPlan(deep, threads=2, tiles_per_block=5, k_parts=4).split == Split(4, 4, 4)
     with pytest.raises(MacoError, match="k_parts=3 does not split 512"):
         WinogradPlan(deep, k_parts=3)
     with pytest.raises(MacoError, match="tiles_per_block must be a positive int, got 0"):
         WinogradPlan(deep, tiles_per_block=0)
+    with pytest.raises(MacoError, match="output tiles of 3"):
+        WinogradPlan(deep, m=3)
+    assert WinogradPlan(deep, threads=2, m=4).split == Split(4, 1, 2)  # 7x7 in 4x4 tiles: 2 x 2
 
 
-@pytest.mark.parametrize("tiles,parts", [(1, 1), (5, 2), (7, 3), (64, 3), (None, 1)])
-def test_every_split_computes_the_same_conv(tiles, parts):
+@pytest.mark.parametrize("tiles,parts,m", [(1, 1, 2), (5, 2, 2), (7, 3, 4), (64, 3, 2), (None, 1, 4), (3, 6, 4)])
+def test_every_split_computes_the_same_conv(tiles, parts, m):
     spec = ConvSpec.parse("n2_c32_h9_w11_k384_r3_p1")
-    plan_ = WinogradPlan(spec, True, "relu", True, 2, 16, tiles_per_block=tiles, k_parts=parts)
+    plan_ = WinogradPlan(spec, True, "relu", True, 2, 16, tiles_per_block=tiles, k_parts=parts, m=m)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
     w, b = torch.randn(spec.weight_shape, generator=gen) / 17, torch.randn(spec.k, generator=gen)
@@ -131,7 +158,7 @@ def test_the_planner_sees_winograd_where_it_beats_torch(monkeypatch):
     from maco import kernel_choice
 
     ratio = {"value": 2.0}
-    monkeypatch.setattr(kernel_choice, "_round_ratios", lambda runs, rounds: [ratio["value"]] * rounds)
+    monkeypatch.setattr(kernel_choice, "_round_ratios", lambda runs, rounds, before=None: [ratio["value"]] * rounds)
     three, strided = ConvSpec.parse("n1_c16_h8_w8_k64_r3_p1"), ConvSpec.parse("n1_c16_h8_w8_k64_r3_s2_p1")
     torch_s = {(three, "NCHW"): 1.0, (three, "NHWC"): 3.0, (strided, "NHWC"): 3.0}
     table = {**torch_s, (three, "NHWC"): 2.5}  # a MACO direct kernel was faster than torch there
@@ -186,7 +213,7 @@ def test_resnet_picks_winograd_where_it_wins_and_saves_it(tmp_path):
     if not any(isinstance(m, MacoWinograd2d) for m in gm.modules()):  # the timing kept none: swap one anyway
         swap_module(gm, gm_first, MacoWinograd2d(gm.get_submodule(gm_first).torch_conv, layer1, HOST))
     dep = describe(gm, "planned_maco", x, HOST, p)
-    assert dep.winograd and all(set(v) == {"spec", "preallocate"} for v in dep.winograd.values())
+    assert dep.winograd and all(set(v) == {"spec", "tile", "preallocate"} for v in dep.winograd.values())
     (tmp_path / "m.maco").write_text(json.dumps(dep.to_dict()))
     loaded = maco.load(tmp_path / "m.maco", build("resnet18"))
     with torch.inference_mode():
@@ -194,6 +221,16 @@ def test_resnet_picks_winograd_where_it_wins_and_saves_it(tmp_path):
         for got in (gm(x), loaded(x)):
             assert float((want - got).abs().max() / want.abs().max()) < 1e-4
     assert sum(isinstance(m, MacoWinograd2d) for m in loaded.modules()) == len(dep.winograd)
+    assert {p: loaded.get_submodule(p).m for p in dep.winograd} == {p: v["tile"] for p, v in dep.winograd.items()}
+    path, saved = next(iter(dep.winograd.items()))
+    for tile, fine in ((None, True), (4, True), (3, False), (2.0, False), ("4", False), (True, False)):
+        entry = {k: v for k, v in saved.items() if k != "tile"} if tile is None else {**saved, "tile": tile}
+        (tmp_path / "t.maco").write_text(json.dumps({**dep.to_dict(), "winograd": {path: entry}}))
+        if fine:  # a file from before F(4x4) has no tile size: F(2x2)
+            assert maco.load(tmp_path / "t.maco", build("resnet18")).get_submodule(path).m == (tile or 2)
+        else:
+            with pytest.raises(MacoError, match="output tiles of"):
+                maco.load(tmp_path / "t.maco", build("resnet18"))
     path, saved = next(iter(dep.winograd.items()))
     dep.winograd[path] = {**saved, "spec": "n1_c16_h10_w10_k64_r3_p1"}
     (tmp_path / "bad.maco").write_text(json.dumps(dep.to_dict()))
