@@ -1,29 +1,34 @@
-"""Winograd F(2x2, 3x3) convolution, generated in C with its epilogue fused (NHWC, stride 1).
+"""Winograd F(m x m, r x r) convolution, generated in C with its epilogue fused (NHWC, stride 1).
 
-A 3x3 stride-1 conv computes each 2x2 output tile from a 4x4 input tile; Winograd's transform
-does it with 16 multiplies per (input, output) channel pair instead of 36, 2.25x fewer, at the
-cost of adding transforms of the input tile (B^T d B), the filters (G g G^T, once, when the
-weights are packed) and the outputs (A^T m A). The direct kernels already run 3x3 layers near
-the FMA peak, so this is the only way left to do them faster.
+An r x r stride-1 conv computes each m x m output tile from an (m + r - 1)^2 input tile;
+Winograd's transform does it with (m + r - 1)^2 multiplies per (input, output) channel pair
+instead of m^2 r^2: for 3x3 filters 2.25x fewer in 2x2 tiles and 4x in 4x4 tiles, for 5x5 2.8x
+and 6.25x, at the cost of transforms of the input tile (B^T d B), the filters (U = G g G^T,
+once, when the weights are packed) and the outputs (A^T M A). The transforms are derived exactly
+(`transforms`, Cook-Toom) and their integer coefficients written into the source. The direct
+kernels already run these layers near the FMA peak, so fewer multiplies are the way left to
+run them faster.
 
 The kernel works on blocks of TILES output tiles at a time, in one core's caches: it transforms
-the block's input tiles into V (16 x tiles x C), multiplies each of the 16 elements' tile x C
-matrix by the filters' C x K matrix U (a register-tiled GEMM: ROWS tiles x KV vectors of k
-accumulate while the channels stream past; U is packed so that each register block's C x KV
-vectors panel is contiguous and streams in order), and transforms the products back into
-outputs, adding bias and residual and applying the activation before the store. A work item is
-a block and a part of the filters: with at least as many blocks as threads the blocks are shared
-out; a deep layer with fewer blocks (7x7x512: one) splits its filters instead, so that every core
-works and reads only its share of U. The block buffers are per thread, allocated on the first
-call and kept.
+the block's input tiles into V (elements x tiles x C), multiplies each element's tile x C matrix
+by the filters' C x K matrix U (a register-tiled GEMM: ROWS tiles x KV vectors of k accumulate
+while the channels stream past; U is packed so that each register block's C x KV vectors panel
+is contiguous and streams in order), and transforms the products back into outputs, adding bias
+and residual and applying the activation before the store. A work item is a block and a part of
+the filters: with at least as many blocks as threads the blocks are shared out; a deep layer
+with fewer blocks (7x7x512: one) splits its filters instead, so that every core works and reads
+only its share of U. The block buffers are per thread, allocated on the first call and kept.
 
-U is 16/9 of the weights: a deep layer reads it from memory on every call, which kernel_choice
-weighs by timing the kernel in the model.
+U is elements / r^2 times the weights (16/9 in F(2x2, 3x3), 4x in F(4x4, 3x3)): a deep layer
+reads it from memory on every call inside a model, so kernel_choice picks the tile size by timing
+each with the caches evicted. Larger tiles also round off more: F(4x4, 3x3) is ~1e-5 of the
+output's magnitude where F(2x2) is ~1e-6.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from fractions import Fraction
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -36,22 +41,36 @@ from maco.spec import ConvSpec
 from maco.target import Target
 
 FUNCTION = "maco_winograd"
-TILES = {2: 36, 4: 16}  # output tiles per block at most, per tile size: its V and M stay in the core's L2
+TILES = {4: 36, 6: 16, 8: 9}  # output tiles per block at most, per input tile side: V and M stay in L2
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
 KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
-# Winograd F(m x m, 3x3) (Lavin and Gray, 2016): U = G g G^T, V = B^T d B, Y = A^T (U * V) A, for output
-# tiles of m x m from input tiles of (m + 2) x (m + 2); B^T and A^T hold small integers (exact in C)
-TRANSFORMS = {
-    2: {"BT": [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
-        "G": [[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]],
-        "AT": [[1, 1, 1, 0], [0, 1, -1, -1]]},
-    4: {"BT": [[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0],
-               [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]],
-        "G": [[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
-              [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]],
-        "AT": [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]]},
-}
-TILE_SIZES = tuple(TRANSFORMS)
+TILE_SIZES = {3: (2, 4), 5: (2, 4)}  # filter size r -> the output tile sizes m of F(m x m, r x r)
+POINTS = (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))  # interpolation points, then infinity
+
+
+@lru_cache(maxsize=None)
+def transforms(m: int, r: int) -> dict[str, tuple[tuple[Fraction, ...], ...]]:
+    """B^T, G and A^T of Winograd's F(m, r) (Lavin and Gray, 2016), exact: Y = A^T ((G g) * (B^T d))
+    is the correlation of an input row d of m + r - 1 with a filter g of r. A^T and G follow from
+    Cook-Toom interpolation at POINTS and infinity (A^T[i][j] = p_j^i, G[j][k] = p_j^k / prod(p_j - p_l));
+    B^T is solved for from that identity. With the first points these are Lavin's F(2,3) up to
+    signs and his F(4,3) exactly; B^T and A^T hold integers or halves and quarters (exact in C)."""
+    import sympy as sp
+
+    n = m + r - 1
+    if not (isinstance(m, int) and isinstance(r, int) and m >= 1 and r >= 1 and n - 1 <= len(POINTS)):
+        raise MacoError(f"no Winograd transform F({m!r}, {r!r}) with {len(POINTS)} interpolation points")
+    p = [sp.Rational(v.numerator, v.denominator) if isinstance(v, Fraction) else sp.Integer(v) for v in POINTS[:n - 1]]
+    at = sp.Matrix(m, n, lambda i, j: p[j] ** i if j < n - 1 else int(i == m - 1))
+    g = sp.Matrix(n, r, lambda j, k: (p[j] ** k / sp.prod([p[j] - q for q in p if q != p[j]])) if j < n - 1
+                  else int(k == r - 1))
+    # sum_j A^T[i][j] G[j][k] B^T[j][l] = [l == i + k] for every i, k, l: one linear system per column l of B^T
+    system = sp.Matrix(m * r, n, lambda row, j: at[row // r, j] * g[j, row % r])
+    target = sp.Matrix(m * r, n, lambda row, col: int(col == row // r + row % r))
+    bt, free = system.gauss_jordan_solve(target)
+    assert not free, "the Cook-Toom system has one solution"
+    exact = lambda mat: tuple(tuple(Fraction(int(v.p), int(v.q)) for v in mat.row(i)) for i in range(mat.rows))  # noqa: E731
+    return {"BT": exact(bt), "G": exact(g), "AT": exact(at)}
 
 
 def filter_vectors(lanes: int) -> int:
@@ -60,11 +79,11 @@ def filter_vectors(lanes: int) -> int:
 
 
 def winograd_can_run(spec: ConvSpec, lanes: int = 16) -> bool:
-    """Whether this kernel computes `spec`: a 3x3 conv, stride 1, no dilation or groups, zero
-    padding 1 (output as large as the input), channels in whole vectors of `lanes` and filters
-    in whole register blocks."""
-    return (spec.kh == 3 and spec.kw == 3 and spec.stride == (1, 1) and spec.dilation == (1, 1)
-            and spec.padding == (1, 1) and spec.groups == 1 and spec.c % lanes == 0
+    """Whether this kernel computes `spec`: a square conv of a filter size in TILE_SIZES, stride
+    1, no dilation or groups, zero padding r // 2 (output as large as the input), channels in
+    whole vectors of `lanes` and filters in whole register blocks."""
+    return (spec.kh == spec.kw and spec.kh in TILE_SIZES and spec.stride == (1, 1) and spec.dilation == (1, 1)
+            and spec.padding == (spec.kh // 2,) * 2 and spec.groups == 1 and spec.c % lanes == 0
             and spec.k % (lanes * filter_vectors(lanes)) == 0)
 
 
@@ -92,19 +111,21 @@ class WinogradPlan:
     lanes: int = 16
     tiles_per_block: int | None = None
     k_parts: int | None = None
-    m: int = 2  # output tile size: F(m x m, 3x3)
+    m: int = 2  # output tile size: F(m x m, r x r)
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, ConvSpec):
             raise MacoError(f"a Winograd plan needs a maco.ConvSpec, got {type(self.spec).__name__}")
-        if type(self.m) is not int or self.m not in TILE_SIZES:
-            raise MacoError(f"Winograd output tiles of {self.m!r}: the kernel knows {TILE_SIZES}")
         if self.lanes not in (4, 8, 16):
             raise MacoError(f"vectors of {self.lanes!r} floats: the kernel knows 4, 8 and 16")
         if not winograd_can_run(self.spec, self.lanes):
-            raise MacoError(f"Winograd F(m x m,3x3) computes 3x3 stride-1 convs with padding 1, no groups, "
+            raise MacoError(f"Winograd F(m x m, r x r) computes r x r stride-1 convs (r in {tuple(TILE_SIZES)}) "
+                            f"with padding r // 2, no groups, "
                             f"C a multiple of {self.lanes} and K of {self.lanes * filter_vectors(self.lanes)}; "
                             f"not {self.spec}")
+        if type(self.m) is not int or self.m not in TILE_SIZES.get(self.spec.kh, ()):
+            raise MacoError(f"Winograd output tiles of {self.m!r} for {self.spec.kh}x{self.spec.kw} filters: "
+                            f"the kernel knows {TILE_SIZES.get(self.spec.kh)}")
         if self.activation not in ACTIVATIONS:
             raise MacoError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
         for name in ("threads", "tiles_per_block", "k_parts"):
@@ -118,13 +139,13 @@ class WinogradPlan:
 
     @cached_property
     def split(self) -> Split:
-        """The work split. Blocks of at most TILES[m] tiles keep a block's V and M in the core's L2;
+        """The work split. Blocks of at most TILES[side] tiles keep a block's V and M in the core's L2;
         with at least as many blocks as threads, the blocks are shared out (as many per thread);
         with fewer, each block's filters are split into parts so that every thread works, and each
         thread reads only its part of U."""
         s = self.spec
         tiles = s.n * -(-s.h // self.m) * -(-s.w // self.m)
-        blocks = -(-tiles // (self.tiles_per_block or TILES[self.m]))
+        blocks = -(-tiles // (self.tiles_per_block or TILES[self.side]))
         parts = self.k_parts
         if parts is None:
             parts = 1
@@ -137,15 +158,21 @@ class WinogradPlan:
         return Split(per_block, -(-tiles // per_block), parts)
 
     @property
+    def side(self) -> int:
+        """The input tile's side, m + r - 1."""
+        return self.m + self.spec.kh - 1
+
+    @property
     def elements(self) -> int:
-        """Elements of a transformed tile, (m + 2)^2: the GEMMs per block."""
-        return (self.m + 2) ** 2
+        """Elements of a transformed tile, side^2: the GEMMs per block."""
+        return self.side ** 2
 
     def transformed_weight(self, w: np.ndarray) -> np.ndarray:
-        """(K, C, 3, 3) -> U = G g G^T as (elements, C, K): per element, the C x K matrix the GEMM
+        """(K, C, r, r) -> U = G g G^T as (elements, C, K): per element, the C x K matrix the GEMM
         multiplies by (computed in float64)."""
-        s, g = self.spec, np.array(TRANSFORMS[self.m]["G"], dtype=np.float64)
-        w = np.asarray(w, dtype=np.float64).reshape(s.k, s.c, 3, 3)
+        s = self.spec
+        g = np.array(transforms(self.m, s.kh)["G"], dtype=np.float64)
+        w = np.asarray(w, dtype=np.float64).reshape(s.k, s.c, s.kh, s.kw)
         return np.einsum("ia,kcab,jb->ijck", g, w, g).reshape(self.elements, s.c, s.k)
 
     def pack_weight(self, w: np.ndarray) -> np.ndarray:
@@ -157,19 +184,21 @@ class WinogradPlan:
 
     @cached_property
     def source(self) -> str:
-        what = (f"MACO Winograd F({self.m}x{self.m},3x3) conv: {self.spec}, NHWC, bias={self.bias}, "
+        what = (f"MACO Winograd F({self.m}x{self.m},{self.spec.kh}x{self.spec.kw}) conv: {self.spec}, NHWC, bias={self.bias}, "
                 f"activation={self.activation}, residual={self.residual}, threads={self.threads}")
         return f"{comment(what)}\n{_source(self)}"
 
 
-def _combination(terms: list[tuple[float, str]]) -> str:
+def _combination(terms: list[tuple[Fraction, str]]) -> str:
     """sum(coefficient * vector) as C, the zero terms left out and +-1 as a plain add or subtract
-    (the coefficients are B^T's and A^T's small integers, written exactly)."""
+    (the coefficients are B^T's and A^T's integers and halves, written exactly)."""
     out = ""
     for coef, name in terms:
         if coef == 0:
             continue
         sign, mag = ("-" if coef < 0 else "+"), abs(coef)
+        if Fraction(float(mag)) != mag:
+            raise MacoError(f"a Winograd transform coefficient {coef} is not exact in a float")
         term = name if mag == 1 else f"{float(mag)!r}f * {name}"
         out += f" {sign} {term}" if out else (f"-{term}" if sign == "-" else term)
     return out or "zero"
@@ -178,8 +207,8 @@ def _combination(terms: list[tuple[float, str]]) -> str:
 def _source(plan: WinogradPlan) -> str:
     s, lanes, kv, m = plan.spec, plan.lanes, filter_vectors(plan.lanes), plan.m
     n, c, h, w, k = s.n, s.c, s.h, s.w, s.k
-    a, els = m + 2, plan.elements  # input tile side, transformed elements
-    bt, at = TRANSFORMS[m]["BT"], TRANSFORMS[m]["AT"]
+    a, els, pad = plan.side, plan.elements, s.kh // 2  # input tile side, transformed elements, padding
+    bt, at = transforms(m, s.kh)["BT"], transforms(m, s.kh)["AT"]
     nty, ntx = -(-h // m), -(-w // m)
     tiles = n * nty * ntx
     split = plan.split
@@ -217,7 +246,7 @@ def _source(plan: WinogradPlan) -> str:
     e("    if (blk != done) { done = blk;")
     e("    for (long t = 0; t < nt; t++) {  /* V = B^T d B */")
     e(f"      const long img = (t0 + t) / {nty * ntx}, ty = (t0 + t) / {ntx} % {nty}, tx = (t0 + t) % {ntx};")
-    e(f"      const long r0 = {m} * ty - 1, q0 = {m} * tx - 1;")
+    e(f"      const long r0 = {m} * ty - {pad}, q0 = {m} * tx - {pad};")
     e(f"      int rin[{a}], qin[{a}];")
     e(f"      for (int i = 0; i < {a}; i++) {{ rin[i] = r0 + i >= 0 && r0 + i < {h}; "
       f"qin[i] = q0 + i >= 0 && q0 + i < {w}; }}")

@@ -201,7 +201,7 @@ class MacoDepthwise2d(_GeneratedOp):
 
 
 class MacoWinograd2d(_GeneratedOp):
-    """A 3x3 stride-1 `conv` (a Conv2d or FusedConv2d) run by the Winograd kernel
+    """A 3x3 or 5x5 stride-1 `conv` (a Conv2d or FusedConv2d) run by the Winograd kernel
     (kernels.winograd) in NHWC, in output tiles of m x m, for the one input shape it was built
     for; any other input runs `conv` itself."""
 
@@ -231,7 +231,7 @@ class MacoWinograd2d(_GeneratedOp):
         return out
 
     def extra_repr(self) -> str:
-        return (f"{self.spec}, Winograd F({self.m}x{self.m},3x3), NHWC, activation={self._plan.activation}, "
+        return (f"{self.spec}, Winograd F({self.m}x{self.m},{self.spec.kh}x{self.spec.kw}), NHWC, activation={self._plan.activation}, "
                 f"residual={self._plan.residual}, preallocated={self.preallocated}")
 
 

@@ -191,9 +191,9 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
         conv = _submodule(gm, conv_path, nn.Conv2d)
         spec = _saved_spec(path, "Winograd conv", conv_path, conv, d)
         tile = d.get("tile", 2)  # files from before F(4x4) hold no tile size
-        if type(tile) is not int or tile not in TILE_SIZES:
+        if type(tile) is not int or tile not in TILE_SIZES.get(spec.kh, ()):
             raise MacoError(f"{str(path)!r}: Winograd conv {short(conv_path)} has output tiles of {short(tile)}; "
-                            f"the kernel knows {TILE_SIZES}")
+                            f"the kernel knows {TILE_SIZES.get(spec.kh, ())} for {spec.kh}x{spec.kw} filters")
         if not winograd_module_can_run(conv, spec, host):
             if foreign:  # another machine's vectors: torch runs it here, as a default would
                 continue

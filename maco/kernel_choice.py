@@ -111,7 +111,7 @@ def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[
         if layout != "NHWC" or target.kind != "cpu" or not winograd_module_can_run(conv, spec, target):
             continue
         x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
-        for m in TILE_SIZES:
+        for m in TILE_SIZES[spec.kh]:
             winograd = MacoWinograd2d(conv, spec, target, m=m)
             runs = {"torch": torch_conv(spec, x, conv.weight.detach(), layout), "maco": lambda: winograd(x)}
             with torch.inference_mode():
@@ -169,7 +169,7 @@ def faster_depthwise(gm: fx.GraphModule, example_input: Any, target: Target, rou
 
 
 def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
-    """Swap (in place) each 3x3 stride-1 conv of `gm` whose input is channels_last in the model
+    """Swap (in place) each 3x3 or 5x5 stride-1 conv of `gm` whose input is channels_last in the model
     (run by torch or by a MacoConv2d) for the Winograd kernel (kernels.winograd) where that runs
     at least MIN_GAIN faster than what runs it now, residual and all: each tile size in turn,
     against what runs the conv by then. Returns path -> the time of what ran the conv at first
@@ -177,10 +177,11 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
     tried: ModuleRatios = {}  # the best ratio timed
     evict = evictor(target)
     won: ModuleRatios = {}  # the product of the ratios that won: the first module's time over the last's
-    for m in TILE_SIZES:
+    for m in sorted({m for sizes in TILE_SIZES.values() for m in sizes}):
         def make(conv: nn.Module, x: torch.Tensor, preallocate: bool, m: int = m) -> nn.Module | None:
             found = _torch_conv_on(conv, x, ("NHWC",))
-            if found is None or not winograd_module_can_run(*found[:2], target) or getattr(conv, "m", None) == m:
+            if (found is None or not winograd_module_can_run(*found[:2], target) or getattr(conv, "m", None) == m
+                    or m not in TILE_SIZES[found[1].kh]):
                 return None
             return MacoWinograd2d(*found[:2], target, preallocate=preallocate, m=m)
         types = (nn.Conv2d, MacoConv2d, MacoWinograd2d)

@@ -89,7 +89,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     plan, chosen, swapped, variants = built.plan, built.chosen, built.swapped, built.models
     plan.save(out / "plan.json")
     kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise,
-             "3x3 convs tried with Winograd": built.winograd}
+             "3x3/5x5 convs tried with Winograd": built.winograd}
     others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
                      for kind, ratios in kinds.items() if ratios)
     log(f"[3/4] {len(swapped)} of {len(plan.convs)} convs{others} run MACO kernels")

@@ -36,7 +36,7 @@ class Variants:
     linears: dict[str, float] = field(default_factory=dict)  # linear path -> torch time / MACO time
     pools: dict[str, float] = field(default_factory=dict)  # pooling path -> torch time / MACO time
     depthwise: dict[str, float] = field(default_factory=dict)  # depthwise conv path -> its time / MACO's
-    winograd: dict[str, float] = field(default_factory=dict)  # 3x3 conv path -> its time / Winograd's
+    winograd: dict[str, float] = field(default_factory=dict)  # conv path -> its time / Winograd's
 
 
 def build_variants(model: nn.Module, example_input: Any, target: Target,
@@ -53,7 +53,7 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         table, planned_winograd = with_winograd(table, torch_seconds, target)
         if planned_winograd:
             log(f"      Winograd beats torch in NHWC on {sum(r >= MIN_GAIN for r in planned_winograd.values())} "
-                f"of {len(planned_winograd)} distinct 3x3 convs; the planner sees its times")
+                f"of {len(planned_winograd)} distinct 3x3/5x5 stride-1 convs; the planner sees its times")
     fused = fuse(model, example_input)
     log("      planning layouts with the measured latencies (conversions measured)")
     plan = plan_layouts(fused, example_input, layouts=layouts, latency=table, device=device, target=target)

@@ -3,6 +3,7 @@ fallbacks, and a ResNet whose 3x3 convs it runs: chosen by timing in the model, 
 import json
 import random
 import re
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -14,8 +15,8 @@ from maco import kernels
 from maco.deployment import describe
 from maco.errors import MacoError
 from maco.kernel_choice import MIN_GAIN, faster_winograd
-from maco.kernels.winograd import (TILE_SIZES, TILES, TRANSFORMS, Split, WinogradKernel, WinogradPlan,
-                                   filter_vectors, winograd_can_run)
+from maco.kernels.winograd import (TILE_SIZES, TILES, Split, WinogradKernel, WinogradPlan, filter_vectors,
+                                   transforms, winograd_can_run)
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
 from maco.layouts.fusion import FusedConv2d
@@ -44,28 +45,34 @@ RESNET = [(s, 16, True, "relu", r) for s, _ in distinct_convs(conv_layers(build(
 
 
 def test_the_transforms_compute_a_correlation_exactly():
-    """A^T ((G g) * (B^T d)) = the valid correlation of d with g, for every tile size, in exact
-    rational arithmetic (so float64 U and the integer B^T, A^T in C carry no error of their own)."""
-    from fractions import Fraction
-
+    """A^T ((G g) * (B^T d)) = the valid correlation of d with g, for every tile and filter size, in
+    exact rational arithmetic (so float64 U and the integer B^T, A^T in C carry no error of their
+    own); F(4, 3) is Lavin's."""
     rng = random.Random(3)
-    for m, t in TRANSFORMS.items():
-        a = m + 2
-        bt = [[Fraction(v) for v in row] for row in t["BT"]]
-        at = [[Fraction(v) for v in row] for row in t["AT"]]
-        g_t = [[Fraction(v).limit_denominator(100) for v in row] for row in t["G"]]
-        assert len(bt) == a and len(at) == m and len(g_t) == a
-        for _ in range(5):
-            d = [Fraction(rng.randint(-9, 9)) for _ in range(a)]
-            g = [Fraction(rng.randint(-9, 9)) for _ in range(3)]
-            u = [sum(g_t[i][q] * g[q] for q in range(3)) for i in range(a)]
-            v = [sum(bt[i][q] * d[q] for q in range(a)) for i in range(a)]
-            y = [sum(at[i][q] * u[q] * v[q] for q in range(a)) for i in range(m)]
-            assert y == [sum(d[i + q] * g[q] for q in range(3)) for i in range(m)], m
+    for r, sizes in TILE_SIZES.items():
+        for m in sizes:
+            t = transforms(m, r)
+            a = m + r - 1
+            bt, g_t, at = t["BT"], t["G"], t["AT"]
+            assert (len(bt), len(g_t), len(at)) == (a, a, m)
+            for _ in range(5):
+                d = [rng.randint(-9, 9) for _ in range(a)]
+                g = [rng.randint(-9, 9) for _ in range(r)]
+                u = [sum(g_t[i][q] * g[q] for q in range(r)) for i in range(a)]
+                v = [sum(bt[i][q] * d[q] for q in range(a)) for i in range(a)]
+                y = [sum(at[i][q] * u[q] * v[q] for q in range(a)) for i in range(m)]
+                assert y == [sum(d[i + q] * g[q] for q in range(r)) for i in range(m)], (m, r)
+    assert transforms(4, 3)["BT"][0] == (4, 0, -5, 0, 1, 0) and transforms(4, 3)["G"][1] == (Fraction(-1, 6),) * 3
+    with pytest.raises(MacoError, match="F\\(9, 5\\)"):
+        transforms(9, 5)
 
 
-@pytest.mark.parametrize("m", TILE_SIZES)
-@pytest.mark.parametrize("spec,lanes,bias,activation,residual", RESNET + list(_cases(0, 24)))
+CASES = RESNET + list(_cases(0, 24)) + [(ConvSpec.parse(t), 16, True, "relu", False) for t in (
+    "n1_c64_h27_w27_k192_r5_p2", "n1_c16_h7_w5_k64_r5_p2", "n2_c32_h3_w9_k128_r5_p2", "n1_c16_h1_w1_k64_r5_p2")]
+
+
+@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize("spec,lanes,bias,activation,residual", CASES)
 def test_winograd_equals_torch(spec, lanes, bias, activation, residual, m):
     plan_ = WinogradPlan(spec, bias, activation, residual, HOST.cores, lanes, m=m)
     kernel = WinogradKernel(plan_, HOST)
@@ -74,7 +81,7 @@ def test_winograd_equals_torch(spec, lanes, bias, activation, residual, m):
     w = torch.randn(spec.weight_shape, generator=gen) / (3 * spec.c ** 0.5)
     b = torch.randn(spec.k, generator=gen) if bias else None
     r = torch.randn(spec.output_shape, generator=gen).contiguous(memory_format=torch.channels_last)
-    want = torch.nn.functional.conv2d(x, w, b, padding=1)
+    want = torch.nn.functional.conv2d(x, w, b, padding=spec.padding)
     want = ACT[activation](want + r if residual else want)
     y = torch.full(spec.output_shape, float("nan")).contiguous(memory_format=torch.channels_last)
     for _ in range(2):  # the second call reuses the thread's block buffers
@@ -102,7 +109,8 @@ def test_the_filter_transform_is_g_g_gt():
 
 def test_refusals_name_the_value():
     good = ConvSpec.parse("n1_c16_h8_w8_k64_r3_p1")
-    for text in ("n1_c16_h8_w8_k64_r3_s2_p1", "n1_c16_h8_w8_k64_r3x3_s2_p1", "n1_c16_h8_w8_k64_r5_p2",
+    for text in ("n1_c16_h8_w8_k64_r3_s2_p1", "n1_c16_h8_w8_k64_r3x3_s2_p1", "n1_c16_h8_w8_k64_r5_p1",
+                 "n1_c16_h8_w8_k64_r7_p3", "n1_c16_h8_w8_k64_r3x5_p1",
                  "n1_c16_h8_w8_k64_r3_p0", "n1_c8_h8_w8_k64_r3_p1", "n1_c16_h8_w8_k32_r3_p1",
                  "n1_c16_h8_w8_k64_r3_p2_d2", "n1_c32_h8_w8_k64_r3_p1_g2"):
         assert not winograd_can_run(ConvSpec.parse(text))
@@ -127,7 +135,7 @@ def test_the_work_split_keeps_every_thread_busy():
     assert WinogradPlan(deep, threads=1).split == Split(16, 1, 1)
     assert WinogradPlan(ConvSpec.parse("n1_c64_h8_w8_k64_r3_p1"), threads=2).split == Split(16, 1, 1)  # one part
     wide = WinogradPlan(ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1"), threads=2).split
-    assert wide.blocks % 2 == 0 and wide.tiles <= TILES[2] and wide.tiles * wide.blocks >= 28 * 28 and wide.k_parts == 1
+    assert wide.blocks % 2 == 0 and wide.tiles <= TILES[4] and wide.tiles * wide.blocks >= 28 * 28 and wide.k_parts == 1
     assert WinogradPlan(deep, threads=2, tiles_per_block=5, k_parts=4).split == Split(4, 4, 4)
     with pytest.raises(MacoError, match="k_parts=3 does not split 512"):
         WinogradPlan(deep, k_parts=3)
@@ -135,6 +143,8 @@ def test_the_work_split_keeps_every_thread_busy():
         WinogradPlan(deep, tiles_per_block=0)
     with pytest.raises(MacoError, match="output tiles of 3"):
         WinogradPlan(deep, m=3)
+    with pytest.raises(MacoError, match="output tiles of 2.0"):
+        WinogradPlan(deep, m=2.0)
     assert WinogradPlan(deep, threads=2, m=4).split == Split(4, 1, 2)  # 7x7 in 4x4 tiles: 2 x 2
 
 
