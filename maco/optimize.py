@@ -86,18 +86,19 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     log("[2/4] re-timing the kernels that beat torch in this process; folding BatchNorm, fusing "
         "epilogues, planning layouts")
     built = build_variants(model, x, tgt, torch_seconds, best, device=device, log=log)
-    plan, chosen, swapped, variants = built.plan, built.chosen, built.swapped, built.models
+    plan, swapped, variants = built.plan, built.swapped, built.models
     plan.save(out / "plan.json")
     kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise,
              "3x3/5x5 convs tried with Winograd": built.winograd}
     others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
                      for kind, ratios in kinds.items() if ratios)
     log(f"[3/4] {len(swapped)} of {len(plan.convs)} convs{others} run MACO kernels")
+    maco_specs = {variants["planned_maco"].get_submodule(path).spec for path in swapped}
     for row in rows:
         row.in_process = built.ratios.get(row.spec, {})
         layouts = {lp.layout for lp in plan.convs if lp.spec == str(row.spec)}
         row.planned = "/".join(sorted(layouts))
-        row.uses_maco = bool(swapped) and any(lay in chosen.get(row.spec, {}) for lay in layouts)
+        row.uses_maco = row.spec in maco_specs
     log(f"[4/4] timing {', '.join(variants)} end to end in the same rounds; the fastest is handed back")
     pick, times = fastest(variants, x)
     e2e = end_to_end_rows(times, pick)

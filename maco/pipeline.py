@@ -15,7 +15,7 @@ from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
 from maco.layouts.layout_plan import LayoutPlan
-from maco.layouts.maco_modules import use_maco_kernels
+from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d, MacoWinograd2d, use_maco_kernels
 from maco.records import Record
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -32,7 +32,7 @@ class Variants:
     plan: LayoutPlan
     chosen: Chosen  # MACO schedules chosen per spec and layout
     ratios: Ratios  # their in-process speedups over torch
-    swapped: list[str] = field(default_factory=list)  # conv module paths running MACO kernels
+    swapped: list[str] = field(default_factory=list)  # conv paths running MACO kernels (direct, Winograd, depthwise)
     linears: dict[str, float] = field(default_factory=dict)  # linear path -> torch time / MACO time
     pools: dict[str, float] = field(default_factory=dict)  # pooling path -> torch time / MACO time
     depthwise: dict[str, float] = field(default_factory=dict)  # depthwise conv path -> its time / MACO's
@@ -67,6 +67,8 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values(),
                                               *winograd.values())):
         models["planned_maco"] = planned_maco
+    swapped = [path for path, mod in planned_maco.named_modules()
+               if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
     return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd)
 
 
