@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import statistics
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 from torch import nn
 
+from maco.kernels import host_target
 from maco.layouts.latency import strict_cudnn
 from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d
-from maco.timing import Timing, interleaved_rounds, pool_timings, steady_allocator
+from maco.target import Target
+from maco.timing import CacheEvictor, Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
 
 
 @dataclass
@@ -113,10 +115,19 @@ class ConvShare:
     convs_s: float
     per_conv: dict[str, float]  # module path -> seconds of its kernel alone
     rest_s: float = 0.0  # the model with every MACO kernel call skipped
+    per_conv_cold: dict[str, float] = field(default_factory=dict)  # the same, its weights in memory
+
+    @property
+    def convs_cold_s(self) -> float:
+        """The kernels' sum, each run with the caches evicted and then its inputs read: its weights
+        come from memory and its activations from cache, as in a model whose weights outgrow the
+        caches."""
+        return sum(self.per_conv_cold.values())
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_s": self.model_s, "convs_s": self.convs_s, "rest_s": self.rest_s,
-                "outside": self.outside, "ratio": self.ratio, "per_conv_s": self.per_conv}
+                "outside": self.outside, "ratio": self.ratio, "per_conv_s": self.per_conv,
+                "convs_cold_s": self.convs_cold_s, "per_conv_cold_s": self.per_conv_cold}
 
     @property
     def outside(self) -> float:
@@ -129,10 +140,14 @@ class ConvShare:
         return self.model_s / self.convs_s
 
 
-def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run_time: float = 5e-3) -> ConvShare:
+def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run_time: float = 5e-3,
+               target: Target | None = None) -> ConvShare:
     """Time `model` and, in the same interleaved rounds, each of its convs alone on the tensors it
     sees in the model (a MACO kernel by its prepared call on its own buffers: the kernel and
-    nothing else; a torch conv by its module call), and the model with its MACO kernels skipped."""
+    nothing else; a torch conv by its module call), and the model with its MACO kernels skipped.
+    Each conv is also timed with the caches evicted and its inputs read before each call (its
+    weights in memory, its activations in cache, as inside a model whose weights outgrow the
+    caches: ConvShare.convs_cold_s)."""
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     seen: dict[str, tuple[nn.Module, tuple]] = {}
     def keep(name: str) -> Callable[[nn.Module, tuple], None]:
@@ -167,9 +182,21 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
         for fn in runs.values():
             fn()
         per_round = interleaved_rounds(runs, rounds, repeats=3, min_run_time=min_run_time, warmup=1)
+        evict = CacheEvictor.for_target(target or host_target())
+        on_cpu = all(a.device.type == "cpu" for a in inputs if isinstance(a, torch.Tensor))
+        cold: dict[str, list[Timing]] = {name: [] for name in seen} if on_cpu else {}
+        for _ in range(rounds if on_cpu else 0):
+            for name, (_, args) in seen.items():
+                def before(args: tuple = args) -> None:
+                    evict()
+                    for a in args:
+                        if isinstance(a, torch.Tensor):
+                            evict.sink += float(a.sum())
+                cold[name].append(time_callable(runs[name], repeats=3, warmup=0, min_run_time=0.0, before=before))
     medians = {name: pool_timings(ts).median for name, ts in per_round.items()}
     model_s, rest_s = medians.pop("model"), medians.pop("rest")
-    return ConvShare(model_s, sum(medians.values()), medians, rest_s)
+    return ConvShare(model_s, sum(medians.values()), medians, rest_s,
+                     {name: pool_timings(ts).median for name, ts in cold.items()})
 
 
 MACO_CONVS = (MacoConv2d, MacoWinograd2d)  # what runs a conv by a MACO kernel

@@ -88,13 +88,6 @@ def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratio
     return ratios
 
 
-def evictor(target: Target) -> CacheEvictor:
-    """What evicts the target's caches between timed calls (timing.CacheEvictor): Winograd's U
-    is 16/9 (F(2x2)) or 4x (F(4x4)) of the weights, so which kernel wins inside a model whose
-    weights outgrow the caches shows only when each is timed with its weights in memory."""
-    return CacheEvictor(max(level.capacity for level in target.levels))
-
-
 def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[tuple[ConvSpec, str], float],
                   target: Target, rounds: int = 3) -> tuple[dict[tuple[ConvSpec, str], float], dict[ConvSpec, float]]:
     """The planner's latency table with the Winograd kernel's time in NHWC (its faster tile size)
@@ -104,7 +97,7 @@ def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[
     made without it would keep such a conv in NCHW wherever torch's NCHW conv is the faster."""
     table, ratios = dict(table), {}
     steady_allocator()
-    gen, evict = torch.Generator().manual_seed(0), evictor(target)
+    gen, evict = torch.Generator().manual_seed(0), CacheEvictor.for_target(target)
     for (spec, layout), torch_s in torch_seconds.items():
         conv = nn.Conv2d(spec.c, spec.k, (spec.kh, spec.kw), spec.stride, spec.padding, spec.dilation,
                          spec.groups, bias=False).eval()
@@ -175,7 +168,8 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
     against what runs the conv by then. Returns path -> the time of what ran the conv at first
     over the time of what runs it now (below MIN_GAIN where no Winograd kernel won)."""
     tried: ModuleRatios = {}  # the best ratio timed
-    evict = evictor(target)
+    evict = CacheEvictor.for_target(target)  # Winograd's U is 16/9 to 4x the weights: which kernel wins
+    # inside a model whose weights outgrow the caches shows only when each runs with its weights in memory
     won: ModuleRatios = {}  # the product of the ratios that won: the first module's time over the last's
     for m in sorted({m for sizes in TILE_SIZES.values() for m in sizes}):
         def make(conv: nn.Module, x: torch.Tensor, preallocate: bool, m: int = m) -> nn.Module | None:

@@ -102,7 +102,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     log(f"[4/4] timing {', '.join(variants)} end to end in the same rounds; the fastest is handed back")
     pick, times = fastest(variants, x)
     e2e = end_to_end_rows(times, pick)
-    share = conv_share(variants[pick], x) if pick != "default" else None
+    share = conv_share(variants[pick], x, target=tgt if tgt.kind == "cpu" else None) if pick != "default" else None
     result = OptimizeResult(name, out, rows, plan, e2e, time.perf_counter() - start, variants[pick], pick,
                             x, share, tgt)
     write_outputs(result, tgt, records, swapped)

@@ -179,6 +179,11 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
                   f"takes {s.rest_s * 1e3:.2f} ms (pooling, the classifier, unfused ops, conversions, "
                   "Python); the rest of the difference is the kernels running slower in the model than "
                   "alone (weights and activations no longer in cache)."]
+        if s.per_conv_cold:
+            lines += ["", f"Timed with the caches evicted before each call and then its inputs read (its "
+                      f"weights in memory, as inside a model whose weights outgrow the caches), the kernels "
+                      f"add up to {s.convs_cold_s * 1e3:.2f} ms: model / kernels = "
+                      f"{s.model_s / s.convs_cold_s:.2f}."]
     lines += ["", "Files: `plan.json` (the plan of the fused graph: "
               "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
               f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`; records: `{records}`.", ""]

@@ -112,6 +112,11 @@ class CacheEvictor:
         self.buffer = np.ones(max(2 * cache_bytes, 1 << 20) // 8)
         self.sink = 0.0
 
+    @classmethod
+    def for_target(cls, target: Target) -> "CacheEvictor":
+        """Sized by the target's largest cache."""
+        return cls(max(level.capacity for level in target.levels))
+
     def __call__(self) -> None:
         self.sink += float(self.buffer[::8].sum())  # one float64 per 64-byte line
 

@@ -259,6 +259,8 @@ def test_the_kernel_sum_counts_winograd_convs():
     x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
     share = conv_share(model, x, rounds=1, min_run_time=1e-4)
     assert set(share.per_conv) == {"0"} and share.convs_s > 0
+    assert set(share.per_conv_cold) == {"0"} and share.convs_cold_s > 0  # also timed with its weights in memory
+    assert share.to_dict()["convs_cold_s"] == share.convs_cold_s
     with torch.inference_mode():
         want = model(x).clone()
         model[0]._out = torch.zeros(spec.output_shape).contiguous(memory_format=torch.channels_last)
