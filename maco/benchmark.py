@@ -13,7 +13,7 @@ from maco.errors import MacoError
 from maco.kernels.baselines import torch_conv
 from maco.kernels.cpu_codegen import ISA
 from maco.kernels.cpu_peak import flops_runner
-from maco.kernels.winograd import WinogradKernel, WinogradPlan, winograd_can_run
+from maco.kernels.winograd import TILE_SIZES, WinogradKernel, WinogradPlan, winograd_can_run
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -53,7 +53,8 @@ def bench_layer(name: str, spec: ConvSpec, schedules: dict[str, Schedule], targe
     layer's flops done by the FMA-peak loop ("FMA peak") and the register-tile mix ("microkernel
     ceiling", ISAs with intrinsics) to each round: `speedup(label, over=("FMA peak",))` is then
     the label's fraction of the peak in the same spell of the machine. `winograd` adds the
-    Winograd kernel ("winograd", NHWC) where it computes the spec."""
+    Winograd kernel in each of its tile sizes ("winograd F2", "winograd F4", NHWC) where it
+    computes the spec."""
     import torch
 
     torch.set_num_threads(target.cores)
@@ -79,16 +80,17 @@ def bench_layer(name: str, spec: ConvSpec, schedules: dict[str, Schedule], targe
                             f"output's magnitude (limit {CHECK_RTOL:g})")
         error = max(error, err)
         fns[label] = fn
-    if winograd and winograd_can_run(spec, target.simd_width):
-        plan = WinogradPlan(spec, bias=False, threads=target.cores, lanes=target.simd_width)
+    for m in TILE_SIZES.get(spec.kh, ()) if winograd and winograd_can_run(spec, target.simd_width) else ():
+        plan = WinogradPlan(spec, bias=False, threads=target.cores, lanes=target.simd_width, m=m)
         run = WinogradKernel(plan, target)
         xl, u = x.contiguous(memory_format=torch.channels_last), plan.pack_weight(w.numpy())
         out = torch.empty_like(ref, memory_format=torch.channels_last)
-        fns["winograd"] = functools.partial(run, xl, u, None, None, out)
-        fns["winograd"]()
+        fns[f"winograd F{m}"] = functools.partial(run, xl, u, None, None, out)
+        fns[f"winograd F{m}"]()
         err = float((out - ref).abs().max()) / scale
         if not err <= CHECK_RTOL:
-            raise MacoError(f"{name}: the Winograd kernel is wrong: max error {err:.3g} of the output's magnitude")
+            raise MacoError(f"{name}: the Winograd F({m}x{m}) kernel is wrong: max error {err:.3g} of the "
+                            "output's magnitude")
         error = max(error, err)
     fns["torch NCHW"] = torch_conv(spec, x, w, "NCHW")
     fns["torch NHWC"] = torch_conv(spec, x, w, "NHWC")

@@ -373,6 +373,17 @@ def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
     assert 0 < r.speedup("maco", over=("FMA peak",)) < 1.1
 
 
+def test_bench_layer_times_winograd_in_each_tile_size_and_checks_it():
+    from maco.benchmark import bench_layer
+
+    spec = ConvSpec.parse("n1_c16_h10_w10_k64_r5_p2")
+    r = bench_layer("x", spec, {"maco": kernels.default_schedule(spec, HOST, "NHWC")}, HOST, repeats=1,
+                    min_run_time=0.001, winograd=True)
+    assert {"winograd F2", "winograd F4"} <= set(r.rounds) and r.error < 1e-4
+    assert "winograd F2" not in bench_layer("x", ConvSpec.parse("n1_c16_h10_w10_k64_r3_s2_p1"), {}, HOST, repeats=1,
+                                            min_run_time=0.001, winograd=True).rounds  # stride 2: none
+
+
 def test_bench_cli(capsys):
     from maco.cli import main
 
