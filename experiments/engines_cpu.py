@@ -1,27 +1,13 @@
 """Issue 18 part 5: the model MACO hands back beside the engines a deployment engineer would try
 instead, whole networks at batch 1, fp32, on this CPU (not a figure of the paper).
 
-Engines (torch eager NCHW is the baseline every other one is divided by):
-  channels_last   torch eager, model and input in torch.channels_last
-  inductor        torch.compile (Inductor) with torch._inductor.config.freezing = True (folds BN,
-                  fuses conv post-ops into oneDNN), --inductor-mode default or max-autotune-no-cudagraphs
-  onnxruntime     torch.onnx.export -> InferenceSession, ORT_ENABLE_ALL, CPUExecutionProvider,
-                  intra-op threads = cores
-  openvino        ov.convert_model(model, example_input) -> compile_model("CPU") with
-                  INFERENCE_PRECISION_HINT f32 forced (AMX hosts pick bf16 otherwise) and
-                  PERFORMANCE_HINT LATENCY
-  maco            maco.optimize.optimize(net, budget=--budget): the model it hands back
-                  (result.model); tuning records from --records are copied, never appended to
-
-Protocol: every (network, engine) runs in its own subprocess (`--engine E --network N --json F`),
-which builds torch eager NCHW beside the engine and times the two alternately, round by round
-(maco.timing.interleaved_rounds, glibc's steady allocator, torch threads = cores, everything
-under torch.inference_mode). speedup = median of the per-round ratios eager / engine; eager_ms
-and engine_ms are the medians of the round medians. Compilation, export and MACO's tuning are
-off the clock and reported as compile_s. The engine's output is checked against eager's
-(max_rel_err = max |engine - eager| / max |eager|; outputs_ok: below 1e-4). An engine whose
-package is missing, that fails, or whose worker dies is a row with a note, never a crash.
-Each worker runs under `flock --lock` so that two timing jobs never share the cores.
+The engines and the protocol are maco.engines' (each engine in its own process, alternating round
+by round with torch eager NCHW there; speedup = median of the per-round ratios): channels_last,
+inductor (torch.compile with freezing), onnxruntime (ORT_ENABLE_ALL), openvino (fp32 forced) and
+maco, the model `maco optimize --budget B` hands back for the network, tuned here first (records
+from --records copied, never appended to; its tuning time is the row's compile_s) and timed from
+the file it saves. Each worker, and the tuning, runs under `flock --lock` so that two timing jobs
+never share the cores.
 
     pip install -e '.[engines]'      # ONNX Runtime, ONNX and OpenVINO
     python experiments/engines_cpu.py --quick                   # ResNet-18, 3 rounds
@@ -33,20 +19,19 @@ Writes <out>/engines_cpu.csv, .png and .env.json (engine versions).
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import fcntl
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Callable
-from importlib import metadata
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from maco.experiments.common import (RESULTS, Figure, num, out_dir, parser, print_table, pyplot, quiet, save_plot,
+from maco.engines import ENGINES, Job, run_engine, version
+from maco.experiments.common import (RESULTS, Figure, num, out_dir, parser, print_table, pyplot, save_plot,
                                      write_csv, write_env)
 
 FIGURE = Figure(
@@ -56,137 +41,53 @@ FIGURE = Figure(
     csv=("engines_cpu.csv",), records=True)
 
 NETWORKS = "resnet18,alexnet,vgg11,resnet50,mobilenet_v2"
-ENGINES = ("channels_last", "inductor", "onnxruntime", "openvino", "maco")
 COLUMNS = ["network", "engine", "eager_ms", "engine_ms", "speedup", "speedup_min", "speedup_max", "rounds",
            "compile_s", "max_abs_diff", "max_rel_err", "outputs_ok", "load", "note"]
 LOCK = "/tmp/maco-bench.lock"
-RTOL = 1e-4  # outputs_ok: max |engine - eager| / max |eager| below this
 DEFAULT_RECORDS = RESULTS / "records_cpu.jsonl"
 VERSIONS = ("torch", "onnxruntime", "onnx", "openvino")
 
-Run = Callable[[], Any]  # one inference on the fixed input; returns the output
 
-
-def _cores() -> int:
-    from maco.target import Target
-
-    return Target.host().cores
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _missing(module: str, exc: ImportError) -> RuntimeError:
-    return RuntimeError(f"{module} not installed ({exc}); pip install -e '.[engines]'")
-
-
-def _torch_run(model: Any, x: Any) -> Run:
-    """A call under inference_mode, as a deployment would make it (no autograd bookkeeping)."""
-    import torch
-
-    def run() -> Any:
-        with torch.inference_mode():
-            return model(x)
-
-    return run
-
-
-# -- engines: each returns (run, compile seconds, note) or raises ---------------------------------
-def setup_channels_last(net: str, x: Any, args: argparse.Namespace, tmp: Path) -> tuple[Run, float, str]:
-    import torch
-
-    from maco.layouts.networks import build
-
-    cl = torch.channels_last
-    return _torch_run(build(net).to(memory_format=cl), x.contiguous(memory_format=cl)), 0.0, \
-        "torch eager, model and input channels_last"
-
-
-def setup_inductor(net: str, x: Any, args: argparse.Namespace, tmp: Path) -> tuple[Run, float, str]:
-    import torch
-    import torch._inductor.config as inductor_config
-    from maco.layouts.networks import build
-
-    inductor_config.freezing = True  # weights become constants: BN folded, conv post-ops fused (oneDNN)
-    start = time.perf_counter()
-    compiled = torch.compile(build(net), mode=args.inductor_mode)
-    run = _torch_run(compiled, x)
-    run()  # compiles; a second call checks no recompilation is left for the clock
-    run()
-    return run, time.perf_counter() - start, f"torch.compile mode={args.inductor_mode}, freezing=True"
-
-
-def export_onnx(net: str, x: Any, path: Path) -> str:
-    """The network as an ONNX file; the TorchScript exporter first (the dynamo one needs
-    onnxscript), the dynamo one where that fails. Returns which one wrote it."""
-    import torch
-
-    from maco.layouts.networks import build
-
-    model, failed = build(net), ""
-    for dynamo in (False, True):
+@contextlib.contextmanager
+def _locked(path: str | None) -> Iterator[None]:
+    """Hold `flock path` (as the workers do) while this process times something itself."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                torch.onnx.export(model, (x,), str(path), dynamo=dynamo, input_names=["x"], output_names=["y"],
-                                  **({} if dynamo else {"opset_version": 17}))
-            return "dynamo exporter" if dynamo else "TorchScript exporter, opset 17"
-        except Exception as exc:  # noqa: BLE001 -- try the other exporter
-            failed += f"{'dynamo' if dynamo else 'TorchScript'} exporter: {type(exc).__name__}: {exc}; "
-    raise RuntimeError(f"torch.onnx.export failed: {failed}")
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def setup_onnxruntime(net: str, x: Any, args: argparse.Namespace, tmp: Path) -> tuple[Run, float, str]:
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise _missing("onnxruntime", exc) from None
-    start = time.perf_counter()
-    exporter = export_onnx(net, x, tmp / f"{net}.onnx")
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.intra_op_num_threads = _cores()
-    opts.inter_op_num_threads = 1
-    sess = ort.InferenceSession(str(tmp / f"{net}.onnx"), opts, providers=["CPUExecutionProvider"])
-    feed = {sess.get_inputs()[0].name: x.numpy()}
-    run = lambda: sess.run(None, feed)[0]
-    run()  # the first run allocates its arena
-    return run, time.perf_counter() - start, (f"onnxruntime {ort.__version__}, {exporter}, ORT_ENABLE_ALL, "
-                                              f"{opts.intra_op_num_threads} intra-op threads")
+def run_network(net: str, engines: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each engine's row for one network; MACO's model is tuned here first and timed from its file."""
+    job = Job(net, rounds=args.rounds, repeats=args.repeats, min_run_time=args.min_run_time, warmup=args.warmup,
+              patience=args.patience, inductor_mode=args.inductor_mode)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="engines_cpu_") as tmp:
+        for engine in engines:
+            print(f"{net} / {engine} ...", flush=True)
+            tuned = None
+            if engine == "maco":
+                try:
+                    tuned = _optimize(net, args, Path(tmp))
+                except Exception as exc:  # noqa: BLE001 -- a failing engine is a row, not a crash
+                    rows.append({"network": net, "engine": engine,
+                                 "note": f"maco optimize failed: {type(exc).__name__}: {exc}"[:400]})
+                    continue
+                job.saved = str(Path(tmp) / "model.maco")
+            row = {"network": net, **run_engine(engine, job, lock=args.lock or None, timeout=args.timeout)}
+            if tuned:  # the tuning is MACO's compile step
+                row["compile_s"], row["note"] = tuned[0], f"{tuned[1]}; {row.get('note', '')}"
+            rows.append(row)
+    return rows
 
 
-def setup_openvino(net: str, x: Any, args: argparse.Namespace, tmp: Path) -> tuple[Run, float, str]:
-    try:
-        import openvino as ov
-    except ImportError as exc:
-        raise _missing("openvino", exc) from None
-    from maco.layouts.networks import build
-
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = ov.convert_model(build(net), example_input=x)
-    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-              "INFERENCE_NUM_THREADS": _cores()}
-    compiled = ov.Core().compile_model(model, "CPU", config)
-    request = compiled.create_infer_request()
-    xn = x.numpy()
-    run = lambda: request.infer({0: xn}, share_inputs=True)[0]
-    run()
-    precision = compiled.get_property("INFERENCE_PRECISION_HINT")  # what it actually runs in
-    precision = getattr(precision, "get_type_name", lambda: precision)()
-    return run, time.perf_counter() - start, (f"openvino {_version('openvino')} from the PyTorch model, "
-                                              f"precision {precision}, PERFORMANCE_HINT LATENCY, {_cores()} threads")
-
-
-def setup_maco(net: str, x: Any, args: argparse.Namespace, tmp: Path) -> tuple[Run, float, str]:
-    import torch
-
+def _optimize(net: str, args: argparse.Namespace, tmp: Path) -> tuple[float, str]:
+    """`maco optimize` on the network (under the lock), its model saved to tmp/model.maco."""
     from maco.optimize import optimize
 
     records = tmp / "records_cpu.jsonl"
@@ -195,113 +96,12 @@ def setup_maco(net: str, x: Any, args: argparse.Namespace, tmp: Path) -> tuple[R
         given = f"records copied from {args.records}"
     else:
         given = "no records given: tuned from scratch"
-    start = time.perf_counter()
-    result = optimize(net, budget=args.budget, out=tmp / "maco-out", records=records,
-                      log=lambda line: print(line, file=sys.stderr))
-    seconds = time.perf_counter() - start
-    model = getattr(result, "model", None)
-    if model is None:
-        raise RuntimeError("optimize() handed back no model (result.model is None)")
-    torch.set_num_threads(_cores())  # whatever tuning left behind
-    run = _torch_run(model, x)
-    run()
-    return run, seconds, f"maco optimize --budget {args.budget} handed back '{result.chosen}'; {given}"
-
-
-SETUP: dict[str, Callable[[str, Any, argparse.Namespace, Path], tuple[Run, float, str]]] = {
-    "channels_last": setup_channels_last, "inductor": setup_inductor, "onnxruntime": setup_onnxruntime,
-    "openvino": setup_openvino, "maco": setup_maco}
-
-
-# -- the worker: one (network, engine) beside eager, in this process ------------------------------
-def _tensor(out: Any) -> Any:
-    import numpy as np
-    import torch
-
-    if isinstance(out, (list, tuple)):
-        out = out[0]
-    if isinstance(out, torch.Tensor):
-        return out.detach().float().contiguous().clone()
-    return torch.from_numpy(np.array(out, dtype=np.float32))
-
-
-def measure(engine: str, net: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Time `engine` against torch eager NCHW on `net`, alternating round by round."""
-    import torch
-
-    from maco.layouts.networks import build, example_input
-    from maco.timing import interleaved_rounds, steady_allocator
-
-    if engine not in SETUP:
-        raise ValueError(f"unknown engine {engine!r} (known: {', '.join(SETUP)})")
-    torch.set_num_threads(_cores())
-    steady_allocator()
-    x = example_input(1)
-    eager = _torch_run(build(net), x)
-    with tempfile.TemporaryDirectory(prefix=f"engines_{engine}_") as tmp:
-        run, compile_s, note = SETUP[engine](net, x, args, Path(tmp))
-        torch.set_num_threads(_cores())
-        want, got = _tensor(eager()), _tensor(run())
-        diff = float((want - got).abs().max()) if want.shape == got.shape else float("inf")
-        rel = diff / (float(want.abs().max()) or 1.0)
-        for _ in range(args.warmup):  # first calls build primitives and arenas: off the clock
-            eager()
-            run()
-        load = quiet(args.patience)
-        per = interleaved_rounds({"eager": eager, "engine": run}, args.rounds, repeats=args.repeats,
-                                 min_run_time=args.min_run_time)
-    ratios = [e.median / g.median for e, g in zip(per["eager"], per["engine"])]
-    ok = rel < RTOL
-    return dict(ok=True, eager_ms=statistics.median(t.median for t in per["eager"]) * 1e3,
-                engine_ms=statistics.median(t.median for t in per["engine"]) * 1e3,
-                speedup=statistics.median(ratios), speedup_min=min(ratios), speedup_max=max(ratios),
-                rounds=len(ratios), compile_s=round(compile_s, 2), max_abs_diff=diff, max_rel_err=rel,
-                outputs_ok=ok, load=load,
-                note=note + ("" if ok else f"; OUTPUTS DIFFER from eager (relative {rel:.1e} >= {RTOL:g})"))
-
-
-def worker(args: argparse.Namespace) -> int:
-    """`--engine E --network N --json F`: one row as JSON in F; a failing engine writes its reason."""
-    try:
-        row = measure(args.engine, args.network, args)
-    except Exception as exc:  # noqa: BLE001 -- a failing engine is a row, not a crash
-        row = {"ok": False, "note": f"{type(exc).__name__}: {exc}".replace("\n", " ")[:400]}
-    Path(args.json).write_text(json.dumps(row))
-    return 0
-
-
-# -- the driver ----------------------------------------------------------------------------------
-def _worker_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["--rounds", str(args.rounds), "--repeats", str(args.repeats), "--min-run-time",
-            str(args.min_run_time), "--warmup", str(args.warmup), "--patience", str(args.patience),
-            "--budget", args.budget, "--inductor-mode", args.inductor_mode]
-    return argv + (["--records", str(args.records)] if args.records else [])
-
-
-def run_engine(engine: str, net: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One (network, engine) in its own process, under the lock; its row (or why it has none)."""
-    row: dict[str, Any] = {"network": net, "engine": engine}
-    with tempfile.TemporaryDirectory(prefix="engines_cpu_") as tmp:
-        result, log = Path(tmp) / "row.json", Path(tmp) / "log.txt"
-        cmd = [sys.executable, "-m", "maco.experiments.engines_cpu", "--engine", engine, "--network", net,
-               "--json", str(result), *_worker_argv(args)]
-        if args.lock and shutil.which("flock"):
-            cmd = ["flock", args.lock, *cmd]
-        try:
-            with open(log, "w") as fh:
-                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
-                                    check=False).returncode
-        except subprocess.TimeoutExpired:
-            return dict(row, note=f"timed out after {args.timeout:.0f} s (lock wait included)")
-        except OSError as exc:
-            return dict(row, note=f"worker did not start: {exc}")
-        if result.is_file():
-            out = json.loads(result.read_text())
-            out.pop("ok", None)
-            return dict(row, **out)
-        tail = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
-                if ln.strip() and not ln.startswith("  File")][-3:]
-        return dict(row, note=f"worker died (exit {rc}): {' | '.join(tail)}"[:400])
+    with _locked(args.lock), contextlib.redirect_stdout(sys.stderr):
+        start = time.perf_counter()
+        result = optimize(net, budget=args.budget, out=tmp / "maco-out", records=records, save=tmp / "model.maco",
+                          log=lambda line: print(line, file=sys.stderr))
+        seconds = time.perf_counter() - start
+    return round(seconds, 2), f"maco optimize --budget {args.budget} handed back '{result.chosen}'; {given}"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -370,32 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inductor-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
     ap.add_argument("--lock", default=LOCK, help=f"flock file around each worker (default {LOCK}; '' for none)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker (default 3600)")
-    ap.add_argument("--engine", help=argparse.SUPPRESS)  # worker mode
-    ap.add_argument("--network", help=argparse.SUPPRESS)
-    ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 7)
-    if args.engine:
-        if not (args.network and args.json):
-            ap.error("--engine needs --network and --json")
-        return worker(args)
     if args.records and not Path(args.records).is_file():
         ap.error(f"records file not found: {args.records}")
     nets = ["resnet18"] if args.quick else [n.strip() for n in args.networks.split(",") if n.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in SETUP]
+    unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         ap.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     out = out_dir(args)
-    rows = []
-    for net in nets:
-        for engine in engines:
-            print(f"{net} / {engine} ...", flush=True)
-            rows.append(run_engine(engine, net, args))
+    rows = [row for net in nets for row in run_network(net, engines, args)]
     path = out / "engines_cpu.csv"
     write_csv(path, rows, COLUMNS, floats=".5g")
     write_env(path, engines=engines, rounds=args.rounds, inductor_mode=args.inductor_mode, budget=args.budget,
-              records=str(args.records or ""), **{f"{d}_version": _version(d) for d in VERSIONS})
+              records=str(args.records or ""), **{f"{d}_version": version(d) for d in VERSIONS})
     plot(rows, out / "engines_cpu.png")
     print_table(f"speedup over torch eager NCHW ({args.rounds} rounds)", ["network", "engine", "eager ms",
                 "engine ms", "speedup", "compile s", "rel err", "note"],

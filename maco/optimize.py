@@ -4,13 +4,15 @@ as torch runs it by default. `maco optimize` is the command; `optimize()` the sa
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from maco import deployment
+from maco.engines import ENGINES, Job, compare
 from maco.errors import MacoError
 from maco.files import check_writable
 from maco.kernel_choice import MIN_GAIN
@@ -30,12 +32,17 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
              out: str | Path = "maco-out", records: str | Path | None = None, seed: int = 0,
              input_shape: tuple[int, ...] | None = None, batch: int | None = None,
              save: str | Path | None = None, log: Callable[[str], Any] = print,
-             cluster: str | None = None) -> OptimizeResult:
+             cluster: str | None = None, engines: Sequence[str] = ()) -> OptimizeResult:
     """The main job (module docstring). Kernels are tuned for `batch` images (default: the input
     shape's first size, else 1) and torch's thread count; `save` writes the model it hands back to
     one file (maco.deployment: reload it with maco.load, no tuning). `cluster` (a Ray address)
-    tunes on that cluster's machines of this one's kind; the rest runs here."""
+    tunes on that cluster's machines of this one's kind; the rest runs here. `engines` (of
+    maco.engines.ENGINES but maco) are timed beside the model handed back, each in its own process
+    (CPU only), and the report compares them."""
     start = time.perf_counter()
+    others = [e for e in engines if e not in ENGINES or e == "maco"]
+    if others:
+        raise MacoError(f"unknown engine {others[0]!r}; choose from {', '.join(e for e in ENGINES if e != 'maco')}")
     if cluster is not None:
         from maco.cluster import check_address
 
@@ -105,8 +112,28 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     share = conv_share(variants[pick], x, target=tgt if tgt.kind == "cpu" else None) if pick != "default" else None
     result = OptimizeResult(name, out, rows, plan, e2e, time.perf_counter() - start, variants[pick], pick,
                             x, share, tgt)
-    write_outputs(result, tgt, records, swapped)
     if save:
         deployment.save(result, save)
         log(f"      saved the {pick} model to {save} (maco.load({str(save)!r}, model) rebuilds it)")
+    if engines and tgt.kind == "cpu":
+        result.engines = beside_engines(result, model_text, model, save, list(engines), log)
+    elif engines:
+        log("      the other engines run on the CPU: none timed beside a CUDA model")
+    write_outputs(result, tgt, records, swapped)
     return result
+
+
+def beside_engines(result: OptimizeResult, model_text: str, model: Any, saved: str | Path | None,
+                   engines: list[str], log: Callable[[str], Any]) -> list[dict[str, Any]]:
+    """The handed-back model (from `saved`, or a temporary file) and `engines`, each in its own
+    process beside torch eager NCHW (maco.engines): a row each, MACO's last."""
+    with tempfile.TemporaryDirectory(prefix="maco_engines_") as tmp:
+        if not saved:
+            saved = Path(tmp) / "model.maco"
+            deployment.save(result, saved)
+        weights = Path(tmp) / "weights.pt"  # the worker builds the model again: with these weights
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, weights)
+        job = Job(model_text, tuple(result.example.shape), str(weights), str(saved))
+        log(f"[+] timing the handed-back model beside {', '.join(engines)}, each in its own process "
+            "alternating with torch eager NCHW")
+        return compare(job, [*engines, "maco"], log=log)

@@ -49,6 +49,7 @@ class OptimizeResult:
     example: Any = None  # the input it was planned and timed on
     share: ConvShare | None = None  # the chosen model's time beside its conv kernels'
     target: Target | None = None
+    engines: list[dict[str, Any]] = field(default_factory=list)  # maco.engines rows, MACO's last
 
 
 def end_to_end_rows(times: ModelTimes, pick: str) -> dict[str, dict[str, Any]]:
@@ -184,10 +185,38 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
                       f"weights in memory, as inside a model whose weights outgrow the caches), the kernels "
                       f"add up to {s.convs_cold_s * 1e3:.2f} ms: model / kernels = "
                       f"{s.model_s / s.convs_cold_s:.2f}."]
+    if result.engines:
+        lines += ["", "## Beside other engines", "",
+                  "Each engine in its own process, alternating round by round with torch eager NCHW there "
+                  "(maco.engines): speedup = the median of the per-round ratios eager / engine; the times are "
+                  "the medians of the rounds. *maco* is the model handed back, loaded from its saved file.", "",
+                  "| engine | eager ms | engine ms | speedup over eager | build s | max rel. error | note |",
+                  "|---|---|---|---|---|---|---|"]
+        for e in result.engines:
+            lines.append(f"| {e['engine']} | {_num(e.get('eager_ms'))} | {_num(e.get('engine_ms'))} | "
+                         f"{_num(e.get('speedup'))}x | {_num(e.get('compile_s'), '.1f')} | "
+                         f"{_num(e.get('max_rel_err'), '.1e')} | {e.get('note', '')} |")
+        lines += ["", engine_summary(result.engines)]
     lines += ["", "Files: `plan.json` (the plan of the fused graph: "
               "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
               f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`; records: `{records}`.", ""]
     return "\n".join(lines)
+
+
+def engine_summary(rows: list[dict[str, Any]]) -> str:
+    """Where MACO's row ranks among the engines timed, by speedup over eager."""
+    timed = sorted((r for r in rows if isinstance(r.get("speedup"), (int, float))), key=lambda r: -r["speedup"])
+    rank = next((i for i, r in enumerate(timed, 1) if r["engine"] == "maco"), None)
+    if rank is None:
+        return "MACO's model could not be timed beside the engines (see its note)."
+    best_other = next((r for r in timed if r["engine"] != "maco"), None)
+    return (f"MACO is {rank} of {len(timed)} by the speedup over eager" + (
+        f"; {timed[rank - 1]['speedup'] / best_other['speedup']:.2f}x the fastest other engine "
+        f"({best_other['engine']})" if best_other else "") + ".")
+
+
+def _num(value: Any, spec: str = ".2f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
 VARIANTS = {"fused": "BatchNorm folded, epilogues fused, torch convs (NCHW)",

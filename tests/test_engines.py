@@ -1,7 +1,7 @@
-"""experiments/engines_cpu.py: the report line reads its CSV; a failing or missing engine is a row
-with a reason, never a crash; a real engine runs through the subprocess path; ONNX Runtime and
-OpenVINO (where installed) compute what torch eager does."""
-import argparse
+"""maco.engines and experiments/engines_cpu.py: the report line reads its CSV; a failing or missing
+engine is a row with a reason, never a crash; a real engine runs through the subprocess path; ONNX
+Runtime and OpenVINO (where installed) compute what torch eager does; `maco optimize` times the
+model it hands back beside the engines it is given."""
 import csv
 import importlib.util
 import json
@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from maco import engines
+from maco.errors import MacoError
 from maco.experiments import engines_cpu as eng
 
 ROWS = [  # as read back from a CSV: every cell a string
@@ -36,18 +38,23 @@ def test_csv_and_plot_are_written(tmp_path):
         assert [r["engine"] for r in csv.DictReader(fh)] == [r["engine"] for r in ROWS]
 
 
-def test_failing_engine_becomes_a_row(tmp_path):
-    args = argparse.Namespace(engine="no-such-engine", network="resnet18", json=str(tmp_path / "row.json"))
-    assert eng.worker(args) == 0
-    row = json.loads((tmp_path / "row.json").read_text())
-    assert not row["ok"] and "no-such-engine" in row["note"]
+def _worker_row(tmp_path: Path, engine: str, job: engines.Job) -> dict:
+    (tmp_path / "job.json").write_text(json.dumps(engines.asdict(job)))
+    assert engines.main(["--engine", engine, "--job", str(tmp_path / "job.json"), "--json",
+                         str(tmp_path / "row.json")]) == 0
+    return json.loads((tmp_path / "row.json").read_text())
 
 
-def test_worker_that_does_not_start_is_a_row(monkeypatch):
-    monkeypatch.setattr(eng.sys, "executable", sys.executable + "-does-not-exist")
-    args = eng.argparse.Namespace(rounds=1, repeats=1, min_run_time=0.001, warmup=1, patience=0.0, budget="quick",
-                                  inductor_mode="default", records=None, lock="", timeout=60.0)
-    row = eng.run_engine("channels_last", "resnet18", args)
+def test_a_failing_engine_becomes_a_row(tmp_path):
+    row = _worker_row(tmp_path, "channels_last", engines.Job("no-such-net"))
+    assert not row["ok"] and "no-such-net" in row["note"]
+    row = _worker_row(tmp_path, "maco", engines.Job("resnet18"))  # no saved model to time
+    assert not row["ok"] and "saved file" in row["note"]
+
+
+def test_a_worker_that_does_not_start_is_a_row(monkeypatch):
+    monkeypatch.setattr(engines.sys, "executable", sys.executable + "-does-not-exist")
+    row = engines.run_engine("channels_last", engines.Job("resnet18"), timeout=60.0)
     assert row["engine"] == "channels_last" and "speedup" not in row and row["note"]
 
 
@@ -65,25 +72,68 @@ def test_channels_last_through_the_subprocess(tmp_path):
     assert (tmp_path / "engines_cpu.png").is_file()
 
 
-def _eager_output(net: str, x: torch.Tensor) -> torch.Tensor:
-    from maco.layouts.networks import build
-
-    with torch.inference_mode():
-        return build(net)(x)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("engine,module", [("onnxruntime", "onnxruntime"), ("openvino", "openvino")])
 def test_engine_matches_eager(engine, module, tmp_path):
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} not installed (pip install -e '.[engines]')")
-    from maco.layouts.networks import example_input
-
-    x = example_input(1)
-    args = argparse.Namespace(inductor_mode="default")
-    run, compile_s, note = eng.SETUP[engine]("resnet18", x, args, Path(tmp_path))
-    want, got = _eager_output("resnet18", x), eng._tensor(run())
+    job = engines.Job("resnet18")
+    x = engines.example(job)
+    run, compile_s, note = engines.SETUP[engine](job, x, Path(tmp_path))
+    with torch.inference_mode():
+        want = engines.build(job)(x)
+    got = engines._tensor(run())
     assert compile_s > 0 and note
-    assert float((want - got).abs().max()) < eng.RTOL * float(want.abs().max())
+    assert float((want - got).abs().max()) < engines.RTOL * float(want.abs().max())
     if engine == "openvino":
         assert "precision f32" in note  # forced: AMX hosts would pick bf16
+
+
+MODEL = '''
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):  # random weights: the worker must get the parent's
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+'''
+
+
+@pytest.mark.slow
+def test_optimize_times_its_model_beside_the_engines(tmp_path, capsys):
+    """The report's engine table: each engine asked for and MACO's own model, loaded from the file
+    optimize saved, in a worker that rebuilds the model with the parent's weights (a model file's
+    random init differs between processes: a wrong load would show as outputs that differ)."""
+    from maco.cli import main
+
+    (tmp_path / "tiny.py").write_text(MODEL)
+    out = tmp_path / "out"
+    assert main(["optimize", f"{tmp_path / 'tiny.py'}:Tiny", "--input-shape", "1,3,16,16", "--out", str(out),
+                 "--engines", "channels_last"]) == 0
+    printed = capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert "## Beside other engines" in report and "| channels_last |" in report and "| maco |" in report
+    assert "MACO is " in report and "by the speedup over eager" in report
+    assert "channels_last: " in printed and "maco: " in printed
+    maco_row = report.split("| maco |")[1].split("\n")[0]
+    assert "OUTPUTS DIFFER" not in maco_row and "worker died" not in maco_row, maco_row
+    assert main(["optimize", "--engines", "tensorrt", "--out", str(tmp_path / "o2")]) == 2
+    assert "unknown engine 'tensorrt'" in capsys.readouterr().err
+
+
+def test_auto_engines_are_the_installed_ones():
+    from maco.commands.optimize import engines_to_time
+
+    assert engines_to_time("none") == []
+    assert engines_to_time("inductor, onnxruntime") == ["inductor", "onnxruntime"]
+    assert engines_to_time("auto") == [e for e in ("onnxruntime", "openvino") if engines.installed(e)]
+    with pytest.raises(MacoError, match="unknown engine 'maco'"):
+        from maco.optimize import optimize
+        optimize("resnet18", engines=["maco"])

@@ -8,6 +8,7 @@ from maco.errors import MacoError
 
 def register(sub: argparse._SubParsersAction) -> None:
     from maco.commands.common import add_cluster_argument, positive_int
+    from maco.engines import ENGINES
     from maco.tuning import BUDGETS
 
     p = sub.add_parser(
@@ -35,6 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--save", default=None, metavar="FILE",
                    help="write the model handed back to FILE (maco.load(FILE, model) rebuilds it without tuning)")
+    p.add_argument("--engines", default="auto",
+                   help="other inference engines to time the model handed back beside, each in its own process "
+                   "alternating with torch eager: auto (default: ONNX Runtime and OpenVINO where installed, "
+                   "pip install 'maco[engines]'), none, or a comma-separated list of "
+                   f"{', '.join(e for e in ENGINES if e != 'maco')}")
     add_cluster_argument(p)
     p.set_defaults(func=run)
 
@@ -54,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             raise MacoError(f"--input-shape must be positive ints, got {args.input_shape!r}")
     result = optimize(args.model, target=args.target, budget=args.budget, out=args.out,
                       records=args.records, seed=args.seed, input_shape=shape, batch=args.batch,
-                      save=args.save, cluster=cluster)
+                      save=args.save, cluster=cluster, engines=engines_to_time(args.engines))
     for key, label in (("fused", "fused (BatchNorm folded, epilogues in the conv)"),
                        ("planned_torch", "fused + planned layouts, torch convs"),
                        ("planned_maco", "fused + planned layouts + MACO kernels")):
@@ -69,5 +75,24 @@ def run(args: argparse.Namespace) -> int:
               f"kernels ({share.model_s * 1e3:.2f} ms vs {share.convs_s * 1e3:.2f} ms"
               + (f"; {share.convs_cold_s * 1e3:.2f} ms with their weights in memory, as in the model)"
                  if share.per_conv_cold else ")"))
+    for e in result.engines:
+        print(f"{e['engine']}: " + (f"{e['speedup']:.2f}x over torch eager in its own process (medians "
+                                    f"{e['engine_ms']:.2f} ms vs {e['eager_ms']:.2f} ms)" if "speedup" in e
+                                    else f"not timed: {e.get('note', '')}"))
+    if result.engines:
+        from maco.optimize_report import engine_summary
+
+        print(engine_summary(result.engines))
     print(f"report: {result.out / 'report.md'}  ({result.seconds:.0f} s)")
     return 0
+
+
+def engines_to_time(text: str) -> list[str]:
+    """--engines: auto (ONNX Runtime and OpenVINO where installed), none, or a list."""
+    from maco.engines import installed
+
+    if text == "auto":
+        return [e for e in ("onnxruntime", "openvino") if installed(e)]
+    if text == "none":
+        return []
+    return [e.strip() for e in text.split(",") if e.strip()]
