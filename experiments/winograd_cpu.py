@@ -41,11 +41,11 @@ def layers(networks: list[str], lanes: int, quick: bool) -> list[tuple[str, str,
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    fig, ax, _ = layer_bars(rows, (("f4_gflops", "MACO Winograd F(4x4)"), ("f2_gflops", "MACO Winograd F(2x2)"),
-                                   ("direct_gflops", "MACO direct (default)"), ("torch_gflops", "torch, faster layout")),
-                            "3x3/5x5 stride-1 convs, batch 1: Winograd (faster tile) over MACO's direct kernel, "
-                            f"geomean {geomean([r['over_direct'] for r in rows]):.2f}x", "GFLOP/s (direct conv's flops)",
-                            0.6)
+    bars = (("f4_gflops", "MACO Winograd F(4x4)"), ("f2_gflops", "MACO Winograd F(2x2)"),
+            ("direct_gflops", "MACO direct (default)"), ("torch_gflops", "torch, faster layout"))
+    title = ("3x3/5x5 stride-1 convs, batch 1: Winograd over the direct kernel, geomean "
+             f"{geomean([r['over_direct'] for r in rows]):.2f}x")
+    fig, ax, _ = layer_bars(rows, bars, title, "GFLOP/s (direct conv's flops)", 0.6)
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_plot(fig, path, dpi=130)
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                      "peak_gflops": round(g["FMA peak"], 1),
                      "over_direct": round(r.speedup("winograd", over=("direct",)), 4),
                      "over_torch": round(r.speedup("winograd"), 4),
-                     "f4_over_f2": round(r.speedup("winograd F4", over=("winograd F2",)), 4) if "winograd F4" in g else "",
+                     "f4_over_f2": (round(r.speedup("winograd F4", over=("winograd F2",)), 4)
+                                    if "winograd F4" in g else ""),
                      "winograd_of_peak": round(r.speedup("winograd", over=("FMA peak",)), 4),
                      "direct_of_peak": round(r.speedup("direct", over=("FMA peak",)), 4),
                      "max_error": f"{r.error:.2e}"})

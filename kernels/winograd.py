@@ -67,9 +67,11 @@ def transforms(m: int, r: int) -> dict[str, tuple[tuple[Fraction, ...], ...]]:
     # sum_j A^T[i][j] G[j][k] B^T[j][l] = [l == i + k] for every i, k, l: one linear system per column l of B^T
     system = sp.Matrix(m * r, n, lambda row, j: at[row // r, j] * g[j, row % r])
     target = sp.Matrix(m * r, n, lambda row, col: int(col == row // r + row % r))
-    bt, free = system.gauss_jordan_solve(target)
-    assert not free, "the Cook-Toom system has one solution"
-    exact = lambda mat: tuple(tuple(Fraction(int(v.p), int(v.q)) for v in mat.row(i)) for i in range(mat.rows))  # noqa: E731
+    bt, free = system.gauss_jordan_solve(target)  # raises where the system has no solution
+    if free.rows:
+        raise MacoError(f"Winograd F({m}, {r}): the points leave B^T undetermined")
+    def exact(mat: Any) -> tuple[tuple[Fraction, ...], ...]:
+        return tuple(tuple(Fraction(int(v.p), int(v.q)) for v in mat.row(i)) for i in range(mat.rows))
     return {"BT": exact(bt), "G": exact(g), "AT": exact(at)}
 
 
@@ -184,8 +186,8 @@ class WinogradPlan:
 
     @cached_property
     def source(self) -> str:
-        what = (f"MACO Winograd F({self.m}x{self.m},{self.spec.kh}x{self.spec.kw}) conv: {self.spec}, NHWC, bias={self.bias}, "
-                f"activation={self.activation}, residual={self.residual}, threads={self.threads}")
+        what = (f"MACO Winograd F({self.m}x{self.m},{self.spec.kh}x{self.spec.kw}) conv: {self.spec}, NHWC, "
+                f"bias={self.bias}, activation={self.activation}, residual={self.residual}, threads={self.threads}")
         return f"{comment(what)}\n{_source(self)}"
 
 
@@ -262,7 +264,8 @@ def _source(plan: WinogradPlan) -> str:
     e(f"        float *restrict vt = V + t * {c} + c0;")
     e(f"        for (int i = 0; i < {a}; i++) {{")
     for j in range(a):
-        e(f"          st(vt + (i * {a} + {j}) * {per_block * c}, {_combination([(bt[j][q], f's[i][{q}]') for q in range(a)])});")
+        value = _combination([(bt[j][q], f"s[i][{q}]") for q in range(a)])
+        e(f"          st(vt + (i * {a} + {j}) * {per_block * c}, {value});")
     e("        }")
     e("      }")
     e("    }")

@@ -231,7 +231,8 @@ class MacoWinograd2d(_GeneratedOp):
         return out
 
     def extra_repr(self) -> str:
-        return (f"{self.spec}, Winograd F({self.m}x{self.m},{self.spec.kh}x{self.spec.kw}), NHWC, activation={self._plan.activation}, "
+        return (f"{self.spec}, Winograd F({self.m}x{self.m},{self.spec.kh}x{self.spec.kw}), NHWC, "
+                f"activation={self._plan.activation}, "
                 f"residual={self._plan.residual}, preallocated={self.preallocated}")
 
 

@@ -66,7 +66,8 @@ def test_report_summarises_every_figure_from_its_csv(tmp_path):
         "resnet18,layer1,s1,520,380,320,NHWC,450,1.37,1.6,1.16,0.84,1e-6\n"
         "resnet18,layer4,s4,110,330,150,NHWC,450,0.33,0.7,0.24,0.73,1e-6\n")
     text = write_report(tmp_path, {"fig18": "ok"}).read_text()
-    assert "2 layers: Winograd (the faster tile size) over MACO's direct kernel geomean 0.67x, ahead on 1 (best 1.37x on " \
+    assert "2 layers: Winograd (the faster tile size) over MACO's direct kernel geomean 0.67x, ahead on 1 " \
+           "(best 1.37x on " \
            "resnet18:layer1, 116% of the FMA peak in direct-conv flops)" in text
     assert "resnet18: planned torch 1.21x, with MACO kernels in 8 conv(s) 1.35x" in text
     assert "in a quarter of the trials on 1 of 2 layers" in text
