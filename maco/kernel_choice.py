@@ -99,9 +99,11 @@ def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[
     steady_allocator()
     gen, evict = torch.Generator().manual_seed(0), CacheEvictor.for_target(target)
     for (spec, layout), torch_s in torch_seconds.items():
+        if layout != "NHWC" or target.kind != "cpu":
+            continue
         conv = nn.Conv2d(spec.c, spec.k, (spec.kh, spec.kw), spec.stride, spec.padding, spec.dilation,
                          spec.groups, bias=False).eval()
-        if layout != "NHWC" or target.kind != "cpu" or not winograd_module_can_run(conv, spec, target):
+        if not winograd_module_can_run(conv, spec, target):
             continue
         x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
         for m in TILE_SIZES[spec.kh]:
