@@ -182,21 +182,28 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
         for fn in runs.values():
             fn()
         per_round = interleaved_rounds(runs, rounds, repeats=3, min_run_time=min_run_time, warmup=1)
-        evict = CacheEvictor.for_target(target or host_target())
         on_cpu = all(a.device.type == "cpu" for a in inputs if isinstance(a, torch.Tensor))
-        cold: dict[str, list[Timing]] = {name: [] for name in seen} if on_cpu else {}
-        for _ in range(rounds if on_cpu else 0):
-            for name, (_, args) in seen.items():
-                def before(args: tuple = args) -> None:
-                    evict()
-                    for a in args:
-                        if isinstance(a, torch.Tensor):
-                            evict.sink += float(a.sum())
-                cold[name].append(time_callable(runs[name], repeats=3, warmup=0, min_run_time=0.0, before=before))
+        cold = _weights_in_memory(seen, runs, rounds, target or host_target()) if on_cpu else {}
     medians = {name: pool_timings(ts).median for name, ts in per_round.items()}
     model_s, rest_s = medians.pop("model"), medians.pop("rest")
-    return ConvShare(model_s, sum(medians.values()), medians, rest_s,
-                     {name: pool_timings(ts).median for name, ts in cold.items()})
+    return ConvShare(model_s, sum(medians.values()), medians, rest_s, cold)
+
+
+def _weights_in_memory(seen: Mapping[str, tuple[nn.Module, tuple]], runs: Mapping[str, Callable[[], Any]],
+                       rounds: int, target: Target) -> dict[str, float]:
+    """Each conv's median seconds over `rounds` rounds, every call after the caches were evicted
+    and the conv's inputs read (conv_share)."""
+    evict = CacheEvictor.for_target(target)
+    cold: dict[str, list[Timing]] = {name: [] for name in seen}
+    for _ in range(rounds):
+        for name, (_, args) in seen.items():
+            def before(args: tuple = args) -> None:
+                evict()
+                for a in args:
+                    if isinstance(a, torch.Tensor):
+                        evict.sink += float(a.sum())
+            cold[name].append(time_callable(runs[name], repeats=3, warmup=0, min_run_time=0.0, before=before))
+    return {name: pool_timings(ts).median for name, ts in cold.items()}
 
 
 MACO_CONVS = (MacoConv2d, MacoWinograd2d)  # what runs a conv by a MACO kernel

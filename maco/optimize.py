@@ -40,9 +40,9 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     maco.engines.ENGINES but maco) are timed beside the model handed back, each in its own process
     (CPU only), and the report compares them."""
     start = time.perf_counter()
-    others = [e for e in engines if e not in ENGINES or e == "maco"]
-    if others:
-        raise MacoError(f"unknown engine {others[0]!r}; choose from {', '.join(e for e in ENGINES if e != 'maco')}")
+    unknown = [e for e in engines if e not in ENGINES or e == "maco"]
+    if unknown:
+        raise MacoError(f"unknown engine {unknown[0]!r}; choose from {', '.join(e for e in ENGINES if e != 'maco')}")
     if cluster is not None:
         from maco.cluster import check_address
 

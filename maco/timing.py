@@ -65,8 +65,8 @@ def time_callable(fn: Callable[[], Any], *, repeats: int = 7, min_run_time: floa
                   max_number: int = 10_000, before: Callable[[], Any] | None = None) -> Timing:
     """Time `fn()` by the protocol: `warmup` calls, then `repeats` runs of `number` calls, where
     `number` is chosen so that one run lasts at least `min_run_time` seconds. `sync` (e.g. a
-    device synchronise) is called after each run before the clock stops. With `before` (e.g.
-    evict_caches), each of max(repeats, min_run_time's worth) calls is timed alone, `before`
+    device synchronise) is called after each run before the clock stops. With `before` (e.g. a
+    CacheEvictor), each of max(repeats, min_run_time's worth) calls is timed alone, `before`
     called first, off the clock."""
     sync = sync or (lambda: None)
     for _ in range(max(warmup, 1)):
