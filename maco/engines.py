@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -63,7 +63,6 @@ class Job:
     warmup: int = 3
     patience: float = 30.0  # seconds to wait for quiet cores first
     inductor_mode: str = "default"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def installed(engine: str) -> bool:
