@@ -34,7 +34,7 @@ from scipy.stats import spearmanr
 from maco import kernels, space
 from maco.errors import MacoError
 from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv, write_env
-from maco.layouts.dataset import Dataset, collect, load_rows, reference_of
+from maco.layouts.dataset import SETTLED_LOAD, Dataset, collect, load_rows, reference_of
 from maco.layouts.predictor import split_by_spec
 from maco.measure import Measurer
 from maco.records import RecordFile, make_record
@@ -97,8 +97,10 @@ def scores(rows: list[dict[str, object]]) -> dict[str, dict[str, float]]:
     pairs = {"seconds": (col("second_s"), col("first_s")),
              "ratio": (col("second_ratio"), col("first_ratio")),
              "rescaled": (col("second_s"), col("first_ratio") * col("second_reference_s"))}
+    settled = np.maximum(col("first_load"), col("second_load")) <= SETTLED_LOAD
     return {label: {"r2": r2(m, p), "within5": float(np.mean(np.abs(p / m - 1) <= 0.05)),
-                    "median_error": float(np.median(np.abs(p / m - 1)))}
+                    "median_error": float(np.median(np.abs(p / m - 1))), "settled": float(settled.mean()),
+                    "within5_settled": float(np.mean(np.abs(p / m - 1)[settled] <= 0.05)) if settled.any() else 0.0}
             for label, (m, p) in pairs.items()}
 
 
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, csv_path.with_suffix(".png"))
     for label, s in scores(rows).items():
         print(f"{LABELS[label]:>32}: R2 {s['r2']:.4f}, within +-5% {s['within5']:.1%}, "
-              f"median error {s['median_error']:.2%}")
+              f"median error {s['median_error']:.2%}; of the {s['settled']:.0%} timed settled in both runs "
+              f"(canary <= {SETTLED_LOAD}), {s['within5_settled']:.1%} within +-5%")
     recs = compare_records(out / "records_repeat.jsonl")
     if recs:
         write_csv(out / "records_repeat.csv", recs)
@@ -196,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 def summarise(rows: list[dict[str, str]]) -> str:
     s = scores(rows)  # type: ignore[arg-type]
     return (f"{len(rows)} conv-layouts re-timed {num(rows[0], 'hours_apart'):.1f} h later: " + "; ".join(
-        f"{LABELS[k]} R2 {v['r2']:.3f}, {v['within5']:.0%} within 5%" for k, v in s.items()))
+        f"{LABELS[k]} R2 {v['r2']:.3f}, {v['within5']:.0%} within 5%" for k, v in s.items())
+        + f"; the {s['ratio']['settled']:.0%} timed settled in both runs: ratio {s['ratio']['within5_settled']:.0%}"
+        f" within 5%")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,23 @@ def test_a_spec_timed_in_a_spell_is_timed_again_at_the_end(tmp_path, monkeypatch
     assert all(r.load == 1.0 for r in load_rows(tmp_path / "d.csv"))  # the settled ones count
 
 
+def test_a_spell_that_outlasts_patience_ends_each_pass_at_its_first_spec(tmp_path, monkeypatch):
+    from maco.layouts import dataset
+
+    calls = []
+
+    def always_a_spell(canary, spec, lays, dev, **kw):
+        calls.append((spec, kw.get("settle", False)))
+        timing = Timing(median=1e-4, min=1e-4, max=1e-4, stdev=0.0, repeats=2, number=1)
+        return {lay: timing for lay in lays}, 1.3
+    monkeypatch.setattr(dataset, "_time_spec", always_a_spell)
+    summary = collect(tmp_path / "d.csv", TINY, rounds=1, repeats=2, min_run_time=1e-4, patience=0,
+                      attempts=1, progress=False)
+    first = TINY[0][1]
+    assert calls == [(s, False) for _, s in TINY] + [(first, True)] * dataset.SETTLE_PASSES
+    assert summary.deferred == 1 and summary.unsettled == len(TINY)
+
+
 def test_canary_measures_load_relative_to_its_quietest():
     canary = Canary(calls=2)
     assert canary.best > 0 and 0 < canary.load() < 50
