@@ -3,7 +3,8 @@
 Features describe what MACO's bounds say matters: tile sizes per level, footprints per
 memory level, the dataflow I/O each level's tile implies and its ratio to the lower bound,
 register accumulators, vector use, arithmetic intensity and parallel work per core. Before
-any measurement the model falls back to an analytic estimate from the same I/O numbers.
+any measurement the model falls back to an analytic estimate from the same I/O numbers, its ties
+broken by the register tile's reuse per pass.
 """
 from __future__ import annotations
 
@@ -56,6 +57,18 @@ def _dataflow_io(spec: ConvSpec, x: int, y: int, z: int) -> float:
     return float(bounds.dataflow_io(spec, bounds.Tile(x, y, z)))
 
 
+def register_intensity(spec: ConvSpec, schedule: Schedule) -> float:
+    """MACs per element crossing between the register tile and the level under it
+    (maco.bounds.hierarchy.chunk_intensity): the accumulators cross once per pass of the innermost
+    channel chunk by its taps, so shallow passes move more per MAC. Nominal balances leave most
+    of a pruned space compute-bound alike; this is the reuse that still tells them apart."""
+    from maco.bounds.hierarchy import chunk_intensity
+
+    t = schedule.register_tile()
+    return float(chunk_intensity(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], schedule.factors("c")[-1], False,
+                                 schedule.factors("kh")[-1], schedule.factors("kw")[-1]))
+
+
 def features(spec: ConvSpec, target: Target, schedule: Schedule) -> list[float]:
     """One fixed-length feature vector; every size enters as log2 so trees split on ratios."""
     lg = lambda v: math.log2(max(float(v), 1.0))  # noqa: E731
@@ -74,7 +87,8 @@ def features(spec: ConvSpec, target: Target, schedule: Schedule) -> list[float]:
     outputs = math.prod(reg.values())
     xin = (reg["ow"] - 1) * spec.stride[1] + 1
     f += [schedule.accumulators, schedule.vector_width / target.simd_width,
-          outputs / (reg["k"] + xin * reg["oh"]),  # register-tile arithmetic intensity
+          outputs / (reg["k"] + xin * reg["oh"]),  # register-tile arithmetic intensity, one tap
+          lg(register_intensity(spec, schedule)),  # ... and per pass, the accumulators' crossings counted
           float(SPATIAL_AXES.index(schedule.vector_axis)), lg(schedule.factors(schedule.vector_axis)[-1])]
     par = math.prod(f0[0] for f0 in schedule.spatial[:schedule.parallel]) if schedule.kind == "cpu" \
         else math.prod(f0[0] for f0 in schedule.spatial)
@@ -108,6 +122,13 @@ def analytic_seconds(spec: ConvSpec, target: Target, schedule: Schedule) -> floa
     compute = spec.flops / (peak * vec * max(core_use, 1 / target.cores) * latency_hiding)
     io = sum(_dataflow_io(spec, x, y, z) for x, y, z, _ in tiles[1:3]) * 4
     return max(compute, io / (100e9 * target.cores))
+
+
+def analytic_score(spec: ConvSpec, target: Target, schedule: Schedule) -> float:
+    """Higher is better: 1 / analytic_seconds, ties (a roofline leaves most of a pruned space
+    compute-bound alike) broken by the register tile's reuse per pass (register_intensity)."""
+    return (1.0 + 1e-3 * math.tanh(math.log(register_intensity(spec, schedule)))) / analytic_seconds(
+        spec, target, schedule)
 
 
 class CostModel:
@@ -154,7 +175,7 @@ class CostModel:
         if not schedules:
             return np.zeros(0)
         if self.booster is None or spec not in self.trained_on:
-            return np.asarray([1.0 / analytic_seconds(spec, self.target, s) for s in schedules])
+            return np.asarray([analytic_score(spec, self.target, s) for s in schedules])
         import xgboost as xgb
 
         x = np.asarray([features(spec, self.target, s) for s in schedules], dtype=np.float64)

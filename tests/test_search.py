@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from maco import ConvSpec, space
-from maco.cost_model import CostModel, analytic_seconds, features
+from maco.cost_model import CostModel, analytic_score, analytic_seconds, features, register_intensity
 from maco.records import RecordFile, make_record
 from maco.search import SearchConfig, crossover, evolve, mutate_annotation, mutate_tile
 from maco.timing import Timing
@@ -92,8 +92,27 @@ def test_cost_model_ranks_an_unseen_conv_by_the_analytic_estimate():
     model = CostModel(AVX2).fit(recs)
     assert model.booster is not None and model.trained_on == {other}
     test = space.sample_many(SPEC, AVX2, 30, 2)
-    assert list(model.predict(SPEC, test)) == [1 / analytic_seconds(SPEC, AVX2, s) for s in test]
-    assert list(model.predict(other, test[:1])) != [1 / analytic_seconds(other, AVX2, test[0])]
+    assert list(model.predict(SPEC, test)) == [analytic_score(SPEC, AVX2, s) for s in test]
+    assert list(model.predict(other, test[:1])) != [analytic_score(other, AVX2, test[0])]
+
+
+def test_analytic_score_breaks_roofline_ties_by_the_register_tiles_reuse_per_pass():
+    """Two schedules the roofline cannot tell apart: the one whose register tile reduces more
+    channels per pass (its accumulators cross to L1 less often) ranks first, and the tie-break
+    never reorders schedules the roofline does separate."""
+    from dataclasses import replace
+
+    deep = next(s for s in space.sample_many(SPEC, AVX2, 400, 5) if s.factors("c")[1] >= 8)
+    c0, c1 = deep.factors("c")
+    shallow = replace(deep, reduction=tuple((c0 * c1, 1) if i == 0 else f for i, f in enumerate(deep.reduction)))
+    assert shallow.factors("c") == (c0 * c1, 1)
+    assert analytic_seconds(SPEC, AVX2, shallow) == analytic_seconds(SPEC, AVX2, deep)
+    assert register_intensity(SPEC, deep) > register_intensity(SPEC, shallow)
+    assert analytic_score(SPEC, AVX2, deep) > analytic_score(SPEC, AVX2, shallow)
+    for s in space.sample_many(SPEC, AVX2, 40, 6):
+        a, b = 1 / analytic_seconds(SPEC, AVX2, s), 1 / analytic_seconds(SPEC, AVX2, deep)
+        if abs(a / b - 1) > 0.01:
+            assert (analytic_score(SPEC, AVX2, s) > analytic_score(SPEC, AVX2, deep)) == (a > b)
 
 
 def test_analytic_estimate_counts_a_portable_micro_kernel_as_scalar():
