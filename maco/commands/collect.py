@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also re-time convs already in the file whose rows are noisy or were timed "
                    "beside a busy neighbour")
     p.add_argument("--patience", type=nonnegative_float, default=30.0,
-                   help="seconds to wait for quiet cores before timing a conv anyway (default 30)")
+                   help="seconds to wait for quiet cores before timing a conv anyway, and, for a conv "
+                   "timed in a spell, for the spell to pass before it is timed again at the end (default 30)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_cluster_argument(p)
