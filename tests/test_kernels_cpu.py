@@ -365,12 +365,14 @@ def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
     from maco.benchmark import bench_layer
 
     spec = ConvSpec.parse("n1_c32_h14_w14_k64_r3x3_p1")
-    r = bench_layer("x", spec, {"maco": kernels.default_schedule(spec, HOST, "NHWC")}, HOST, repeats=2,
+    r = bench_layer("x", spec, {"maco": kernels.default_schedule(spec, HOST, "NHWC")}, HOST, repeats=3,
                     min_run_time=0.005, ceilings=True)
-    assert len(r.rounds["FMA peak"]) == 2
+    assert len(r.rounds["FMA peak"]) == 3
     assert ("microkernel ceiling" in r.rounds) == (HOST.isa in ("avx512", "avx2"))
     assert 0.2 * kernels.measure_peak(HOST) < r.gflops("FMA peak") < 1.5 * kernels.measure_peak(HOST)
-    assert 0 < r.speedup("maco", over=("FMA peak",)) < 1.1
+    # Below 1 up to the VM's noise: on a noisy host the FMA loop's 30 us parallel region has read
+    # 1.3x slow beside the kernel in CI; a flop count off by 2 reads twice the kernel's share.
+    assert 0 < r.speedup("maco", over=("FMA peak",)) < 1.5
 
 
 def test_bench_layer_times_winograd_in_each_tile_size_and_checks_it():
