@@ -434,7 +434,7 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
     params = dict(rounds=rounds, repeats=repeats, min_run_time=min_run_time, tolerance=tolerance,
                   attempts=attempts, patience=patience)
     loads: dict[ConvSpec, float] = {}  # per spec, the lowest canary load it was timed at
-    again: dict[ConvSpec, None] = {}  # specs timed again at the end, having been timed in a spell
+    again: set[ConvSpec] = set()  # specs timed again at the end, having been timed in a spell
     bar = tqdm(total=len(todo), desc="collect", unit="conv", disable=not progress)
 
     def keep(source: str, spec: ConvSpec, lays: list[str], timings: dict[str, Timing], load: float,
@@ -457,7 +457,7 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
                 for n, (source, spec, lays) in enumerate(pending):  # best_rows keeps the settled row
                     timings, load = _time_spec(canary, spec, lays, dev, settle=True, **{**params, "attempts": 1})
                     keep(source, spec, lays, timings, load, env_id)
-                    again.setdefault(spec)
+                    again.add(spec)
                     if load > SETTLED_LOAD:  # the spell outlasted `patience`: on to the next pass
                         bar.update(len(pending) - n - 1)
                         break
