@@ -98,10 +98,13 @@ def scores(rows: list[dict[str, object]]) -> dict[str, dict[str, float]]:
              "ratio": (col("second_ratio"), col("first_ratio")),
              "rescaled": (col("second_s"), col("first_ratio") * col("second_reference_s"))}
     settled = np.maximum(col("first_load"), col("second_load")) <= SETTLED_LOAD
-    return {label: {"r2": r2(m, p), "within5": float(np.mean(np.abs(p / m - 1) <= 0.05)),
-                    "median_error": float(np.median(np.abs(p / m - 1))), "settled": float(settled.mean()),
-                    "within5_settled": float(np.mean(np.abs(p / m - 1)[settled] <= 0.05)) if settled.any() else 0.0}
-            for label, (m, p) in pairs.items()}
+    out = {}
+    for label, (m, p) in pairs.items():
+        error = np.abs(p / m - 1)
+        out[label] = {"r2": r2(m, p), "within5": float(np.mean(error <= 0.05)),
+                      "median_error": float(np.median(error)), "settled": float(settled.mean()),
+                      "within5_settled": float(np.mean(error[settled] <= 0.05)) if settled.any() else 0.0}
+    return out
 
 
 def plot(rows: list[dict[str, object]], path: Path) -> None:

@@ -455,7 +455,7 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
                 pending = [item for item in todo if loads[item[1]] > SETTLED_LOAD]
                 bar.total += len(pending)
                 for n, (source, spec, lays) in enumerate(pending):  # best_rows keeps the settled row
-                    timings, load = _time_spec(canary, spec, lays, dev, settle=True, **{**params, "attempts": 1})
+                    timings, load = _time_spec(canary, spec, lays, dev, settle=True, **dict(params, attempts=1))
                     keep(source, spec, lays, timings, load, env_id)
                     again.add(spec)
                     if load > SETTLED_LOAD:  # the spell outlasted `patience`: on to the next pass
