@@ -8,21 +8,26 @@ broken by the register tile's reuse per pass.
 """
 from __future__ import annotations
 
+import json
 import math
 from functools import lru_cache
-from typing import Sequence
+from pathlib import Path
+from typing import Iterable, Sequence
 
 import numpy as np
 
+from maco.errors import MacoError
 from maco.geometry import footprint
+from maco.kernels import default_schedule
 from maco.kernels.cpu_codegen import intrinsics_isa
 from maco.records import Record, normalized
 from maco.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
                            axis_extents)
 from maco.spec import ConvSpec
-from maco.target import Target
+from maco.target import CPU_ISAS, Target
 
-MIN_TRAINING_RECORDS = 8  # below this, the analytic estimate ranks better than a tiny model
+MIN_TRAINING_RECORDS = 8  # below this, the prior or the analytic estimate ranks better than a tiny model
+PRIOR_FILE = Path(__file__).with_name("cost_prior_cpu.json")  # rebuilt by `python -m maco.cost_model`
 
 
 def level_tiles(schedule: Schedule, spec: ConvSpec) -> list[tuple[int, int, int, int]]:
@@ -131,52 +136,135 @@ def analytic_score(spec: ConvSpec, target: Target, schedule: Schedule) -> float:
         spec, target, schedule)
 
 
+def _rows(groups: dict[tuple[ConvSpec, Target], list[Record]]) -> tuple[list[list[float]], list[float]]:
+    """Features and speed over the best of the same conv on the same machine (errors: 0)."""
+    rows, ys = [], []
+    for (spec, target), recs in groups.items():
+        speed = [1.0 / v if v < math.inf else 0.0 for v in normalized(recs)]
+        best = max(speed)
+        if best <= 0:
+            continue
+        for r, v in zip(recs, speed):
+            rows.append(features(spec, target, r.schedule))
+            ys.append(v / best)
+    return rows, ys
+
+
+def _train(rows: list[list[float]], ys: list[float], seed: int, rounds: int):
+    """Ansor's regression: weighted towards fast programs, which are the ones a search ranks."""
+    import xgboost as xgb
+
+    y = np.asarray(ys)
+    dtrain = xgb.DMatrix(np.asarray(rows, dtype=np.float64), label=y, weight=np.maximum(y, 0.05))
+    params = {"max_depth": 6, "eta": 0.2, "subsample": 0.9, "min_child_weight": 1,
+              "objective": "reg:squarederror", "seed": seed, "nthread": 1, "verbosity": 0}
+    return xgb.train(params, dtrain, num_boost_round=rounds)
+
+
+def train_prior(records: Iterable[Record], exclude: Iterable[ConvSpec] = (), seed: int = 0, rounds: int = 200):
+    """A booster for convs with no records of their own, trained on other convs' measured CPU
+    schedules, each on the machine it was measured on; `exclude` holds convs out (an experiment
+    that scores a search on a conv must not rank it with that conv's own measurements)."""
+    skip = set(exclude)
+    groups: dict[tuple[ConvSpec, Target], list[Record]] = {}
+    targets: dict[str, Target] = {}
+    for r in records:
+        key = json.dumps(r.target, sort_keys=True)
+        if r.spec in skip or r.retryable or r.target.get("kind") != "cpu" or r.target.get("isa") not in CPU_ISAS:
+            continue
+        target = targets.setdefault(key, Target.from_fingerprint(r.target))
+        groups.setdefault((r.spec, target), []).append(r)
+    rows, ys = _rows(groups)
+    if len(rows) < MIN_TRAINING_RECORDS:
+        raise MacoError(f"a prior needs at least {MIN_TRAINING_RECORDS} measured CPU schedules, got {len(rows)}")
+    booster = _train(rows, ys, seed, rounds)
+    booster.set_attr(isas=",".join(sorted({t.isa for _, t in groups})), convs=str(len({s for s, _ in groups})),
+                     schedules=str(len(rows)))
+    return booster
+
+
+@lru_cache(maxsize=1)
+def shipped_prior():
+    """The prior shipped with MACO (PRIOR_FILE), or None where the file is absent."""
+    import xgboost as xgb
+
+    if not PRIOR_FILE.is_file():
+        return None
+    try:
+        return xgb.Booster(model_file=str(PRIOR_FILE))
+    except xgb.core.XGBoostError as exc:
+        raise MacoError(f"the shipped cost-model prior {PRIOR_FILE} does not load: {str(exc).splitlines()[0]}") from None
+
+
+def prior_fits(booster, target: Target) -> bool:
+    """Whether `booster` was trained on `target`'s ISA with today's feature vector."""
+    isas = (booster.attr("isas") or "").split(",")
+    if target.kind != "cpu" or target.isa not in isas:
+        return False
+    spec = ConvSpec(n=1, c=16, h=8, w=8, k=16, kh=3, kw=3, padding=(1, 1))
+    return booster.num_features() == len(features(spec, target, default_schedule(spec, target, "NHWC")))
+
+
 class CostModel:
     """XGBoost regression on features -> throughput normalised per task, weighted towards fast
     programs (Ansor). One model per target; `predict` returns higher-is-better scores.
-    A conv with fewer than MIN_TRAINING_RECORDS measurements of its own is ranked by the
-    analytic estimate: a model trained on other layers only ranked ResNet-18's layer1 conv
-    with portable kernels 40x slower than its default."""
+    A conv with fewer than MIN_TRAINING_RECORDS measurements of its own is ranked by the prior
+    (a model trained on other convs' measurements, `prior`: True for the shipped one where it fits
+    the target, False for none, or a booster from train_prior), else by the analytic estimate."""
 
-    def __init__(self, target: Target, seed: int = 0, rounds: int = 200):
+    def __init__(self, target: Target, seed: int = 0, rounds: int = 200, prior=True):
         self.target, self.seed, self.rounds = target, seed, rounds
         self.booster = None
         self.trained_on: set[ConvSpec] = set()  # convs with enough own records in the fit
+        if prior is True:
+            prior = shipped_prior() if target.kind == "cpu" else None
+        self.prior = prior if prior is not None and prior is not False and prior_fits(prior, target) else None
 
     def fit(self, records: Sequence[Record]) -> "CostModel":
-        import xgboost as xgb
-
         fingerprint = self.target.fingerprint()
-        groups: dict[ConvSpec, list[Record]] = {}
+        groups: dict[tuple[ConvSpec, Target], list[Record]] = {}
         for r in records:
             if r.target == fingerprint and not r.retryable:  # a timeout says nothing of speed
-                groups.setdefault(r.spec, []).append(r)
-        rows, ys = [], []
-        for spec, recs in groups.items():
-            speed = [1.0 / v if v < math.inf else 0.0 for v in normalized(recs)]  # errors: 0
-            best = max(speed)
-            if best <= 0:
-                continue
-            for r, v in zip(recs, speed):
-                rows.append(features(spec, self.target, r.schedule))
-                ys.append(v / best)
-        self.trained_on = {spec for spec, recs in groups.items() if len(recs) >= MIN_TRAINING_RECORDS}
+                groups.setdefault((r.spec, self.target), []).append(r)
+        rows, ys = _rows(groups)
+        self.trained_on = {spec for (spec, _), recs in groups.items() if len(recs) >= MIN_TRAINING_RECORDS}
         if len(rows) < MIN_TRAINING_RECORDS or not self.trained_on:
             self.booster = None
             return self
-        y = np.asarray(ys)
-        dtrain = xgb.DMatrix(np.asarray(rows, dtype=np.float64), label=y, weight=np.maximum(y, 0.05))
-        params = {"max_depth": 6, "eta": 0.2, "subsample": 0.9, "min_child_weight": 1,
-                  "objective": "reg:squarederror", "seed": self.seed, "nthread": 1, "verbosity": 0}
-        self.booster = xgb.train(params, dtrain, num_boost_round=self.rounds)
+        self.booster = _train(rows, ys, self.seed, self.rounds)
         return self
 
     def predict(self, spec: ConvSpec, schedules: Sequence[Schedule]) -> np.ndarray:
         if not schedules:
             return np.zeros(0)
-        if self.booster is None or spec not in self.trained_on:
+        booster = self.booster if self.booster is not None and spec in self.trained_on else self.prior
+        if booster is None:
             return np.asarray([analytic_score(spec, self.target, s) for s in schedules])
         import xgboost as xgb
 
         x = np.asarray([features(spec, self.target, s) for s in schedules], dtype=np.float64)
-        return self.booster.predict(xgb.DMatrix(x))
+        return booster.predict(xgb.DMatrix(x))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rebuild the shipped prior from measured records (results/pruning_data*.jsonl.gz)."""
+    import argparse
+
+    from maco.records import RecordFile
+
+    ap = argparse.ArgumentParser(prog="python -m maco.cost_model", description=main.__doc__)
+    ap.add_argument("records", nargs="+", type=Path, help="record files (.jsonl or .jsonl.gz)")
+    ap.add_argument("--out", type=Path, default=PRIOR_FILE)
+    args = ap.parse_args(argv)
+    records = [r for path in args.records for r in RecordFile(path).load()]
+    booster = train_prior(records)
+    tmp = args.out.with_suffix(".tmp" + args.out.suffix)  # xgboost picks the format by the suffix
+    booster.save_model(str(tmp))
+    tmp.replace(args.out)
+    print(f"{args.out}: trained on {booster.attr('schedules')} schedules of {booster.attr('convs')} convs "
+          f"({booster.attr('isas')})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,6 +5,7 @@ which `load` leaves out and `load_baselines` returns."""
 from __future__ import annotations
 
 import fcntl
+import gzip
 import json
 import math
 import os
@@ -358,7 +359,7 @@ class RecordFile:
             raise MacoError(f"records file {str(self.path)!r} is a directory; give a .jsonl file")
         out = []
         try:
-            with open(self.path, "rb") as fh:
+            with (gzip.open if self.path.suffix == ".gz" else open)(self.path, "rb") as fh:  # .gz: read only
                 for lineno, line in enumerate(_capped_lines(fh, MAX_LINE_BYTES), 1):
                     if line is None:
                         self.bad_lines.append((lineno, f"line longer than {MAX_LINE_BYTES} bytes"))
@@ -371,8 +372,9 @@ class RecordFile:
                         self.bad_lines.append((lineno, str(exc)))
         except FileNotFoundError:
             return []
-        except OSError as exc:
-            raise MacoError(f"cannot read records file {str(self.path)!r}: {exc.strerror or exc}") from None
+        except (OSError, EOFError) as exc:  # EOFError: a cut .gz
+            raise MacoError(f"cannot read records file {str(self.path)!r}: {getattr(exc, 'strerror', None) or exc}"
+                            ) from None
         if warn and self.bad_lines:
             first = self.bad_lines[0]
             warnings.warn(f"{self.path}: skipped {len(self.bad_lines)} bad record line(s), "

@@ -21,6 +21,7 @@ from maco.spec import DTYPE_BYTES
 
 
 TARGET_KINDS = ("cpu", "cuda", "cim")
+CPU_ISAS = {"avx512": (16, 32), "avx2": (8, 16), "generic": (4, 16)}  # isa: fp32 lanes, vector registers
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,18 @@ class Target:
             d["cim_arch"] = CimArch(**d["cim_arch"])
         return cls(**d)
 
+    @classmethod
+    def from_fingerprint(cls, fp: dict[str, Any]) -> "Target":
+        """The CPU a record's fingerprint names, as far as it names it (no clock): enough to compute
+        a schedule's features for the machine it was measured on."""
+        if fp.get("kind") != "cpu" or fp.get("isa") not in CPU_ISAS:
+            raise MacoError(f"not a CPU fingerprint MACO knows: kind {fp.get('kind')!r}, isa {fp.get('isa')!r}")
+        width = CPU_ISAS[fp["isa"]][0]
+        levels = tuple(MemoryLevel(str(name), int(capacity), int(processors), width)
+                       for name, capacity, processors in fp["levels"])
+        return cls(name=str(fp["name"]), kind="cpu", levels=levels, cores=int(fp["cores"]), simd_width=width,
+                   isa=fp["isa"], model=str(fp["model"]))
+
     # -- built-in targets ----------------------------------------------------
     @classmethod
     def host(cls, threads: int | None = None) -> "Target":
@@ -201,12 +214,8 @@ class Target:
         with `threads` threads (default: every CPU this process may use). The thread count is part of
         the fingerprint, so records tuned on 2 threads are not taken for 1."""
         flags, model, mhz = _cpuinfo()
-        if "avx512f" in flags:
-            isa, width, nregs = "avx512", 16, 32
-        elif "avx2" in flags and "fma" in flags:
-            isa, width, nregs = "avx2", 8, 16
-        else:
-            isa, width, nregs = "generic", 4, 16
+        isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags and "fma" in flags else "generic"
+        width, nregs = CPU_ISAS[isa]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:

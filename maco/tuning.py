@@ -81,9 +81,10 @@ class TuneResult:
 
 def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFunction,
          records: str | Path | None = None, config: SearchConfig | None = None, seed: int = 0,
-         progress: Callable[[int, int, Task, TaskState], None] | None = None) -> TuneResult:
+         progress: Callable[[int, int, Task, TaskState], None] | None = None, prior=True) -> TuneResult:
     """Spend `trials` measurements over `tasks`. Records already in the file count towards
-    the budget of their task, so re-running the same command resumes where it stopped."""
+    the budget of their task, so re-running the same command resumes where it stopped.
+    `prior`: the cost model's ranking of a conv without records (CostModel)."""
     if trials < 0:
         raise MacoError(f"trials must be >= 0, got {trials}")
     if not tasks:
@@ -96,7 +97,7 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFu
     for i, state in enumerate(states):
         if state.records:
             sched.record(i, len(state.records), state.best_seconds())
-    model = CostModel(target, seed=seed)
+    model = CostModel(target, seed=seed, prior=prior)
     done = sum(len(s.records) for s in states)
     start = done
     while done < trials:
