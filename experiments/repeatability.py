@@ -13,7 +13,8 @@ For labels, three are compared, each as the second timing "predicted" by the fir
 the ratio to the reference timed in the same rounds (the FMA loop doing the conv's flops,
 maco.timing), which is what a label that repeats across spells should be; and the first ratio
 turned back into seconds with the reference measured in the second run (what a planner that
-predicts ratios would use). The reference is maco collect's (layouts.dataset.REFERENCE); both runs
+predicts ratios would use); and, for each of seconds and ratio, the fastest repeat instead of the
+median (a slow spell lengthens the median, seldom the fastest). The reference is maco collect's (layouts.dataset.REFERENCE); both runs
 must use the same one. Per label: R2 on latency and the share of convs within +-5%. For
 records: the Spearman rank correlation of the two timings, on seconds and on the ratio to the
 reference. Writes <out>/label_repeat_first.csv and _second.csv (data sets), label_repeat.csv (one
@@ -48,9 +49,10 @@ FIGURE = Figure(
 RECORDS_LAYER = ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")  # ResNet-18 layer1
 
 COLUMNS = ["spec", "layout", "first_s", "second_s", "first_ratio", "second_ratio", "second_reference_s",
-           "first_load", "second_load", "hours_apart"]
+           "first_min_s", "second_min_s", "first_reference_s", "first_load", "second_load", "hours_apart"]
 LABELS = {"seconds": "torch seconds", "ratio": "ratio to the reference",
-          "rescaled": "first ratio x second reference"}
+          "rescaled": "first ratio x second reference", "fastest": "fastest repeat (seconds)",
+          "fastest_ratio": "fastest repeat / reference"}
 
 
 def test_convs(data: str, count: int, seed: int) -> list[tuple[str, object]]:
@@ -85,21 +87,32 @@ def compare(first: Path, second: Path) -> list[dict[str, object]]:
             continue
         out.append({"spec": key[0], "layout": key[1], "first_s": ra.seconds, "second_s": rb.seconds,
                     "first_ratio": ra.ratio, "second_ratio": rb.ratio,
-                    "second_reference_s": rb.timing.reference, "first_load": ra.load, "second_load": rb.load,
+                    "second_reference_s": rb.timing.reference, "first_min_s": ra.timing.min,
+                    "second_min_s": rb.timing.min, "first_reference_s": ra.timing.reference,
+                    "first_load": ra.load, "second_load": rb.load,
                     "hours_apart": round((rb.time - ra.time) / 3600, 2)})
     return out
 
 
-def scores(rows: list[dict[str, object]]) -> dict[str, dict[str, float]]:
-    def col(name: str) -> np.ndarray:
-        return np.array([float(r[name]) for r in rows])
+def pairs(rows: list[dict[str, object]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per label: (second run, first run), the second as the first predicts it; the fastest-repeat
+    labels only where the rows have them (label_repeat.csv from before they existed has not)."""
+    col = lambda name: np.array([float(r[name]) for r in rows])  # noqa: E731
 
-    pairs = {"seconds": (col("second_s"), col("first_s")),
-             "ratio": (col("second_ratio"), col("first_ratio")),
-             "rescaled": (col("second_s"), col("first_ratio") * col("second_reference_s"))}
-    settled = np.maximum(col("first_load"), col("second_load")) <= SETTLED_LOAD
+    out = {"seconds": (col("second_s"), col("first_s")),
+           "ratio": (col("second_ratio"), col("first_ratio")),
+           "rescaled": (col("second_s"), col("first_ratio") * col("second_reference_s"))}
+    if all(r.get("first_min_s") not in (None, "") for r in rows):
+        out["fastest"] = (col("second_min_s"), col("first_min_s"))
+        out["fastest_ratio"] = (col("second_min_s") / col("second_reference_s"),
+                                col("first_min_s") / col("first_reference_s"))
+    return out
+
+
+def scores(rows: list[dict[str, object]]) -> dict[str, dict[str, float]]:
+    settled = np.array([max(float(r["first_load"]), float(r["second_load"])) <= SETTLED_LOAD for r in rows])
     out = {}
-    for label, (m, p) in pairs.items():
+    for label, (m, p) in pairs(rows).items():
         error = np.abs(p / m - 1)
         out[label] = {"r2": r2(m, p), "within5": float(np.mean(error <= 0.05)),
                       "median_error": float(np.median(error)), "settled": float(settled.mean()),
@@ -110,15 +123,10 @@ def scores(rows: list[dict[str, object]]) -> dict[str, dict[str, float]]:
 def plot(rows: list[dict[str, object]], path: Path) -> None:
     plt = pyplot()
     s = scores(rows)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    data = {"seconds": ("first_s", "second_s"), "ratio": ("first_ratio", "second_ratio")}
-    for ax, label in zip(axes, LABELS):
-        if label == "rescaled":
-            x = [float(r["first_ratio"]) * float(r["second_reference_s"]) for r in rows]
-            y = [float(r["second_s"]) for r in rows]
-        else:
-            x = [float(r[data[label][0]]) for r in rows]
-            y = [float(r[data[label][1]]) for r in rows]
+    labels = pairs(rows)
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.6 * len(labels), 4.2), squeeze=False)
+    for ax, (label, (second, first)) in zip(axes[0], labels.items()):
+        x, y = list(first), list(second)
         ax.loglog(x, y, ".", ms=4)
         lo, hi = min(x + y), max(x + y)
         ax.plot([lo, hi], [lo, hi], "k-", lw=0.5)

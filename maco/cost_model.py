@@ -2,9 +2,10 @@
 
 Features describe what MACO's bounds say matters: tile sizes per level, footprints per
 memory level, the dataflow I/O each level's tile implies and its ratio to the lower bound,
-register accumulators, vector use, arithmetic intensity and parallel work per core. Before
-any measurement the model falls back to an analytic estimate from the same I/O numbers, its ties
-broken by the register tile's reuse per pass.
+register accumulators, vector use, arithmetic intensity and parallel work per core. Before a
+conv has measurements of its own, a prior ranks it: the same regression trained on other convs'
+measured schedules (shipped for AVX-512 CPUs). Without one, an analytic estimate from the same I/O
+numbers does, its ties broken by the register tile's reuse per pass.
 """
 from __future__ import annotations
 
@@ -193,7 +194,8 @@ def shipped_prior():
     try:
         return xgb.Booster(model_file=str(PRIOR_FILE))
     except xgb.core.XGBoostError as exc:
-        raise MacoError(f"the shipped cost-model prior {PRIOR_FILE} does not load: {str(exc).splitlines()[0]}") from None
+        first = str(exc).splitlines()[0]
+        raise MacoError(f"the shipped cost-model prior {PRIOR_FILE} does not load: {first}") from None
 
 
 def prior_fits(booster, target: Target) -> bool:
