@@ -191,8 +191,8 @@ def shipped_prior():
 
     if not PRIOR_FILE.is_file():
         return None
-    try:
-        return xgb.Booster(model_file=str(PRIOR_FILE))
+    try:  # one thread, as the fitted model: no OpenMP pool in the tuner's process
+        return xgb.Booster(params={"nthread": 1}, model_file=str(PRIOR_FILE))
     except xgb.core.XGBoostError as exc:
         first = str(exc).splitlines()[0]
         raise MacoError(f"the shipped cost-model prior {PRIOR_FILE} does not load: {first}") from None
