@@ -184,10 +184,8 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
             gf = f"{best.gflops:.1f} GFLOP/s" if best else "no valid kernel yet"
             bar.update(job, completed=min(done, total), description=f"{task.name}: {gf}")
 
-        # On a cluster the first rounds keep the analytic ranking: with the prior loaded in the driver,
-        # tests/test_cluster.py's Ctrl-C test hung after SIGINT in 3 of 3 fresh CI runs (cause not found yet)
         result = tune(tasks, target, trials, measurer, records=records, config=config, seed=seed,
-                      progress=progress, prior=cluster is None)
+                      progress=progress)
         bar.update(job, completed=trials)
         torch_s = {}
         if baselines:
