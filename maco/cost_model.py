@@ -170,11 +170,12 @@ def train_prior(records: Iterable[Record], exclude: Iterable[ConvSpec] = (), see
     groups: dict[tuple[ConvSpec, Target], list[Record]] = {}
     targets: dict[str, Target] = {}
     for r in records:
-        key = json.dumps(r.target, sort_keys=True)
         if r.spec in skip or r.retryable or r.target.get("kind") != "cpu" or r.target.get("isa") not in CPU_ISAS:
             continue
-        target = targets.setdefault(key, Target.from_fingerprint(r.target))
-        groups.setdefault((r.spec, target), []).append(r)
+        key = json.dumps(r.target, sort_keys=True)
+        if key not in targets:  # one Target per machine, not per record
+            targets[key] = Target.from_fingerprint(r.target)
+        groups.setdefault((r.spec, targets[key]), []).append(r)
     rows, ys = _rows(groups)
     if len(rows) < MIN_TRAINING_RECORDS:
         raise MacoError(f"a prior needs at least {MIN_TRAINING_RECORDS} measured CPU schedules, got {len(rows)}")
