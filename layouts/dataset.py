@@ -216,9 +216,19 @@ def _ends_without_newline(path: Path) -> bool:
 def best_rows(rows: Iterable[Row]) -> list[Row]:
     """One row per (spec, layout, device): of a key timed more than once (a re-timed row is
     appended, never rewritten), a quiet one before a loaded one, a settled one (canary within
-    SETTLED_LOAD) before one in a spell, then the one whose rounds agreed best."""
+    SETTLED_LOAD) before one in a spell, then the one whose rounds agreed best. Rows timed
+    together (one spec's layouts, interleaved in the same rounds) are ranked by their worst
+    layout, so every layout of a spec keeps the same measurement: the comparison of its layouts
+    is one made in the same rounds."""
+    rows = list(rows)
+    noise: dict[tuple[Any, ...], dict[str, float]] = {}  # measurement -> layout -> its noise
+    for row in rows:
+        layouts = noise.setdefault(_measurement(row), {})
+        layouts[row.layout] = max(row.noise, layouts.get(row.layout, 0.0))
+
     def rank(row: Row) -> tuple[bool, bool, float]:
-        return not row.quiet, row.load > SETTLED_LOAD, row.noise
+        together = [n for lay, n in noise[_measurement(row)].items() if lay != row.layout]
+        return not row.quiet, row.load > SETTLED_LOAD, max([row.noise, *together])
 
     best: dict[tuple[str, str, str], Row] = {}
     for row in rows:
@@ -226,6 +236,11 @@ def best_rows(rows: Iterable[Row]) -> list[Row]:
         if old is None or rank(row) < rank(old):
             best[row.key] = row
     return list(best.values())
+
+
+def _measurement(row: Row) -> tuple[Any, ...]:
+    """What the rows appended together by one measurement share (collect's `keep`)."""
+    return str(row.spec), row.device, row.env_id, row.time, row.load
 
 
 def reference_of(environments: dict[str, dict[str, Any]], row: Row) -> str:

@@ -53,6 +53,22 @@ def test_row_round_trip_and_best_rows():
     assert best_rows([spell, settled]) == [settled]
 
 
+def test_best_rows_keep_one_measurement_for_all_layouts_of_a_spec():
+    """Two measurements of one spec: the first's NCHW agreed best, the second's NHWC did. Each
+    layout on its own would keep a different one; the layouts are only compared in the same rounds."""
+    spec = ConvSpec.parse("n1_c16_h14_w14_k16_r3x3_s1x1_p1x1_d1_g1")
+
+    def row(layout, time, stdev):
+        return Row(spec, layout, "cpu", "t", Timing(1e-4, 9e-5, 1.1e-4, stdev, 3, 2), "e", time)
+
+    first = [row("NCHW", 1.0, 1e-7), row("NHWC", 1.0, 2e-5)]
+    second = [row("NCHW", 2.0, 4e-6), row("NHWC", 2.0, 5e-6)]
+    assert sorted(best_rows(first + second), key=lambda r: r.layout) == second
+    assert sorted(best_rows(second + first), key=lambda r: r.layout) == second
+    alone = [row("NHWC", 3.0, 1e-7)]  # timed again in one layout only: it stands for that layout
+    assert {r.time for r in best_rows(first + second + alone)} == {2.0, 3.0}
+
+
 def test_a_spec_timed_in_a_spell_is_timed_again_at_the_end(tmp_path, monkeypatch):
     from maco.layouts import dataset
 
