@@ -206,12 +206,17 @@ def test_ctrl_c_stops_maco_tune_on_the_cluster(cluster: LocalCluster, tmp_path: 
     proc = subprocess.Popen([sys.executable, "-m", "maco.cli", "tune", "n1_c16_h14_w14_k16_r3x3_p1",
                              "--trials", "200", "--round", "4", "--records", str(path), "--cluster",
                              cluster.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "MACO_CACHE": str(tmp_path / "cache")})
+                            env={**os.environ, "MACO_CACHE": str(tmp_path / "cache"), "PYTHONFAULTHANDLER": "1"})
     deadline = time.time() + 240
     while time.time() < deadline and (not path.exists() or len(path.read_text().splitlines()) < 4):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # with PYTHONFAULTHANDLER, its threads' stacks go to stderr
+        _, err = proc.communicate(timeout=60)
+        pytest.fail(f"maco tune still ran 120 s after Ctrl-C; its stacks:\n{err[-8000:]}")
     assert proc.returncode == 130, err[-3000:]
     store = RecordFile(path)
     records = store.load()
