@@ -203,10 +203,16 @@ def test_ctrl_c_keeps_every_finished_record(cluster: LocalCluster, tmp_path: Pat
 
 def test_ctrl_c_stops_maco_tune_on_the_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
     path = tmp_path / "records.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "maco.cli", "tune", "n1_c16_h14_w14_k16_r3x3_p1",
-                             "--trials", "200", "--round", "4", "--records", str(path), "--cluster",
-                             cluster.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "MACO_CACHE": str(tmp_path / "cache"), "PYTHONFAULTHANDLER": "1"})
+    # Ctrl-C at a terminal: a run started in the background of a shell (`.ci/run &`) ignores
+    # SIGINT, and an ignored signal stays ignored in the child; a handled one is reset on exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "maco.cli", "tune", "n1_c16_h14_w14_k16_r3x3_p1",
+                                 "--trials", "200", "--round", "4", "--records", str(path), "--cluster",
+                                 cluster.address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MACO_CACHE": str(tmp_path / "cache"), "PYTHONFAULTHANDLER": "1"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.time() + 240
     while time.time() < deadline and (not path.exists() or len(path.read_text().splitlines()) < 4):
         time.sleep(0.2)
