@@ -34,6 +34,7 @@ from torch import nn
 
 from maco.errors import MacoError
 from maco.files import load_json_file, write_atomic
+from maco.kernels.baselines import torch_backend
 from maco.layouts.dataset import load_rows
 from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, predict_conversion
 from maco.spec import ConvSpec
@@ -41,7 +42,11 @@ from maco.spec import ConvSpec
 FEATURES = ["layout", "n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h",
             "pad_w", "dil_h", "dil_w", "groups", "flops", "input_bytes", "weight_bytes",
             "output_bytes", "c_per_group", "k_per_group", "out_h", "out_w", "depthwise",
-            "c_pad8", "c_pad16", "k_pad8", "k_pad16", "padded_flops", "out_pixels"]
+            "c_pad8", "c_pad16", "k_pad8", "k_pad16", "padded_flops", "out_pixels",
+            "torch_onednn", "torch_im2col", "torch_dilated"]
+# torch_*: which CPU implementation torch's conv2d picks (kernels.baselines.torch_backend): oneDNN,
+# or its own im2col + GEMM paths; torch switches on size thresholds the other features only approximate.
+_BACKENDS = {"torch_onednn": "Mkldnn", "torch_im2col": "Slow2d", "torch_dilated": "SlowDilated2d"}
 # Sizes that span orders of magnitude enter the MLP as logs; small integers stay as they are.
 _LOGGED = {"n", "c", "h", "w", "k", "groups", "flops", "input_bytes", "weight_bytes",
            "output_bytes", "c_per_group", "k_per_group", "out_h", "out_w", "padded_flops", "out_pixels"}
@@ -83,6 +88,8 @@ def features(specs: Sequence[ConvSpec], layouts: Sequence[str], log: bool = True
                 "c_pad16": _pad(s.c_per_group, 16), "k_pad8": _pad(s.k_per_group, 8),
                 "k_pad16": _pad(s.k_per_group, 16), "out_pixels": s.n * s.out_h * s.out_w,
                 "padded_flops": s.flops * _pad(s.c_per_group, 16) * _pad(s.k_per_group, 16)}
+        backend = torch_backend(s, lay)
+        vals.update({name: float(backend == picked) for name, picked in _BACKENDS.items()})
         out[i] = [math.log(vals[f]) if log and f in _LOGGED else float(vals[f]) for f in FEATURES]
     return out
 
@@ -490,16 +497,21 @@ def evaluate(specs: Sequence[ConvSpec], layouts: Sequence[str], measured: np.nda
 
 
 def baseline_models(seed: int = 0) -> dict[str, Any]:
-    """The paper's comparison models (scikit-learn), each behind a feature scaler."""
+    """The paper's comparison models (scikit-learn), each behind a feature scaler, and XGBoost."""
     from sklearn.ensemble import GradientBoostingRegressor
     from sklearn.linear_model import LinearRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
     from sklearn.svm import SVR
 
+    from xgboost import XGBRegressor
+
     return {"SVR": make_pipeline(StandardScaler(), SVR()),
             "linear": make_pipeline(StandardScaler(), LinearRegression()),
-            "GBRT": GradientBoostingRegressor(random_state=seed)}
+            "GBRT": GradientBoostingRegressor(random_state=seed),
+            # boosted trees set up to win, not as sklearn's defaults: many deep, shrunk, subsampled trees
+            "XGBoost": XGBRegressor(n_estimators=2000, max_depth=8, learning_rate=0.03, subsample=0.8,
+                                    colsample_bytree=0.8, min_child_weight=2, n_jobs=1, random_state=seed)}
 
 
 def fit_baseline(model: Any, specs: Sequence[ConvSpec], layouts: Sequence[str],

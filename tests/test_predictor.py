@@ -44,6 +44,28 @@ def test_features():
         features([spec], ["NCWH"])
 
 
+@pytest.mark.parametrize("text", ["n1_c64_h56_w56_k64_r3_p1", "n1_c3_h10_w10_k4_r3", "n1_c16_h10_w10_k16_r3_p2_d2",
+                                  "n2_c32_h14_w14_k64_r3_s2_p1_g2", "n1_c32_h28_w28_k32_r3_p1_g32"])
+def test_backend_features_name_what_torch_runs(text):
+    """The torch_* features say which implementation torch's conv2d ran, as its profiler saw it."""
+    import torch
+
+    from maco.kernels.baselines import torch_conv
+
+    ops = {"Mkldnn": "aten::mkldnn_convolution", "Slow2d": "aten::_slow_conv2d_forward",
+           "SlowDilated2d": "aten::slow_conv_dilated2d"}
+    spec, col = ConvSpec.parse(text), {f: i for i, f in enumerate(FEATURES)}
+    for layout in ("NCHW", "NHWC"):
+        run = torch_conv(spec, torch.randn(spec.input_shape), torch.randn(spec.weight_shape), layout)
+        with torch.profiler.profile() as prof:
+            run()
+        ran = [name for name, op in ops.items() if op in {e.key for e in prof.key_averages()}]
+        x = features([spec], [layout])[0]
+        picked = [name for f, name in (("torch_onednn", "Mkldnn"), ("torch_im2col", "Slow2d"),
+                                       ("torch_dilated", "SlowDilated2d")) if x[col[f]] == 1]
+        assert len(ran) == 1 and picked == ran, (layout, ran, picked)
+
+
 def test_split_keeps_layouts_together(synthetic):
     specs, _, _ = synthetic
     tr, te = split_by_spec(specs, 0.25, seed=1)
@@ -124,13 +146,15 @@ def test_baselines_raw_and_log(synthetic):
     tr, te = split_by_spec(specs, 0.2, seed=0)
     sub = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
     models = baseline_models()
-    assert set(models) == {"SVR", "linear", "GBRT"}
+    assert set(models) == {"SVR", "linear", "GBRT", "XGBoost"}
     # log latency of a pure power law is linear in the log features: linear regression nails it
     power = np.array([s.flops / 1e11 for s in specs])
     f = fit_baseline(models["linear"], sub(specs, tr), sub(lays, tr), power[tr], "log")
     assert r2_score(np.log(power[te]), np.log(f(sub(specs, te), sub(lays, te)))) > 0.999
     g = fit_baseline(models["GBRT"], sub(specs, tr), sub(lays, tr), secs[tr], "raw")
     assert g(sub(specs, te), sub(lays, te)).shape == (len(te),)
+    x = fit_baseline(models["XGBoost"], sub(specs, tr), sub(lays, tr), secs[tr], "log")
+    assert r2_score(np.log(secs[te]), np.log(x(sub(specs, te), sub(lays, te)))) > 0.9
     with pytest.raises(MacoError, match="'cubic'"):
         fit_baseline(models["SVR"], specs, lays, secs, "cubic")
 
