@@ -133,12 +133,12 @@ def plot(errors: dict[str, np.ndarray], picks: dict[str, dict], path: Path) -> N
 
 
 def summarise(rows: list[dict[str, str]]) -> str:
-    """REPORT.md: the NAS MLP's error spread and its wrong picks by how far apart the layouts are."""
-    by = {r["model"]: r for r in rows}
-    nas = by.get("NAS-MLP_log") or by.get("NAS-MLP")
+    """REPORT.md: the NAS predictor's error spread and its wrong picks by how far apart the layouts
+    are (its column: NAS-MLP_log or NAS-trees_log, as the search chose)."""
+    nas = next((r for r in rows if r["model"].startswith("NAS")), None)
     if not nas:
         return f"{len(rows)} models"
-    return (f"NAS-MLP: {100 * num(nas, 'within_0.1'):.0f}% of test convs within 10%, median error "
+    return (f"{nas['model'].removesuffix('_log')}: {100 * num(nas, 'within_0.1'):.0f}% of test convs within 10%, median error "
             f"{100 * num(nas, 'median_rel_error'):.0f}%; wrong picks {100 * num(nas, 'wrong_picks_gap_0'):.0f}% "
             f"of all pairs, {100 * num(nas, 'wrong_picks_gap_0.05'):.0f}% where the layouts differ by >5%, "
             f"{100 * num(nas, 'wrong_picks_gap_0.2'):.0f}% where they differ by >20%")

@@ -1,11 +1,11 @@
-"""The layout latency predictor: torch MLPs whose architecture and training are chosen by NAS
-(Optuna, TPE sampler, Hyperband pruner), on features of a conv and a layout, predicting log
-latency, or log of the latency over the FMA reference timed in the same rounds (the label that
-repeats across the VM's spells; seconds again with the reference speed measured where it is used).
-Also the baselines the paper compares with (SVR, linear regression, gradient-boosted
-trees, on the raw latency target as the paper did and on the log target) and the metrics that
-matter to a planner: R2 on latency and log latency, and how often a model picks the slower
-layout and what that costs.
+"""The layout latency predictor: torch MLPs or XGBoost boosted trees, the family, architecture
+and training chosen by NAS (Optuna, TPE sampler, Hyperband pruner for the MLPs), on features of a
+conv and a layout, predicting log latency, or log of the latency over the FMA reference timed in
+the same rounds (the label that repeats across the VM's spells; seconds again with the reference
+speed measured where it is used). Also the baselines the paper compares with (SVR, linear
+regression, gradient-boosted trees, on the raw latency target as the paper did and on the log
+target) and the metrics that matter to a planner: R2 on latency and log latency, and how often a
+model picks the slower layout and what that costs.
 
     rows = maco.layouts.dataset.load_rows("results/dataset_cpu.csv")
     pred = train_predictor(rows, trials=40)
@@ -16,6 +16,7 @@ layout and what that costs.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import io
 import json
@@ -23,6 +24,7 @@ import math
 import os
 import random
 import time
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -172,6 +174,56 @@ def _mlp_predict(model: nn.Module, x: np.ndarray) -> np.ndarray:
         return model(torch.as_tensor(x, dtype=torch.float32))[:, 0].double().numpy()
 
 
+# -- boosted trees: the other family the search may choose ----------------------------------------
+MAX_LEAVES = 1 << 17  # trees x 2^depth: a booster stays ~3 MB compressed, small enough to ship; on the
+# Xeon data set a 30 MB one placed layouts no better (4.4-4.7% wrong picks against 5.3%)
+@dataclass
+class TreeConfig:
+    """Gradient-boosted trees (XGBoost) and their training. On a data set of a few thousand
+    convs they place layout pairs better than MLPs: oneDNN's speed jumps at channel blocks and
+    size thresholds, which splits follow and smooth activations blur."""
+
+    depth: int = 6
+    trees: int = 1500
+    lr: float = 0.05
+    subsample: float = 0.8
+    colsample: float = 0.8
+    min_child_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.trees < 1 or not 0 < self.lr <= 1 or not 0 < self.subsample <= 1 \
+                or not 0 < self.colsample <= 1 or self.min_child_weight < 0:
+            raise MacoError(f"tree settings out of range: {self}")
+        if self.trees << self.depth > MAX_LEAVES:
+            raise MacoError(f"{self.trees} trees of depth {self.depth} exceed {MAX_LEAVES} leaves")
+
+    def params(self, seed: int) -> dict[str, Any]:
+        return {"max_depth": self.depth, "eta": self.lr, "subsample": self.subsample,
+                "colsample_bytree": self.colsample, "min_child_weight": self.min_child_weight,
+                "nthread": 1, "seed": seed, "objective": "reg:squarederror"}
+
+
+def train_trees(config: TreeConfig, x: np.ndarray, y: np.ndarray, *, seed: int = 0,
+                val: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+    """An XGBoost booster on standardised inputs and target; with `val`, training stops once
+    the validation loss has not improved for 100 rounds (the booster keeps its best round)."""
+    import xgboost as xgb
+
+    train = xgb.DMatrix(x, label=y)
+    evals = [(xgb.DMatrix(val[0], label=val[1]), "val")] if val is not None else []
+    booster = xgb.train(config.params(seed), train, num_boost_round=config.trees, evals=evals,
+                        early_stopping_rounds=100 if evals else None, verbose_eval=False)
+    if evals:
+        booster = booster[:booster.best_iteration + 1]
+    return booster
+
+
+def _predict_one(model: Any, x: np.ndarray) -> np.ndarray:
+    if isinstance(model, nn.Module):
+        return _mlp_predict(model, x)
+    return np.asarray(model.inplace_predict(x), dtype=np.float64)
+
+
 # -- the predictor ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ReferenceSpeed:
@@ -203,16 +255,17 @@ class ReferenceSpeed:
 
 @dataclass
 class LatencyPredictor:
-    """Seconds of a conv in a layout, from an ensemble of MLPs predicting standardised log
-    latency or log ratio to the reference (their mean in log space), plus an optional
-    conversion-cost model. A ratio predictor turns ratios into seconds at `reference`."""
+    """Seconds of a conv in a layout, from an ensemble of MLPs or of boosted trees (the search
+    chooses) predicting standardised log latency or log ratio to the reference (their mean in
+    log space), plus an optional conversion-cost model. A ratio predictor turns ratios into
+    seconds at `reference`."""
 
-    config: MLPConfig
+    config: MLPConfig | TreeConfig
     x_mean: np.ndarray
     x_std: np.ndarray
     y_mean: float
     y_std: float
-    models: list[nn.Sequential]
+    models: list[Any]  # nn.Sequential for an MLPConfig, xgboost.Booster for a TreeConfig
     device: str = "cpu"
     conversion: ConversionModel | None = None
     meta: dict[str, Any] = field(default_factory=dict)
@@ -230,7 +283,7 @@ class LatencyPredictor:
         if not len(specs):
             return np.zeros(0)
         x = (features(specs, layouts) - self.x_mean) / self.x_std
-        z = np.mean([_mlp_predict(m, x) for m in self.models], axis=0)
+        z = np.mean([_predict_one(m, x) for m in self.models], axis=0)
         return np.exp(z * self.y_std + self.y_mean)
 
     def predict_many(self, specs: Sequence[ConvSpec], layouts: Sequence[str]) -> np.ndarray:
@@ -253,16 +306,26 @@ class LatencyPredictor:
         """The fitted conversion model saved with this predictor (calibrated here if none was)."""
         return predict_conversion(shape, src, dst, self.device, model=self.conversion)
 
-    # -- files: <dir>/model.pt (state dicts) and <dir>/predictor.json (config, scalers, checksum)
+    @property
+    def family(self) -> str:
+        return "trees" if isinstance(self.config, TreeConfig) else "mlp"
+
+    # -- files: <dir>/model.pt (MLP state dicts) or <dir>/model.json.gz (boosters as XGBoost JSON),
+    # and <dir>/predictor.json (config, scalers, checksum)
     def save(self, path: str | os.PathLike[str]) -> None:
         """Both files written atomically; the JSON (written last) holds the weights' sha256, so
         a directory caught between the two writes is refused on load, not misread."""
         folder = Path(path)
-        buf = io.BytesIO()
-        torch.save([m.state_dict() for m in self.models], buf)
-        blob = buf.getvalue()
-        write_atomic(folder / "model.pt", blob)
-        doc = {"format": FORMAT_VERSION, "features": FEATURES, "config": self.config.__dict__,
+        if self.family == "trees":
+            blob = gzip.compress(json.dumps([bytes(m.save_raw("json")).decode() for m in self.models]).encode(),
+                                 mtime=0)
+        else:
+            buf = io.BytesIO()
+            torch.save([m.state_dict() for m in self.models], buf)
+            blob = buf.getvalue()
+        write_atomic(folder / _MODEL_FILES[self.family], blob)
+        doc = {"format": FORMAT_VERSION, "features": FEATURES, "family": self.family,
+               "config": self.config.__dict__,
                "x_mean": self.x_mean.tolist(), "x_std": self.x_std.tolist(),
                "y_mean": self.y_mean, "y_std": self.y_std, "device": self.device,
                "ensemble": len(self.models), "model_sha256": hashlib.sha256(blob).hexdigest(),
@@ -275,26 +338,25 @@ class LatencyPredictor:
     def load(cls, path: str | os.PathLike[str]) -> "LatencyPredictor":
         folder = Path(path)
         doc = load_json_file(folder / "predictor.json", "latency predictor")
-        try:
-            if (folder / "model.pt").stat().st_size > MAX_MODEL_BYTES:
-                raise MacoError(f"{str(path)!r}: model.pt is larger than {MAX_MODEL_BYTES} bytes")
-            blob = (folder / "model.pt").read_bytes()
-        except OSError as exc:
-            raise MacoError(f"cannot read a latency predictor from {str(path)!r}: {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
             raise MacoError(f"{str(path)!r}: unknown predictor format {doc.get('format') if isinstance(doc, dict) else doc!r}")
+        family = doc.get("family", "mlp")
+        if family not in _MODEL_FILES:
+            raise MacoError(f"{str(path)!r}: unknown model family {family!r}; choose from {', '.join(_MODEL_FILES)}")
+        name = _MODEL_FILES[family]
+        try:
+            if (folder / name).stat().st_size > MAX_MODEL_BYTES:
+                raise MacoError(f"{str(path)!r}: {name} is larger than {MAX_MODEL_BYTES} bytes")
+            blob = (folder / name).read_bytes()
+        except OSError as exc:
+            raise MacoError(f"cannot read a latency predictor from {str(path)!r}: {exc}") from None
         if doc.get("features") != FEATURES:
             raise MacoError(f"{str(path)!r} was trained on other features than this MACO computes")
         if hashlib.sha256(blob).hexdigest() != doc.get("model_sha256"):
-            raise MacoError(f"{str(path)!r}: model.pt does not match predictor.json (a torn save?)")
+            raise MacoError(f"{str(path)!r}: {name} does not match predictor.json (a torn save?)")
         try:
-            config = MLPConfig(**doc["config"])
-            states = torch.load(io.BytesIO(blob), weights_only=True)
-            models = []
-            for state in states:
-                model = build_mlp(config, len(FEATURES))
-                model.load_state_dict(state)
-                models.append(model.eval())
+            config = (TreeConfig if family == "trees" else MLPConfig)(**doc["config"])
+            models = _load_trees(blob) if family == "trees" else _load_mlps(config, blob)
             conv = ConversionModel.from_dict(doc["conversion"]) if doc.get("conversion") else None
             reference = ReferenceSpeed(**doc["reference"]) if doc.get("reference") else None
             return cls(config, np.array(doc["x_mean"]), np.array(doc["x_std"]), float(doc["y_mean"]),
@@ -304,12 +366,48 @@ class LatencyPredictor:
             raise MacoError(f"{str(path)!r}: not a valid latency predictor: {exc}") from None
 
 
+_MODEL_FILES = {"mlp": "model.pt", "trees": "model.json.gz"}
+
+
+def _load_mlps(config: MLPConfig, blob: bytes) -> list[nn.Module]:
+    models = []
+    for state in torch.load(io.BytesIO(blob), weights_only=True):  # tensors only, no pickled code
+        model = build_mlp(config, len(FEATURES))
+        model.load_state_dict(state)
+        models.append(model.eval())
+    return models
+
+
+def _load_trees(blob: bytes) -> list[Any]:
+    """Boosters from XGBoost's JSON model format (data only), each checked to read FEATURES."""
+    import xgboost as xgb
+
+    inflate = zlib.decompressobj(wbits=31)  # gzip; a bomb stops at the size cap
+    text = inflate.decompress(blob, MAX_MODEL_BYTES)
+    if inflate.unconsumed_tail or not inflate.eof:
+        raise ValueError(f"model.json.gz is cut or inflates past {MAX_MODEL_BYTES} bytes")
+    texts = json.loads(text)
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError("model.json.gz must hold a list of XGBoost JSON models")
+    models = []
+    for text in texts:
+        booster = xgb.Booster(params={"nthread": 1})
+        try:
+            booster.load_model(bytearray(text.encode()))
+        except xgb.core.XGBoostError as exc:
+            raise ValueError(f"an XGBoost model does not load: {str(exc).splitlines()[0]}") from None
+        if booster.num_features() != len(FEATURES):
+            raise ValueError(f"a booster reads {booster.num_features()} features, not {len(FEATURES)}")
+        models.append(booster)
+    return models
+
+
 def fit_predictor(specs: Sequence[ConvSpec], layouts: Sequence[str], labels: np.ndarray,
-                  config: MLPConfig, *, ensemble: int = 1, seed: int = 0, device: str = "cpu",
+                  config: MLPConfig | TreeConfig, *, ensemble: int = 1, seed: int = 0, device: str = "cpu",
                   conversion: ConversionModel | None = None, meta: dict[str, Any] | None = None,
                   label: str = "seconds", reference: ReferenceSpeed | None = None) -> LatencyPredictor:
-    """Train `ensemble` MLPs of one config (different seeds) on all the given rows' `labels`
-    (seconds, or ratios to the reference with `reference` its speed over the same rows)."""
+    """Train `ensemble` MLPs of one config (different seeds), or one booster, on all the given rows'
+    `labels` (seconds, or ratios to the reference with `reference` its speed over the same rows)."""
     labels = np.asarray(labels, dtype=float)
     if len(specs) < 2 or len(specs) != len(labels) or not np.all(labels > 0):
         raise MacoError(f"need >= 2 rows with positive {label}, got {len(specs)} rows")
@@ -319,22 +417,30 @@ def fit_predictor(specs: Sequence[ConvSpec], layouts: Sequence[str], labels: np.
     y = np.log(labels)
     y_mean, y_std = float(y.mean()), float(y.std() or 1.0)
     xs, ys = (x - x_mean) / x_std, (y - y_mean) / y_std
+    if isinstance(config, TreeConfig):  # one booster: boosters of other seeds added size, not accuracy
+        train, ensemble = train_trees, 1
+    else:
+        train = train_mlp
     with _one_thread():
-        models = [train_mlp(config, xs, ys, seed=seed + i) for i in range(ensemble)]
+        models = [train(config, xs, ys, seed=seed + i) for i in range(ensemble)]
     return LatencyPredictor(config, x_mean, x_std, y_mean, y_std, models, device, conversion,
                             meta or {}, label, reference)
 
 
 # -- NAS ----------------------------------------------------------------------------------------
+FAMILIES = ("mlp", "trees")
+
+
 def search_config(specs: Sequence[ConvSpec], layouts: Sequence[str], labels: np.ndarray, *,
                   trials: int = 30, epochs: int = 200, timeout: float | None = None,
-                  val_fraction: float = 0.2, seed: int = 0, progress: bool = True
-                  ) -> tuple[MLPConfig, Any]:
-    """Optuna NAS: TPE over depth, width, activation, dropout, learning rate, weight decay and
-    batch size; Hyperband prunes trials whose validation loss lags (on log `labels`: seconds or
-    ratios). The validation rows are a
-    spec-grouped part of the given rows (both layouts of a conv on one side). Returns the best
-    config (with `epochs`) and the study."""
+                  val_fraction: float = 0.2, seed: int = 0, progress: bool = True,
+                  families: Sequence[str] = FAMILIES) -> tuple[MLPConfig | TreeConfig, Any]:
+    """Optuna NAS: TPE over the model family, then for an MLP its depth, width, activation,
+    dropout, learning rate, weight decay and batch size (Hyperband prunes MLPs whose validation
+    loss lags), for boosted trees their depth, count, learning rate, subsampling and leaf weight;
+    all on log `labels` (seconds or ratios). The validation rows are a spec-grouped part of the
+    given rows (both layouts of a conv on one side). Returns the best config (an MLP's with
+    `epochs`) and the study."""
     import optuna
 
     train_idx, val_idx = split_by_spec(specs, val_fraction, seed)
@@ -347,7 +453,22 @@ def search_config(specs: Sequence[ConvSpec], layouts: Sequence[str], labels: np.
     y = (y - ym) / ysd
     report_every = max(1, epochs // 20)
 
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or not families:
+        raise MacoError(f"model families must be among {', '.join(FAMILIES)}, got {list(families)!r}")
+
     def objective(trial: "optuna.Trial") -> float:
+        if trial.suggest_categorical("family", list(families)) == "trees":
+            trees = _tree_config({
+                "tree_depth": trial.suggest_int("tree_depth", 3, 10),
+                "tree_count": trial.suggest_int("tree_count", 100, 4000, log=True),
+                "tree_lr": trial.suggest_float("tree_lr", 0.01, 0.2, log=True),
+                "tree_subsample": trial.suggest_float("tree_subsample", 0.5, 1.0),
+                "tree_colsample": trial.suggest_float("tree_colsample", 0.5, 1.0),
+                "tree_min_child": trial.suggest_float("tree_min_child", 0.5, 10.0, log=True)})
+            booster = train_trees(trees, x[train_idx], y[train_idx], seed=seed)
+            loss = float(np.mean((_predict_one(booster, x[val_idx]) - y[val_idx]) ** 2))
+            return loss if math.isfinite(loss) else 1e9
         config = MLPConfig(
             layers=trial.suggest_int("layers", 1, 5),
             width=trial.suggest_int("width", 16, MAX_WIDTH, log=True),
@@ -381,7 +502,18 @@ def search_config(specs: Sequence[ConvSpec], layouts: Sequence[str], labels: np.
     best = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not best:
         raise MacoError("the NAS completed no trial; give it more trials or time")
-    return MLPConfig(**study.best_params, epochs=epochs), study
+    params = dict(study.best_params)
+    if params.pop("family", "mlp") == "trees":
+        return _tree_config(params), study
+    return MLPConfig(**params, epochs=epochs), study
+
+
+def _tree_config(params: dict[str, Any]) -> TreeConfig:
+    """The searched settings, the tree count cut to MAX_LEAVES at that depth."""
+    depth = params["tree_depth"]
+    return TreeConfig(depth=depth, trees=min(params["tree_count"], MAX_LEAVES >> depth), lr=params["tree_lr"],
+                      subsample=params["tree_subsample"], colsample=params["tree_colsample"],
+                      min_child_weight=params["tree_min_child"])
 
 
 def row_labels(rows: Sequence[Any], label: str | None = None
@@ -559,9 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["FEATURES", "LABELS", "MLPConfig", "ReferenceSpeed", "LatencyPredictor", "row_labels", "Metrics",
+__all__ = ["FEATURES", "FAMILIES", "MAX_LEAVES", "LABELS", "MLPConfig", "TreeConfig", "ReferenceSpeed", "LatencyPredictor", "row_labels", "Metrics",
            "features", "build_mlp",
-           "train_mlp", "fit_predictor", "search_config", "train_predictor", "split_by_spec",
+           "train_mlp", "train_trees", "fit_predictor", "search_config", "train_predictor", "split_by_spec",
            "evaluate", "r2_score", "baseline_models", "fit_baseline"]
 
 

@@ -19,6 +19,28 @@ def rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def test_fig13_re_times_only_labels_of_this_cpu(tmp_path):
+    """Re-timing test convs bounds a predictor only where the labels were timed: a ratio to the
+    FMA loop is still its machine's (oneDNN is relatively faster on some CPUs than others)."""
+    from maco.layouts.dataset import Dataset, Row
+    from maco.spec import ConvSpec
+    from maco.target import Target
+    from maco.timing import Timing, environment
+
+    fig13 = load("fig13_predictor_r2")
+    spec, path = ConvSpec.parse("n1_c8_h8_w8_k8_r3"), tmp_path / "d.csv"
+    ds = Dataset(path)
+
+    def row(env: dict) -> Row:
+        return Row(spec, "NHWC", "cpu", "t", Timing(1e-4, 1e-4, 1e-4, 0.0, 3, 1), ds.record_environment(env))
+
+    here = row(environment())
+    assert fig13.timed_elsewhere(str(path), [here]) is None
+    there = row({**environment(), "cpu": "Another CPU"})
+    said = fig13.timed_elsewhere(str(path), [here, there])
+    assert said is not None and "Another CPU" in said and said.endswith(f"this host is {Target.host().model}")
+
+
 def test_fig14_pick_stats_by_hand(tmp_path):
     fig14 = load("fig14_error_threshold")
     # conv a: layouts 1.0 vs 1.01 (1% apart), predicted the wrong way round;

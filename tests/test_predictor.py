@@ -9,7 +9,8 @@ import pytest
 from maco.errors import MacoError
 from maco.layouts.dataset import random_specs
 from maco.layouts.dataset import Row
-from maco.layouts.predictor import (FEATURES, LatencyPredictor, MLPConfig, ReferenceSpeed, baseline_models,
+from maco.layouts.predictor import (FEATURES, LatencyPredictor, MLPConfig, ReferenceSpeed, TreeConfig,
+                                    baseline_models,
                                     evaluate, features, fit_baseline, fit_predictor, r2_score, row_labels,
                                     search_config, split_by_spec)
 from maco.spec import ConvSpec
@@ -134,11 +135,73 @@ def test_nas_uses_tpe_and_hyperband_and_returns_a_config(synthetic):
     import optuna
 
     specs, lays, secs = synthetic
-    config, study = search_config(specs[:300], lays[:300], secs[:300], trials=4, epochs=20, progress=False)
+    config, study = search_config(specs[:300], lays[:300], secs[:300], trials=4, epochs=20, progress=False,
+                                  families=["mlp"])
     assert isinstance(study.sampler, optuna.samplers.TPESampler)
     assert isinstance(study.pruner, optuna.pruners.HyperbandPruner)
     assert len(study.trials) == 4 and config.epochs == 20 and 1 <= config.layers <= 5
     assert np.isfinite(study.best_value)
+
+
+def test_nas_chooses_the_family_too(synthetic):
+    specs, lays, secs = synthetic
+    config, study = search_config(specs[:300], lays[:300], secs[:300], trials=2, progress=False,
+                                  families=["trees"])
+    assert isinstance(config, TreeConfig) and 3 <= config.depth <= 10 and 300 <= config.trees <= 4000
+    _, study = search_config(specs[:300], lays[:300], secs[:300], trials=6, epochs=10, progress=False)
+    assert {t.params["family"] for t in study.trials} <= {"mlp", "trees"}
+    best = study.best_trial.params["family"]
+    assert best == min(("mlp", "trees"), key=lambda f: min(
+        (t.value for t in study.trials if t.params["family"] == f and t.value is not None), default=np.inf))
+    with pytest.raises(MacoError, match="'forest'"):
+        search_config(specs[:40], lays[:40], secs[:40], trials=1, progress=False, families=["forest"])
+
+
+def test_trees_learn_a_latency_law_and_round_trip(synthetic, tmp_path):
+    specs, lays, secs = synthetic
+    tr, te = split_by_spec(specs, 0.2, seed=0)
+    sub = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
+    cfg = TreeConfig(depth=6, trees=400, lr=0.05)
+    pred = fit_predictor(sub(specs, tr), sub(lays, tr), secs[tr], cfg, ensemble=2)
+    p = pred.predict_many(sub(specs, te), sub(lays, te))
+    m = evaluate(sub(specs, te), sub(lays, te), secs[te], p)
+    assert pred.family == "trees" and m.r2_log > 0.95 and m.median_rel_error < 0.2, m
+    pred.save(tmp_path / "t")
+    assert (tmp_path / "t" / "model.json.gz").is_file() and not (tmp_path / "t" / "model.pt").exists()
+    again = LatencyPredictor.load(tmp_path / "t")
+    assert np.array_equal(again.predict_many(sub(specs, te), sub(lays, te)), p)
+    assert again.config == cfg and len(again.models) == 1  # one booster, whatever the ensemble
+
+
+def test_load_refuses_foreign_tree_files(synthetic, tmp_path):
+    import gzip
+    import hashlib
+
+    specs, lays, secs = synthetic
+    fit_predictor(specs[:40], lays[:40], secs[:40], TreeConfig(depth=2, trees=5)).save(tmp_path / "t")
+    doc = json.loads((tmp_path / "t" / "predictor.json").read_text())
+
+    def save(text: bytes, cut: int = 0, **changes) -> None:
+        blob = gzip.compress(text)
+        blob = blob[:len(blob) - cut]
+        (tmp_path / "t" / "model.json.gz").write_bytes(blob)
+        (tmp_path / "t" / "predictor.json").write_text(
+            json.dumps({**doc, "model_sha256": hashlib.sha256(blob).hexdigest(), **changes}))
+
+    save(b'["not a model"]', cut=4)
+    with pytest.raises(MacoError, match="model.json.gz is cut"):
+        LatencyPredictor.load(tmp_path / "t")
+    save(b'["not a model"]')
+    with pytest.raises(MacoError, match="not a valid latency predictor: an XGBoost model does not load"):
+        LatencyPredictor.load(tmp_path / "t")
+    save(b'{"learner": 1}')
+    with pytest.raises(MacoError, match="a list of XGBoost JSON models"):
+        LatencyPredictor.load(tmp_path / "t")
+    with pytest.raises(MacoError, match="exceed 131072 leaves"):
+        TreeConfig(depth=10, trees=200)
+    save(b"[]", family="forest")
+    with pytest.raises(MacoError, match="unknown model family 'forest'"):
+        LatencyPredictor.load(tmp_path / "t")
 
 
 def test_baselines_raw_and_log(synthetic):
