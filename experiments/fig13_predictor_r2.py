@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=None,
                     help="max epochs per trial, Hyperband's max resource (default 200, quick 60)")
     ap.add_argument("--timeout", type=float, default=None, help="NAS time limit, seconds (default 780, quick 60)")
-    ap.add_argument("--ensemble", type=int, default=None, help="models averaged in the final predictor (default 3, quick 1)")
+    ap.add_argument("--ensemble", type=int, default=None,
+                    help="MLPs averaged in the final predictor (default 3, quick 1; trees are one booster)")
     ap.add_argument("--test-fraction", type=float, default=0.2)
     ap.add_argument("--remeasure", type=int, default=None,
                     help="test convs re-timed as the noise reference (0: none; default 60, quick 10)")

@@ -138,8 +138,9 @@ def summarise(rows: list[dict[str, str]]) -> str:
     nas = next((r for r in rows if r["model"].startswith("NAS")), None)
     if not nas:
         return f"{len(rows)} models"
-    return (f"{nas['model'].removesuffix('_log')}: {100 * num(nas, 'within_0.1'):.0f}% of test convs within 10%, median error "
-            f"{100 * num(nas, 'median_rel_error'):.0f}%; wrong picks {100 * num(nas, 'wrong_picks_gap_0'):.0f}% "
+    return (f"{nas['model'].removesuffix('_log')}: {100 * num(nas, 'within_0.1'):.0f}% of test convs within 10%, "
+            f"median error {100 * num(nas, 'median_rel_error'):.0f}%; "
+            f"wrong picks {100 * num(nas, 'wrong_picks_gap_0'):.0f}% "
             f"of all pairs, {100 * num(nas, 'wrong_picks_gap_0.05'):.0f}% where the layouts differ by >5%, "
             f"{100 * num(nas, 'wrong_picks_gap_0.2'):.0f}% where they differ by >20%")
 

@@ -15,11 +15,11 @@ maco.timing), which is what a label that repeats across spells should be; and th
 turned back into seconds with the reference measured in the second run (what a planner that
 predicts ratios would use); and, for each of seconds and ratio, the fastest repeat instead of the
 median (a slow spell lengthens the median, seldom the fastest). The reference is maco collect's
-(layouts.dataset.REFERENCE); both runs must use the same one. Per label: R2 on latency and the share of convs within +-5%. For
-records: the Spearman rank correlation of the two timings, on seconds and on the ratio to the
-reference. Writes <out>/label_repeat_first.csv and _second.csv (data sets), label_repeat.csv (one
-row per conv and layout) and .png, records_repeat.jsonl (the records, with their history) and
-records_repeat.csv.
+(layouts.dataset.REFERENCE); both runs must use the same one. Per label: R2 on latency and the
+share of convs within +-5%. For records: the Spearman rank correlation of the two timings, on
+seconds and on the ratio to the reference. Writes <out>/label_repeat_first.csv and _second.csv (data
+sets), label_repeat.csv (one row per conv and layout) and .png, records_repeat.jsonl (the records,
+with their history) and records_repeat.csv.
 """
 from __future__ import annotations
 

@@ -332,7 +332,8 @@ class LatencyPredictor:
         folder = Path(path)
         doc = load_json_file(folder / "predictor.json", "latency predictor")
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
-            raise MacoError(f"{str(path)!r}: unknown predictor format {doc.get('format') if isinstance(doc, dict) else doc!r}")
+            found = doc.get("format") if isinstance(doc, dict) else doc
+            raise MacoError(f"{str(path)!r}: unknown predictor format {found!r}")
         family = doc.get("family", "mlp")
         if family not in _MODEL_FILES:
             raise MacoError(f"{str(path)!r}: unknown model family {family!r}; choose from {', '.join(_MODEL_FILES)}")
@@ -684,7 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["FEATURES", "FAMILIES", "MAX_LEAVES", "LABELS", "MLPConfig", "TreeConfig", "ReferenceSpeed", "LatencyPredictor", "row_labels", "Metrics",
+__all__ = ["FEATURES", "FAMILIES", "MAX_LEAVES", "LABELS", "MLPConfig", "TreeConfig", "ReferenceSpeed",
+           "LatencyPredictor", "row_labels", "Metrics",
            "features", "build_mlp",
            "train_mlp", "train_trees", "fit_predictor", "search_config", "train_predictor", "split_by_spec",
            "evaluate", "r2_score", "baseline_models", "fit_baseline"]
