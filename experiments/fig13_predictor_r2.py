@@ -31,7 +31,7 @@ import torch
 
 from maco.experiments.common import (Figure, num, out_dir, parser, pyplot, save_plot, write_csv,
                                      write_table)
-from maco.layouts.dataset import QUIET_LOAD, Canary, Dataset, load_rows
+from maco.layouts.dataset import QUIET_LOAD, Canary, cpus_of, load_rows
 from maco.layouts.latency import ConversionModel, measure_layouts
 from maco.kernels.cpu_peak import fma_reference
 from maco.layouts.predictor import (LABELS, baseline_models, evaluate, fit_baseline, fit_predictor,
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         conv = ConversionModel.calibrate(args.device)
         final = fit_predictor(specs, lays, labels, config, ensemble=args.ensemble, seed=args.seed,
                               device=args.device, conversion=conv, label=label, reference=reference,
-                              meta={"data": str(args.data), "rows": len(rows), "stat": args.stat,
+                              meta={"data": str(args.data), "cpus": cpus_of(args.data, rows), "rows": len(rows), "stat": args.stat,
                                     "nas_trials": len(study.trials), "nas_seconds": nas_seconds,
                                     "test_metrics": next(r for r in results if r["model"] == name)})
         final.save(args.save)
@@ -169,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 def timed_elsewhere(data: str, rows) -> str | None:
     """Why re-timing the test convs here would not bound a predictor of these labels: they were
     timed on another CPU (a label is its machine's, even as a ratio to the FMA loop); else None."""
-    envs = Dataset(data).environments()
-    cpus = sorted({str(envs.get(r.env_id, {}).get("cpu")) for r in rows})
+    cpus = cpus_of(data, rows)
     here = Target.host().model
     return None if cpus == [here] else f"the data set was timed on {', '.join(cpus)}, this host is {here}"
 

@@ -249,6 +249,13 @@ def reference_of(environments: dict[str, dict[str, Any]], row: Row) -> str:
     return environments.get(row.env_id, {}).get("reference", "fma")
 
 
+def cpus_of(path: str | os.PathLike[str], rows: Iterable[Row]) -> list[str]:
+    """The CPUs that timed `rows` of the data set at `path` ("unknown" where its environment file
+    lacks one): a label, even as a ratio to the FMA loop, is its machine's."""
+    envs = Dataset(path).environments()
+    return sorted({str(envs.get(r.env_id, {}).get("cpu") or "unknown") for r in rows})
+
+
 def load_rows(path: str | os.PathLike[str]) -> list[Row]:
     """The good rows of a data set file, one per key (see best_rows); a MacoError if the file
     does not exist."""

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -73,7 +74,10 @@ REFERENCE_FLOPS = 1e9
 
 def at_speed_now(predictor: LatencyPredictor) -> LatencyPredictor:
     """A predictor trained on ratios to the FMA reference gives seconds at the reference's speed
-    measured now (median of 7 runs), so a spell of a slow VM slows its predictions alike."""
+    measured now (median of 7 runs), so a spell of a slow VM slows its predictions alike. Warns
+    when the predictor's labels were timed on another CPU."""
+    if predictor.device == "cpu" and (why := predictor.foreign_to(Target.host().model)):
+        warnings.warn(why, stacklevel=2)
     if predictor.label != "ratio" or predictor.device != "cpu":
         return predictor
     import torch

@@ -37,7 +37,7 @@ from torch import nn
 from maco.errors import MacoError
 from maco.files import load_json_file, write_atomic
 from maco.kernels.baselines import torch_backend
-from maco.layouts.dataset import load_rows
+from maco.layouts.dataset import cpus_of, load_rows
 from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, predict_conversion
 from maco.spec import ConvSpec
 
@@ -292,6 +292,16 @@ class LatencyPredictor:
             return self
         return replace(self, reference=ReferenceSpeed(gflops, self.reference.overhead))
 
+    def foreign_to(self, cpu: str) -> str | None:
+        """Why this predictor's picks may not hold on `cpu` (its labels were timed on other CPUs),
+        else None; None too for a predictor saved without its data set's CPUs."""
+        cpus = self.meta.get("cpus")
+        if self.device != "cpu" or not cpus or cpu in cpus:
+            return None
+        return (f"the latency predictor was trained on convs timed on {', '.join(map(str, cpus))}, not on "
+                f"this CPU ({cpu}), and the faster layout of a conv differs from CPU to CPU. For plans that fit "
+                "this CPU, train one here: `maco collect data.csv` and `python -m maco.layouts.predictor data.csv DIR`, then pass predictor=DIR or set $MACO_PREDICTOR")
+
     def predict(self, spec: ConvSpec, layout: str) -> float:
         return float(self.predict_many([spec], [layout])[0])
 
@@ -353,9 +363,13 @@ class LatencyPredictor:
             models = _load_trees(blob) if family == "trees" else _load_mlps(config, blob)
             conv = ConversionModel.from_dict(doc["conversion"]) if doc.get("conversion") else None
             reference = ReferenceSpeed(**doc["reference"]) if doc.get("reference") else None
+            meta = doc.get("meta") or {}
+            cpus = meta.get("cpus", [])
+            if not (isinstance(cpus, list) and all(isinstance(c, str) for c in cpus)):
+                raise ValueError(f"meta.cpus must be a list of CPU names, got {cpus!r}")
             return cls(config, np.array(doc["x_mean"]), np.array(doc["x_std"]), float(doc["y_mean"]),
                        float(doc["y_std"]), models, str(doc.get("device", "cpu")), conv,
-                       doc.get("meta") or {}, doc.get("label", "seconds"), reference)
+                       meta, doc.get("label", "seconds"), reference)
         except (KeyError, TypeError, ValueError, RuntimeError, MacoError) as exc:
             raise MacoError(f"{str(path)!r}: not a valid latency predictor: {exc}") from None
 
@@ -674,9 +688,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         conv = ConversionModel.calibrate(args.device)
-        pred = train_predictor(load_rows(args.data), trials=args.trials, epochs=args.epochs,
+        rows = [r for r in load_rows(args.data) if r.device == args.device]
+        pred = train_predictor(rows, trials=args.trials, epochs=args.epochs,
                                timeout=args.timeout, ensemble=args.ensemble, seed=args.seed,
                                device=args.device, conversion=conv, label=args.label)
+        pred.meta["cpus"] = cpus_of(args.data, rows)
         pred.save(args.out)
     except MacoError as exc:
         print(f"error: {exc}")

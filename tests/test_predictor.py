@@ -297,3 +297,49 @@ def test_at_speed_now_times_the_reference_on_this_cpu(synthetic):
     assert 1.0 < now.reference.gflops < 1e5 and now.reference.overhead == 0.0
     seconds = fit_predictor(specs[:40], lays[:40], secs[:40], cfg)
     assert at_speed_now(seconds) is seconds
+
+
+def test_a_predictor_trained_on_another_cpu_warns_where_it_plans(synthetic, tmp_path):
+    import warnings
+
+    from maco.layouts.latency_sources import at_speed_now
+    from maco.target import Target
+
+    specs, lays, secs = synthetic
+    here = Target.host().model
+    pred = fit_predictor(specs[:40], lays[:40], secs[:40], TreeConfig(depth=2, trees=5),
+                         meta={"cpus": ["Some Other CPU 9000"]})
+    pred.save(tmp_path / "p")
+    pred = LatencyPredictor.load(tmp_path / "p")
+    assert pred.meta["cpus"] == ["Some Other CPU 9000"]
+    why = pred.foreign_to(here)
+    assert "Some Other CPU 9000" in why and here in why and "maco collect" in why
+    with pytest.warns(UserWarning, match="trained on convs timed on Some Other CPU 9000"):
+        at_speed_now(pred)
+    # trained here, or saved without its CPUs (predictors from before): no warning
+    for cpus in ([here, "Some Other CPU 9000"], None):
+        same = fit_predictor(specs[:40], lays[:40], secs[:40], TreeConfig(depth=2, trees=5),
+                             meta={"cpus": cpus} if cpus else {})
+        assert same.foreign_to(here) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            at_speed_now(same)
+
+
+def test_load_refuses_cpus_that_are_not_a_list_of_names(synthetic, tmp_path):
+    specs, lays, secs = synthetic
+    fit_predictor(specs[:40], lays[:40], secs[:40], TreeConfig(depth=2, trees=5)).save(tmp_path / "p")
+    doc = json.loads((tmp_path / "p" / "predictor.json").read_text())
+    for bad in ("Intel Xeon", [1, 2]):
+        (tmp_path / "p" / "predictor.json").write_text(json.dumps({**doc, "meta": {"cpus": bad}}))
+        with pytest.raises(MacoError, match="meta.cpus must be a list of CPU names"):
+            LatencyPredictor.load(tmp_path / "p")
+
+
+def test_the_shipped_predictor_names_the_cpu_its_labels_were_timed_on():
+    from maco.layouts.dataset import cpus_of, load_rows
+    from maco.layouts.latency_sources import DEFAULT_PREDICTOR
+
+    pred = LatencyPredictor.load(DEFAULT_PREDICTOR)
+    data = pred.meta["data"]
+    assert pred.meta["cpus"] == cpus_of(data, [r for r in load_rows(data) if r.device == "cpu"])
