@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from maco.errors import MacoError
+from maco.files import load_json_file
 from maco.records import Record, RecordFile, best_per_layout
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -23,9 +24,11 @@ from maco.layouts.latency import ConversionModel, measure_conversion, measure_la
 from maco.layouts.predictor import LatencyPredictor
 from maco.layouts.problem import ConversionCost
 
-# The predictor trained on this repository's data set, shipped inside the package so that a
-# non-editable install finds it too (results/predictor_cpu is where experiments retrain it).
+# The predictors trained on this repository's data sets, one per CPU that timed the labels, shipped
+# inside the package so that a non-editable install finds them too (results/predictor_cpu* is where
+# experiments retrain them). The default, for a CPU none was trained on: the Intel Xeon VM's.
 DEFAULT_PREDICTOR = str(Path(__file__).resolve().with_name("predictor_cpu"))
+
 # How "measure" times each distinct conv: interleaved rounds of both layouts, each by the protocol.
 MEASURE = {"rounds": 3, "repeats": 3, "min_run_time": 2e-3}
 
@@ -118,12 +121,24 @@ def _table_convs(lookup: Callable[[str, ConvSpec, str], float | None], what: str
     return run
 
 
+def shipped_predictor(cpu: str | None = None) -> str:
+    """The shipped predictor whose labels were timed on `cpu` (default: this host's), else
+    DEFAULT_PREDICTOR: the faster layout of a conv differs from CPU to CPU."""
+    cpu = cpu or Target.host().model
+    for folder in sorted(Path(DEFAULT_PREDICTOR).parent.glob("predictor_cpu*")):
+        doc = load_json_file(folder / "predictor.json", "latency predictor")
+        meta = doc.get("meta") if isinstance(doc, dict) else None
+        if isinstance(meta, dict) and cpu in (meta.get("cpus") or []):
+            return str(folder)
+    return DEFAULT_PREDICTOR
+
+
 def load_predictor(predictor: LatencyPredictor | str | os.PathLike[str] | None = None) -> LatencyPredictor:
     """A LatencyPredictor: the one given, one loaded from a path, or the default
-    ($MACO_PREDICTOR, else the one shipped in maco/layouts/predictor_cpu)."""
+    ($MACO_PREDICTOR, else the shipped one for this CPU, shipped_predictor)."""
     if isinstance(predictor, LatencyPredictor):
         return predictor
-    path = predictor or os.environ.get("MACO_PREDICTOR") or DEFAULT_PREDICTOR
+    path = predictor or os.environ.get("MACO_PREDICTOR") or shipped_predictor()
     if not (Path(path) / "predictor.json").exists():
         raise MacoError(f"no trained latency predictor at {str(path)!r}; train one with "
                         "`python -m maco.layouts.predictor results/dataset_cpu.csv results/predictor_cpu` "
@@ -205,4 +220,4 @@ def latency_source(latency: Any, *, predictor: LatencyPredictor | str | os.PathL
 
 
 __all__ = ["Costs", "ConvSource", "latency_source", "load_predictor", "at_speed_now", "device_target",
-           "DEFAULT_PREDICTOR", "MEASURE"]
+           "DEFAULT_PREDICTOR", "MEASURE", "shipped_predictor"]

@@ -336,10 +336,17 @@ def test_load_refuses_cpus_that_are_not_a_list_of_names(synthetic, tmp_path):
             LatencyPredictor.load(tmp_path / "p")
 
 
-def test_the_shipped_predictor_names_the_cpu_its_labels_were_timed_on():
-    from maco.layouts.dataset import cpus_of, load_rows
-    from maco.layouts.latency_sources import DEFAULT_PREDICTOR
+def test_each_shipped_predictor_names_its_cpu_and_plans_there():
+    from pathlib import Path
 
-    pred = LatencyPredictor.load(DEFAULT_PREDICTOR)
-    data = pred.meta["data"]
-    assert pred.meta["cpus"] == cpus_of(data, [r for r in load_rows(data) if r.device == "cpu"])
+    from maco.layouts.dataset import cpus_of, load_rows
+    from maco.layouts.latency_sources import DEFAULT_PREDICTOR, shipped_predictor
+
+    shipped = sorted(Path(DEFAULT_PREDICTOR).parent.glob("predictor_cpu*"))
+    assert len(shipped) >= 2
+    for folder in shipped:
+        pred = LatencyPredictor.load(folder)
+        data = pred.meta["data"]
+        assert pred.meta["cpus"] == cpus_of(data, [r for r in load_rows(data) if r.device == "cpu"])
+        assert [shipped_predictor(cpu) for cpu in pred.meta["cpus"]] == [str(folder)] * len(pred.meta["cpus"])
+    assert shipped_predictor("Some Other CPU 9000") == DEFAULT_PREDICTOR
