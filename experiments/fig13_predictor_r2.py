@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         conv = ConversionModel.calibrate(args.device)
         final = fit_predictor(specs, lays, labels, config, ensemble=args.ensemble, seed=args.seed,
                               device=args.device, conversion=conv, label=label, reference=reference,
-                              meta={"data": str(args.data), "cpus": cpus_of(args.data, rows), "rows": len(rows), "stat": args.stat,
+                              meta={"data": str(args.data), "cpus": cpus_of(args.data, rows), "rows": len(rows),
+                                    "stat": args.stat,
                                     "nas_trials": len(study.trials), "nas_seconds": nas_seconds,
                                     "test_metrics": next(r for r in results if r["model"] == name)})
         final.save(args.save)

@@ -300,7 +300,8 @@ class LatencyPredictor:
             return None
         return (f"the latency predictor was trained on convs timed on {', '.join(map(str, cpus))}, not on "
                 f"this CPU ({cpu}), and the faster layout of a conv differs from CPU to CPU. For plans that fit "
-                "this CPU, train one here: `maco collect data.csv` and `python -m maco.layouts.predictor data.csv DIR`, then pass predictor=DIR or set $MACO_PREDICTOR")
+                "this CPU, train one here: `maco collect data.csv` and `python -m maco.layouts.predictor data.csv "
+                "DIR`, then pass predictor=DIR or set $MACO_PREDICTOR")
 
     def predict(self, spec: ConvSpec, layout: str) -> float:
         return float(self.predict_many([spec], [layout])[0])
