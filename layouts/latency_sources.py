@@ -79,7 +79,7 @@ def at_speed_now(predictor: LatencyPredictor) -> LatencyPredictor:
     """A predictor trained on ratios to the FMA reference gives seconds at the reference's speed
     measured now (median of 7 runs), so a spell of a slow VM slows its predictions alike. Warns
     when the predictor's labels were timed on another CPU."""
-    if predictor.device == "cpu" and (why := predictor.foreign_to(Target.host().model)):
+    if why := predictor.foreign_to(Target.host().model):
         warnings.warn(why, stacklevel=2)
     if predictor.label != "ratio" or predictor.device != "cpu":
         return predictor

@@ -298,7 +298,7 @@ class LatencyPredictor:
         cpus = self.meta.get("cpus")
         if self.device != "cpu" or not cpus or cpu in cpus:
             return None
-        return (f"the latency predictor was trained on convs timed on {', '.join(map(str, cpus))}, not on "
+        return (f"the latency predictor was trained on convs timed on {', '.join(cpus)}, not on "
                 f"this CPU ({cpu}), and the faster layout of a conv differs from CPU to CPU. For plans that fit "
                 "this CPU, train one here: `maco collect data.csv` and `python -m maco.layouts.predictor data.csv "
                 "DIR`, then pass predictor=DIR or set $MACO_PREDICTOR")
