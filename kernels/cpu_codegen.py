@@ -415,10 +415,12 @@ class _Generator:
                     emit(f"  {v} = {vadd}({v}, {b});")
                 if p.residual:
                     emit(f"  {v} = {vadd}({v}, {loadu}(res + {off}));")
+                # max/min return their second operand where either is NaN: v second keeps a NaN
+                # (torch's relu and hardtanh do)
                 if p.activation != "none":
-                    emit(f"  {v} = {vmax}({v}, zero);")
+                    emit(f"  {v} = {vmax}(zero, {v});")
                 if p.activation == "relu6":
-                    emit(f"  {v} = {VMIN[isa]}({v}, {set1}(6.f));")
+                    emit(f"  {v} = {VMIN[isa]}({set1}(6.f), {v});")
                 emit(f"  {storeu}(out + {off}, {v});")
                 continue
             src = "t[l]" if isa else f"a{i}[l]"
@@ -430,10 +432,10 @@ class _Generator:
                 line += f" v += bias[{boff} + l*{lane_bias}];"
             if p.residual:
                 line += f" v += res[{off} + l*{lane_out}];"
-            if p.activation != "none":
-                line += " v = v > 0.f ? v : 0.f;"
+            if p.activation != "none":  # a NaN fails both tests and passes, as in torch
+                line += " v = v < 0.f ? 0.f : v;"
             if p.activation == "relu6":
-                line += " v = v < 6.f ? v : 6.f;"
+                line += " v = v > 6.f ? 6.f : v;"
             line += f" out[{off} + l*{lane_out}] = v; }} }}"
             emit(line)
         emit("}")

@@ -75,8 +75,8 @@ def _nchw(plan: DepthwisePlan) -> str:
     s = plan.spec
     n, c, h, w, oh, ow = s.n, s.c, s.h, s.w, s.out_h, s.out_w
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-    act = {"none": "v", "relu": "(v > 0.f ? v : 0.f)",
-           "relu6": "(v > 0.f ? (v < 6.f ? v : 6.f) : 0.f)"}[plan.activation]
+    act = {"none": "v", "relu": "(v < 0.f ? 0.f : v)",  # a NaN fails the tests and passes, as in torch
+           "relu6": "(v < 0.f ? 0.f : (v > 6.f ? 6.f : v))"}[plan.activation]
     init = "b[ch]" if plan.bias else "0.f"
     return f"""void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b,
                     float *restrict y) {{
@@ -125,7 +125,8 @@ def _nhwc(plan: DepthwisePlan) -> str:
     hi = max(lo, (w - 1 - (s.kw - 1) * dw + pw) // sw + 1)  # one past the last
     hi = min(hi, ow)
     lo = min(lo, hi)
-    act = {"none": "v", "relu": "vmax(v, zero)", "relu6": "vmin(vmax(v, zero), six)"}[plan.activation]
+    # vmax(zero, v) and vmin(six, v) hand back v where a compare with a NaN fails: NaN stays NaN, as in torch
+    act = {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}[plan.activation]
     L = []
     e = L.append
     e(f"typedef float vf __attribute__((vector_size({4 * cb}), aligned(4)));")

@@ -47,7 +47,8 @@ class LinearPlan:
     @cached_property
     def source(self) -> str:
         n, k, m, rows = self.batch, self.in_features, self.out_features, ROWS
-        act = {"none": "v", "relu": "(v > 0.f ? v : 0.f)", "relu6": "(v > 0.f ? (v < 6.f ? v : 6.f) : 0.f)"}
+        # a NaN fails both tests and passes, as in torch's relu and hardtanh
+        act = {"none": "v", "relu": "(v < 0.f ? 0.f : v)", "relu6": "(v < 0.f ? 0.f : (v > 6.f ? 6.f : v))"}
         bias, tail_bias = ("b[o + r]", "b[o]") if self.bias else ("0.f", "0.f")
         return f"""{comment(f"MACO linear: batch {n}, {k} to {m}, bias={self.bias}, activation={self.activation}")}
 #include <omp.h>
