@@ -23,9 +23,18 @@ U is elements / r^2 times the weights (16/9 in F(2x2, 3x3), 4x in F(4x4, 3x3)): 
 reads it from memory on every call inside a model, so kernel_choice picks the tile size by timing
 each with the caches evicted. Larger tiles also round off more: F(4x4, 3x3) is ~1e-5 of the
 output's magnitude where F(2x2) is ~1e-6.
+
+NaN and infinities: where eager torch gives an infinity, the transforms subtract infinities (NaN),
+and one NaN reaches every output of its tile. The kernel therefore reports whether any output of
+the conv was not finite (each output row adds o * 0 into a vector, NaN from the first NaN or
+infinity on: a few vector operations per tile), and the caller recomputes such a call with torch's
+direct conv (`direct`), so that NaN and infinities land exactly where eager's do. A NaN or
+infinity in the input always reaches an output it feeds (the transforms' nonzero coefficients
+connect every input to each output whose window holds it), so none goes unseen.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property, lru_cache
@@ -216,7 +225,8 @@ def _source(plan: WinogradPlan) -> str:
     split = plan.split
     per_block, blocks, parts = split.tiles, split.blocks, split.k_parts
     kp = k // parts  # filters of one part
-    act = {"none": "v", "relu": "vmax(v, zero)", "relu6": "vmin(vmax(v, zero), six)"}[plan.activation]
+    # vmax(zero, v) and vmin(six, v) hand back v where a compare with a NaN fails: NaN stays NaN, as in torch
+    act = {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}[plan.activation]
     L: list[str] = []
     e = L.append
     e("#include <stdlib.h>")
@@ -229,11 +239,15 @@ def _source(plan: WinogradPlan) -> str:
     e("static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
     # per-thread block buffers, kept between calls (thread-local pointers: no static TLS blocks)
     e("static __thread float *block_buffer;")
-    e(f"void {FUNCTION}(const float *restrict x, const float *restrict u, const float *restrict b, "
+    # returns 1 where an output of the conv (before residual and activation) was not finite: a NaN or
+    # infinity in x (or an overflow) that the transforms may have spread over whole tiles
+    e(f"int {FUNCTION}(const float *restrict x, const float *restrict u, const float *restrict b, "
       "const float *restrict r, float *restrict y) {")
     e("  const vf zero = {0}; const vf six = zero + 6.f; (void)six; (void)r; (void)b;")
-    e(f"  #pragma omp parallel num_threads({plan.threads})")
+    e("  int nonfinite = 0;")
+    e(f"  #pragma omp parallel num_threads({plan.threads}) reduction(|:nonfinite)")
     e("  {")
+    e("  vf check = zero;  /* += o * 0 for every output row: NaN from the first NaN or infinity on */")
     e("  if (!block_buffer)")
     e(f"    block_buffer = aligned_alloc(64, sizeof(float) * {els} * {per_block} * {c + kp});")
     e("  float *restrict V = block_buffer;")
@@ -298,6 +312,7 @@ def _source(plan: WinogradPlan) -> str:
     e(f"        for (int i = 0; i < {m} && {m} * ty + i < {h}; i++) {{")
     e(f"          const vf o[{m}] = {{" + ", ".join(
         _combination([(at[j][q], f"p[i][{q}]") for q in range(a)]) + " + bv" for j in range(m)) + "};")
+    e(f"          check += ({' + '.join(f'o[{j}]' for j in range(m))}) * zero;")
     e(f"          const long at = ((img * {h} + {m} * ty + i) * {w} + {m} * tx) * {k} + k1 + k0;")
     e(f"          for (int j = 0; j < {m} && {m} * tx + j < {w}; j++) {{")
     e(f"            vf v = o[j]{f' + ld(r + at + j * {k})' if plan.residual else ''};")
@@ -307,7 +322,9 @@ def _source(plan: WinogradPlan) -> str:
     e("      }")
     e("    }")
     e("  }")
+    e(f"  for (int l = 0; l < {lanes}; l++) nonfinite |= check[l] != check[l];")
     e("  }")
+    e("  return nonfinite;")
     e("}")
     return "\n".join(L) + "\n"
 
@@ -333,10 +350,36 @@ class WinogradKernel:
 
     def __init__(self, plan: WinogradPlan, target: Target):
         self.plan = plan
-        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 5, "Winograd")
+        shared = cpu_build.pointer_function(plan.source, target, FUNCTION, 5, "Winograd")
+        # a function object of its own that returns the kernel's int (the loader's says void)
+        self.function = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 5)(
+            ctypes.cast(shared, ctypes.c_void_p).value)
+        self._library = shared  # keeps the object loaded
 
-    def __call__(self, x: Any, u: np.ndarray, b: np.ndarray | None, residual: Any, y: Any) -> None:
+    def __call__(self, x: Any, u: np.ndarray, b: np.ndarray | None, residual: Any, y: Any) -> bool:
         """y = act(conv(x) + b + residual); the caller has checked shapes, dtype and memory
-        format, and packed u with plan.pack_weight."""
-        self.function(x.data_ptr(), u.ctypes.data, None if b is None else b.ctypes.data,
-                      None if residual is None else residual.data_ptr(), y.data_ptr())
+        format, and packed u with plan.pack_weight. Returns whether every output of the conv
+        (before residual and activation) was finite: where not (a NaN or infinity in x, or an
+        overflow), the transforms may have put NaN where torch has an infinity or a number
+        (inf - inf, and a NaN spreads over its whole output tile), so the caller recomputes the
+        call with `direct`."""
+        return not self.function(x.data_ptr(), u.ctypes.data, None if b is None else b.ctypes.data,
+                                 None if residual is None else residual.data_ptr(), y.data_ptr())
+
+
+def direct(plan: WinogradPlan, x: Any, weight: Any, bias: Any, residual: Any, y: Any) -> Any:
+    """y = act(conv(x) + bias + residual) by torch's direct conv (the weights the Winograd kernel
+    packed, as tensors): what a call whose outputs were not all finite is recomputed with, so that
+    NaN and infinities land where eager torch puts them. Returns y."""
+    import torch
+    from torch.nn import functional as F
+
+    with torch.no_grad():
+        out = F.conv2d(x, weight, bias, padding=plan.spec.padding)
+        if residual is not None:
+            out = out + residual
+        if plan.activation == "relu":
+            out = torch.relu(out)
+        elif plan.activation == "relu6":
+            out = F.hardtanh(out, 0.0, 6.0)
+        return y.copy_(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
@@ -21,7 +22,7 @@ from maco.kernels.linear import compile_linear
 from maco.errors import MacoError
 from maco.kernels.depthwise import MAX_TAPS, DepthwiseKernel, DepthwisePlan, is_depthwise
 from maco.kernels.pool import PoolKernel, plan_for
-from maco.kernels.winograd import WinogradKernel, WinogradPlan, winograd_can_run
+from maco.kernels.winograd import WinogradKernel, WinogradPlan, direct, winograd_can_run
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -203,7 +204,9 @@ class MacoDepthwise2d(_GeneratedOp):
 class MacoWinograd2d(_GeneratedOp):
     """A 3x3 or 5x5 stride-1 `conv` (a Conv2d or FusedConv2d) run by the Winograd kernel
     (kernels.winograd) in NHWC, in output tiles of m x m, for the one input shape it was built
-    for; any other input runs `conv` itself."""
+    for; any other input runs `conv` itself. A call whose conv outputs were not all finite (a NaN
+    or infinity in the input) is recomputed by torch's direct conv, as are all calls where the
+    weights or bias hold one: NaN and infinities land where eager torch puts them."""
 
     def __init__(self, conv: nn.Conv2d, spec: ConvSpec, target: Target, preallocate: bool = False, m: int = 2):
         super().__init__()
@@ -216,6 +219,10 @@ class MacoWinograd2d(_GeneratedOp):
         self._kernel = WinogradKernel(self._plan, target)
         self._weight = self._plan.pack_weight(conv.weight.detach().numpy())
         self._bias = None if conv.bias is None else conv.bias.detach().numpy().astype("float32")
+        self._torch_weight = conv.weight.detach()  # for `direct`: the weights U was packed from
+        self._torch_bias = None if conv.bias is None else conv.bias.detach()
+        self._finite = bool(torch.isfinite(self._torch_weight).all()) and bool(np.isfinite(self._weight).all()) \
+            and (self._bias is None or bool(np.isfinite(self._bias).all()))
         self._output_in("NHWC", spec.output_shape, preallocate)
 
     @property
@@ -227,7 +234,8 @@ class MacoWinograd2d(_GeneratedOp):
                 or (residual is not None and not self._runs(residual, self.spec.output_shape))):
             return self.torch_conv(x) if residual is None else self.torch_conv(x, residual)
         out = self._output()
-        self._kernel(x, self._weight, self._bias, residual, out)
+        if not (self._finite and self._kernel(x, self._weight, self._bias, residual, out)):
+            direct(self._plan, x, self._torch_weight, self._torch_bias, residual, out)
         return out
 
     def extra_repr(self) -> str:
