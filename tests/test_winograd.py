@@ -268,3 +268,52 @@ def test_the_kernel_sum_counts_winograd_convs():
         assert float(_Skipping(model).run((x,))().abs().max()) == 0.0  # the kernel did not run
         model[0]._out = None
         torch.testing.assert_close(model(x), want)  # and runs again after
+
+
+# Winograd's rounding error per output tile and filter, relative to that tile's own scale: the largest
+# |x| * |w| conv (float64) over the tile's outputs. Measured on n1_c64_h14_w14_k64 (3x3 and 5x5), randn
+# inputs and weights: F(2x2) 8e-8 (3x3) and 7e-7 (5x5), F(4x4) 1.3e-6 at most (C = 16 to 256 alike); in a
+# tile that reads an input of 1e6 (among values ~1), F(2x2) <= 6e-6 and F(4x4) <= 2e-5 of that tile's
+# scale. That tile's outputs that do not read the 1e6 share its error: relative to their own scale,
+# F(4x4, 3x3) measured 1e-2 there (a direct conv keeps each output's error to its own window).
+TILE_ERROR = {2: 2e-6, 4: 5e-6}
+HOT_TILE_ERROR = {2: 3e-5, 4: 1e-4}
+
+
+def _per_tile(spec: ConvSpec, m: int, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Winograd output and its error per (filter, tile) over the tile's scale, (K, tiles down, across)."""
+    plan_ = WinogradPlan(spec, False, "none", False, HOST.cores, HOST.simd_width, m=m)
+    y = torch.empty(spec.output_shape).contiguous(memory_format=torch.channels_last)
+    assert WinogradKernel(plan_, HOST)(x, plan_.pack_weight(w.numpy()), None, None, y)
+    exact = torch.nn.functional.conv2d(x.double(), w.double(), padding=spec.padding)
+    scale = torch.nn.functional.conv2d(x.double().abs(), w.double().abs(), padding=spec.padding)
+    tile_max = lambda t: torch.nn.functional.max_pool2d(t, m, m, ceil_mode=True)[0]  # noqa: E731
+    return y, tile_max((y.double() - exact).abs()) / tile_max(scale)
+
+
+@pytest.mark.parametrize("r", [3, 5])
+@pytest.mark.parametrize("m", [2, 4])
+def test_winograd_error_per_output_tile(r, m):
+    """Every tile within TILE_ERROR[m] of its own scale; one input of 1e6 leaves the tiles that do
+    not read it bit for bit as they were (within TILE_ERROR), and those that do within
+    HOT_TILE_ERROR of their (1e6-sized) scale."""
+    spec = ConvSpec.parse(f"n1_c64_h14_w14_k64_r{r}_p{r // 2}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(spec.weight_shape, generator=gen)
+    y, rel = _per_tile(spec, m, x, w)
+    print(f"F({m}x{m},{r}x{r}) per-tile error: max {float(rel.max()):.2e}, median {float(rel.median()):.2e}")
+    assert float(rel.max()) <= TILE_ERROR[m]
+    big = x.clone()
+    big[0, 5, 6, 6] = 1e6
+    y_big, rel_big = _per_tile(spec, m, big, w)
+    pad, tiles = r // 2, rel.shape[1]
+    reads = torch.tensor([m * t - pad <= 6 <= m * t + m - 1 + pad for t in range(tiles)])
+    hot = reads[:, None] & reads[None, :]  # the tiles whose input window holds (6, 6)
+    assert 0 < int(hot.sum()) < hot.numel()
+    print(f"  with an input of 1e6: tiles reading it {float(rel_big[:, hot].max()):.2e}, "
+          f"the others {float(rel_big[:, ~hot].max()):.2e}")
+    assert float(rel_big[:, hot].max()) <= HOT_TILE_ERROR[m]
+    assert float(rel_big[:, ~hot].max()) <= TILE_ERROR[m]
+    cold = ~hot.repeat_interleave(m, 0).repeat_interleave(m, 1)[:spec.h, :spec.w]
+    assert torch.equal(y_big[..., cold], y[..., cold])
