@@ -62,9 +62,10 @@ class ModelTimes:
         return float(statistics.median(r.median / t.median for r, t in zip(ref, self.rounds[label])))
 
     def fastest(self, rel_tolerance: float = 1e-4) -> str:
-        """The label with the highest speedup among those whose output matches the reference."""
+        """The label with the highest speedup among those whose output matches the reference (the
+        reference itself when none does)."""
         ok = [label for label in self.rounds if self.max_rel_diff[label] <= rel_tolerance]
-        return max(ok, key=self.speedup)
+        return max(ok, key=self.speedup) if ok else self.reference
 
 
 def time_models(models: Mapping[str, Callable[..., Any]], example_input: Any, *, rounds: int = 5,
@@ -81,9 +82,8 @@ def time_models(models: Mapping[str, Callable[..., Any]], example_input: Any, *,
     with torch.inference_mode(), _strict_fp32(cuda):
         outputs = {label: [t.clone() for t in _tensors(fn())] for label, fn in runs.items()}
         want = outputs[next(iter(outputs))]
-        scale = max((float(t.abs().max()) for t in want), default=0.0) or 1.0
-        diff = {label: max((float((a - b).abs().max()) for a, b in zip(want, got)), default=0.0)
-                if len(got) == len(want) else float("inf") for label, got in outputs.items()}
+        scale = max((_finite_max(t) for t in want), default=0.0) or 1.0
+        diff = {label: output_diff(want, got) for label, got in outputs.items()}
         for _ in range(warmup):  # first calls build oneDNN/cuDNN primitives: keep them off the clock
             for fn in runs.values():
                 fn()
@@ -253,6 +253,28 @@ def _parents(model: nn.Module, name: str) -> list[nn.Module]:
 def _strict_fp32(cuda: bool) -> ContextManager[None]:
     """On a GPU, time as the per-layer latencies were: fp32 without TF32, cuDNN autotuned."""
     return strict_cudnn(benchmark=True) if cuda else nullcontext()
+
+
+def output_diff(want: list[torch.Tensor], got: list[torch.Tensor]) -> float:
+    """The largest absolute difference between two models' outputs over the values finite in
+    both; inf where shapes differ or NaN, +inf or -inf stand in different places (a kernel must
+    keep them where torch does)."""
+    if len(got) != len(want) or any(a.shape != b.shape for a, b in zip(want, got)):
+        return float("inf")
+    diff = 0.0
+    for a, b in zip(want, got):
+        if not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isposinf(), b.isposinf())
+                and torch.equal(a.isneginf(), b.isneginf())):
+            return float("inf")
+        finite = a.isfinite()
+        if finite.any():
+            diff = max(diff, float((a[finite] - b[finite]).abs().max()))
+    return diff
+
+
+def _finite_max(t: torch.Tensor) -> float:
+    finite = t[t.isfinite()]
+    return float(finite.abs().max()) if finite.numel() else 0.0
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

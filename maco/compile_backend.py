@@ -9,20 +9,30 @@ where they beat torch in this process, and the fastest variant kept.
                       normal (tune the missing layers first, into the records file, and time
                       torch's conv in the tuner's worker where the records have no baseline)
              layouts  the layouts the planner may choose, e.g. "NHWC" (default NCHW,NHWC)
-             cache    the kernel cache folder (default $MACO_CACHE or ~/.cache/maco/kernels)
+             cache    the kernel cache folder for this backend's builds and tuning (default
+                      $MACO_CACHE or ~/.cache/maco/kernels); the process's environment is restored
+             exact    True: no Winograd kernels (their fp32 error is up to ~10-25x torch's direct
+                      conv's, and local to an output tile), only direct and generated kernels
+                      whose sums are torch's
 
-Dynamo passes parameters as graph inputs; for inference they are frozen here (read once, at
-compile time), as Inductor's freezing does. What MACO does not handle stays torch's, with one log
-line saying why: training mode, tensors that are not fp32 or not on the CPU, dynamic shapes, a
-graph without a conv. A new input shape makes dynamo compile one more graph, with kernels from the
-records or the defaults.
+Dynamo passes parameters as graph inputs. MACO reads them at compile time (folds BatchNorm, packs
+the weights for its kernels) and checks on every call that each is the same tensor at the same
+version: after `weight.mul_(2)` or `load_state_dict` it compiles again from the new values (one
+log line), and after MAX_RECOMPILES such changes the graph stays torch's. What MACO does not
+handle stays torch's, with one log line saying why: training mode, tensors that are not fp32 or
+not on the CPU, dynamic shapes, a graph without a conv, parameters made under inference_mode (they
+carry no version to check). A new input shape makes dynamo compile one more graph, with kernels
+from the records or the defaults. An example input with NaN or Inf is optimized on a finite input
+of its shape: the kernels keep NaN and Inf where torch does, but an output check on NaN proves
+little.
 """
 from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -43,7 +53,8 @@ from maco.tuning import BUDGETS, measure_baselines, tune_layers
 
 log = logging.getLogger("maco")
 TUNES = ("none", "quick", "normal")
-OPTIONS = ("records", "tune", "layouts", "cache")
+OPTIONS = ("records", "tune", "layouts", "cache", "exact")
+MAX_RECOMPILES = 3  # parameter changes a graph follows by compiling again; past them it stays torch's
 CONV_FUNCTIONS = {torch.conv2d, F.conv2d}
 WEIGHT_USES = {torch.conv2d: (1, 2), F.conv2d: (1, 2), F.batch_norm: (1, 2, 3, 4), F.linear: (1, 2)}
 
@@ -60,13 +71,64 @@ def maco_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
     if lifted is None:
         log.warning("maco: this graph stays torch's: %s", keep)
         return gm.forward
-    inputs = [example_inputs[i] for i in keep]
-    model = _optimized(lifted, inputs, opts)
+    weights = [i for i in range(len(example_inputs)) if i not in keep]
+    if any(example_inputs[i].is_inference() for i in weights):
+        log.warning("maco: this graph stays torch's: its parameters were made under torch.inference_mode() and "
+                    "carry no version, so a change to them could not be seen; build the model outside it")
+        return gm.forward
+    with _cache_folder(opts.get("cache")):
+        model = _optimized(lifted, [example_inputs[i] for i in keep], opts)
+    state = {"model": model, "seen": _versions(example_inputs, weights), "recompiles": 0}
 
     def run(*args: Any) -> Any:
-        return model(*[args[i] for i in keep])
+        if state["model"] is not None and _versions(args, weights) != state["seen"]:
+            _follow_parameters(gm, args, keep, weights, opts, state)
+        if state["model"] is None:
+            return gm.forward(*args)
+        return state["model"](*[args[i] for i in keep])
     run.model = model  # the optimized graph itself, to inspect or time without dynamo's call around it
     return run
+
+
+def _versions(args: Any, weights: list[int]) -> list[tuple[int, int, int]]:
+    """Identity, storage and version of each parameter input: any change means new values."""
+    return [(id(args[i]), args[i].data_ptr(), args[i]._version) for i in weights]
+
+
+def _follow_parameters(gm: fx.GraphModule, args: Any, keep: list[int], weights: list[int],
+                       opts: dict[str, Any], state: dict[str, Any]) -> None:
+    """The parameters changed since MACO read them: compile again from the new ones, or, after
+    MAX_RECOMPILES changes, leave the graph to torch (it reads the parameters on every call)."""
+    state["seen"] = _versions(args, weights)
+    state["recompiles"] += 1
+    if state["recompiles"] > MAX_RECOMPILES:
+        log.warning("maco: the parameters changed %d times since compiling; this graph stays torch's now",
+                    state["recompiles"])
+        state["model"] = None
+        return
+    log.warning("maco: the parameters changed since they were read (in-place update or load_state_dict); "
+                "compiling again from the new values")
+    lifted, _ = lift_parameters(gm, list(args))
+    with _cache_folder(opts.get("cache")):
+        state["model"] = _optimized(lifted, [args[i] for i in keep], opts)
+
+
+@contextmanager
+def _cache_folder(folder: Any) -> Iterator[None]:
+    """MACO_CACHE set to the backend's `cache` option while it builds (its tuning workers inherit
+    it), and restored after: the option belongs to this backend, not to the whole process."""
+    if not folder:
+        yield
+        return
+    before = os.environ.get("MACO_CACHE")
+    os.environ["MACO_CACHE"] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MACO_CACHE", None)
+        else:
+            os.environ["MACO_CACHE"] = before
 
 
 def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -89,8 +151,8 @@ def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
         if tune != "none":
             files = files or [path / "maco_records.jsonl"]
         opts["records"] = files
-    if opts.get("cache"):
-        os.environ["MACO_CACHE"] = str(opts["cache"])
+    if not isinstance(opts.setdefault("exact", False), bool):
+        raise MacoError(f"maco backend option exact must be True or False, got {short(opts['exact'])}")
     return opts
 
 
@@ -242,6 +304,11 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
     or normal tuning of the missing layers), torch's seconds from the records' baselines (timed
     here only where they have none), the fastest variant kept."""
     target = kernels.host_target()
+    if not all(bool(t.isfinite().all()) for t in inputs if t.is_floating_point()):
+        log.info("maco: the example input holds NaN or Inf; optimizing on a finite input of its shape")
+        gen = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(t.shape, generator=gen).to(memory_format=_format(t)) if t.is_floating_point() else t
+                  for t in inputs]
     x = inputs[0] if len(inputs) == 1 else tuple(inputs)
     specs = [spec for spec, _ in distinct_convs(conv_layers(model, x))]
     layouts = opts["layouts"]
@@ -265,12 +332,18 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
                 candidates[(spec, layout)] = best.get((spec, layout)) or kernels.default_schedule(spec, target, layout)
             except MacoError:
                 pass  # no default for this layout: torch runs it
-    built = build_variants(model, x, target, torch_seconds, candidates, layouts=layouts, log=log.info)
+    built = build_variants(model, x, target, torch_seconds, candidates, layouts=layouts, log=log.info,
+                           exact=opts["exact"])
     pick, times = fastest(built.models, x)
     log.info("maco: %s, %.2fx the graph as torch runs it (%d MACO convs, %d MACO linear layers)", pick,
              times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
              sum(r >= MIN_GAIN for r in built.linears.values()) if pick == "planned_maco" else 0)
     return built.models[pick]
+
+
+def _format(t: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(
+        memory_format=torch.channels_last) else torch.contiguous_format
 
 
 def planning_seconds(specs: list[ConvSpec], layouts: tuple[str, ...],

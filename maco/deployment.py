@@ -13,6 +13,7 @@ compiled again on a cold one.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,12 +30,12 @@ from maco.kernel_choice import POOLS
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
-                                       winograd_module_can_run, depthwise_can_run,
-                                       swap_module)
+                                       call_sites, depthwise_can_run, escapes, kernel_can_run, swap_module,
+                                       winograd_module_can_run)
 from maco.optimize_report import OptimizeResult
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
-from maco.target import Target
+from maco.target import Target, require_memory
 
 FORMAT = "maco-optimized-model"
 VERSION = 1
@@ -52,11 +53,14 @@ class Deployment:
     threads: int
     fusion: list[str] = field(default_factory=list)  # "name activation residual" of each fused module
     plan: dict[str, Any] | None = None  # LayoutPlan.to_dict()
-    convs: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, schedule, preallocate
-    linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch, preallocate
-    pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout, preallocate
-    depthwise: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, layout, preallocate
-    winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, tile, preallocate
+    # which modules run MACO kernels; whether a kernel writes into a buffer it owns is derived by
+    # load from the model's graph (escape analysis), never read from the file ("preallocate" in
+    # files of earlier versions is ignored)
+    convs: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, schedule
+    linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch
+    pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout
+    depthwise: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, layout
+    winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, tile
 
     def to_dict(self) -> dict[str, Any]:
         from maco import __version__
@@ -107,16 +111,15 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
     dep.plan = plan.to_dict()
     for path, mod in model.named_modules():
         if isinstance(mod, MacoConv2d):
-            dep.convs[path] = {"spec": str(mod.spec), "schedule": mod._kernel.schedule.to_dict(),
-                               "preallocate": mod.preallocated}
+            dep.convs[path] = {"spec": str(mod.spec), "schedule": mod._kernel.schedule.to_dict()}
         elif isinstance(mod, MacoLinear):
-            dep.linears[path] = {"batch": mod.batch, "preallocate": mod.preallocated}
+            dep.linears[path] = {"batch": mod.batch}
         elif isinstance(mod, MacoPool2d):
-            dep.pools[path] = {"shape": list(mod.shape), "layout": mod.layout, "preallocate": mod.preallocated}
+            dep.pools[path] = {"shape": list(mod.shape), "layout": mod.layout}
         elif isinstance(mod, MacoDepthwise2d):
-            dep.depthwise[path] = {"spec": str(mod.spec), "layout": mod.layout, "preallocate": mod.preallocated}
+            dep.depthwise[path] = {"spec": str(mod.spec), "layout": mod.layout}
         elif isinstance(mod, MacoWinograd2d):
-            dep.winograd[path] = {"spec": str(mod.spec), "tile": mod.m, "preallocate": mod.preallocated}
+            dep.winograd[path] = {"spec": str(mod.spec), "tile": mod.m}
     return dep
 
 
@@ -132,13 +135,18 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     write_atomic(path, json.dumps(dep.to_dict(), indent=1))
 
 
-def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str = "error") -> nn.Module:
+def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str = "error",
+         exact: bool = False) -> nn.Module:
     """`model` (the same architecture and weights as when it was optimized) rebuilt as the saved
     optimized model. On a machine other than the one it was tuned on: a MacoError naming both
-    (other_machine="error"), or each conv on its bound-derived default schedule ("defaults")."""
+    (other_machine="error"), or each conv on its bound-derived default schedule ("defaults").
+    exact=True leaves the saved Winograd convs to torch (docs/exactness.md)."""
     if other_machine not in ("error", "defaults"):
         raise MacoError(f"other_machine must be 'error' or 'defaults', got {short(other_machine)}")
+    if not isinstance(exact, bool):
+        raise MacoError(f"exact must be True or False, got {short(exact)}")
     dep = Deployment.from_dict(load_json_file(path, "saved MACO model", MAX_BYTES))
+    require_memory(16 * 4 * math.prod(dep.input_shape), f"the saved input shape {short(dep.input_shape)}")
     host = host_target()
     foreign = dep.target != host.fingerprint()
     if foreign and dep.convs and other_machine == "error" and dep.target == Target.host(dep.threads).fingerprint():
@@ -159,18 +167,26 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
         return fused
     plan = LayoutPlan.from_dict(dep.plan)
     gm = plan.apply(fused)
+    calls = call_sites(gm)
+
+    def own_output(module_path: str) -> bool:  # as optimize decides it: called once, output stays inside
+        sites = calls.get(module_path, [])
+        return len(sites) == 1 and not escapes(gm, sites[0])
+
     for conv_path, c in dep.convs.items():
         conv = _submodule(gm, conv_path, nn.Conv2d)
         spec = _saved_spec(path, "conv", conv_path, conv, c)
+        if not kernel_can_run(conv):
+            raise MacoError(f"{str(path)!r}: no generated kernel computes conv {short(conv_path)} with its epilogue")
         schedule = Schedule.from_dict(c.get("schedule"))
         schedule = default_schedule(spec, host, schedule.layout) if foreign else schedule.validate(spec, host)
-        swap_module(gm, conv_path, MacoConv2d(conv, spec, schedule, host, bool(c.get("preallocate"))))
+        swap_module(gm, conv_path, MacoConv2d(conv, spec, schedule, host, own_output(conv_path)))
     for linear_path, lin in dep.linears.items():
         linear = _submodule(gm, linear_path, nn.Linear)
         batch = lin.get("batch") if isinstance(lin, dict) else None
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise MacoError(f"{str(path)!r}: linear {short(linear_path)} has no valid batch")
-        swap_module(gm, linear_path, MacoLinear(linear, batch, host, bool(lin.get("preallocate"))))
+        swap_module(gm, linear_path, MacoLinear(linear, batch, host, own_output(linear_path)))
     for pool_path, p in dep.pools.items():
         pool = _submodule(gm, pool_path, POOLS)
         shape, layout = (p.get("shape"), p.get("layout")) if isinstance(p, dict) else (None, None)
@@ -179,14 +195,14 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
         if layout not in ("NCHW", "NHWC") or plan_for(pool, tuple(shape), layout, host.cores) is None:
             raise MacoError(f"{str(path)!r}: no generated kernel runs pooling {short(pool_path)} "
                             f"on {short(shape)} in {short(layout)}")
-        swap_module(gm, pool_path, MacoPool2d(pool, tuple(shape), layout, host, bool(p.get("preallocate"))))
+        swap_module(gm, pool_path, MacoPool2d(pool, tuple(shape), layout, host, own_output(pool_path)))
     for conv_path, d in dep.depthwise.items():
         conv = _submodule(gm, conv_path, nn.Conv2d)
         spec = _saved_spec(path, "depthwise conv", conv_path, conv, d)
         if d.get("layout") not in ("NCHW", "NHWC") or not depthwise_can_run(conv, spec):
             raise MacoError(f"{str(path)!r}: no generated kernel runs depthwise conv {short(conv_path)} "
                             f"({spec}) in {short(d.get('layout'))}")
-        swap_module(gm, conv_path, MacoDepthwise2d(conv, spec, d["layout"], host, bool(d.get("preallocate"))))
+        swap_module(gm, conv_path, MacoDepthwise2d(conv, spec, d["layout"], host, own_output(conv_path)))
     for conv_path, d in dep.winograd.items():
         conv = _submodule(gm, conv_path, nn.Conv2d)
         spec = _saved_spec(path, "Winograd conv", conv_path, conv, d)
@@ -194,11 +210,13 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
         if type(tile) is not int or tile not in TILE_SIZES.get(spec.kh, ()):
             raise MacoError(f"{str(path)!r}: Winograd conv {short(conv_path)} has output tiles of {short(tile)}; "
                             f"the kernel knows {TILE_SIZES.get(spec.kh, ())} for {spec.kh}x{spec.kw} filters")
+        if exact:
+            continue  # torch's conv runs it
         if not winograd_module_can_run(conv, spec, host):
             if foreign:  # another machine's vectors: torch runs it here, as a default would
                 continue
             raise MacoError(f"{str(path)!r}: no generated Winograd kernel runs conv {short(conv_path)} ({spec})")
-        swap_module(gm, conv_path, MacoWinograd2d(conv, spec, host, bool(d.get("preallocate")), tile))
+        swap_module(gm, conv_path, MacoWinograd2d(conv, spec, host, own_output(conv_path), tile))
     gm.meta["maco"] = dep
     return gm
 

@@ -43,13 +43,14 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
                    torch_seconds: dict[tuple[ConvSpec, str], float],
                    candidates: Mapping[tuple[ConvSpec, str], Record | Schedule], *,
                    layouts: tuple[str, ...] = ("NCHW", "NHWC"), device: str = "cpu",
-                   log: Callable[[str], Any] = print) -> Variants:
+                   log: Callable[[str], Any] = print, exact: bool = False) -> Variants:
     """The default, fused, planned (torch convs) and planned MACO variants of `model`: the
     candidates are re-timed beside torch here (kernel_choice), the plan is made from the faster
-    of each, and the planned MACO model gets the kernels and the linear layers that won."""
+    of each, and the planned MACO model gets the kernels and the linear layers that won.
+    exact=True leaves Winograd out: its fp32 error is larger than a direct conv's (docs/exactness.md)."""
     table, chosen, ratios = faster_kernels(torch_seconds, candidates, target)
     cpu = target.kind == "cpu"
-    if cpu and "NHWC" in layouts:  # the plan keeps a conv in NHWC where Winograd would run it fastest
+    if cpu and not exact and "NHWC" in layouts:  # the plan keeps a conv in NHWC where Winograd would run it fastest
         table, planned_winograd = with_winograd(table, torch_seconds, target)
         if planned_winograd:
             log(f"      Winograd beats torch in NHWC on {sum(r >= MIN_GAIN for r in planned_winograd.values())} "
@@ -63,7 +64,7 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     linears = faster_linears(planned_maco, example_input, target) if cpu else {}
     pools = faster_pools(planned_maco, example_input, target) if cpu else {}
     depthwise = faster_depthwise(planned_maco, example_input, target) if cpu else {}
-    winograd = faster_winograd(planned_maco, example_input, target) if cpu else {}
+    winograd = faster_winograd(planned_maco, example_input, target) if cpu and not exact else {}
     if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values(),
                                               *winograd.values())):
         models["planned_maco"] = planned_maco
