@@ -196,3 +196,71 @@ def test_load_in_exact_mode_leaves_winograd_to_torch(tmp_path):
     assert not any(isinstance(m, MacoWinograd2d) for m in exact.modules())
     with torch.inference_mode():
         assert float((exact(x) - model(x)).abs().max()) < 1e-4 * float(model(x).abs().max())
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + x)
+
+
+def _features() -> nn.Module:
+    """ResNet-18's stem and first stage, ending on the feature map (no global pooling, so one
+    non-finite input stays local and its positions say something)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 32, 7, 2, 3, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.MaxPool2d(3, 2, 1), Block(32), Block(32))
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _poisoned() -> list[torch.Tensor]:
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    nan, pinf, ninf = x.clone(), x.clone(), x.clone()
+    nan[0, 1, 10, 20] = float("nan")
+    pinf[0, 0, 40, 8] = float("inf")
+    ninf[0, 2, 30, 50] = -float("inf")
+    return [nan, pinf, ninf]
+
+
+def _same_positions(want: torch.Tensor, got: torch.Tensor) -> None:
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(want), test(got)), test.__name__
+    finite = want.isfinite()
+    assert (~finite).any() and float((want[finite] - got[finite]).abs().max()) < 1e-4 * float(want[finite].abs().max())
+
+
+def test_a_network_keeps_nan_and_inf_where_eager_does_through_the_backend():
+    model = _features()
+    built: list = []
+    fast = _compiled(model, built, layouts="NHWC")
+    with torch.inference_mode():
+        fast(torch.randn(1, 3, 64, 64))
+        assert any(isinstance(m, (MacoConv2d, MacoWinograd2d)) for m in built[0].modules())
+        for x in _poisoned():
+            _same_positions(model(x), fast(x))
+
+
+def test_a_network_keeps_nan_and_inf_where_eager_does_through_load_with_winograd(tmp_path):
+    from maco.kernels.winograd import TILE_SIZES
+
+    model, x = _features(), torch.randn(1, 3, 64, 64)
+    d = _saved(tmp_path, model, x)
+    for path, c in list(d["convs"].items()):
+        if "_r3x3" in c["spec"]:  # every 3x3 conv through Winograd, F(4x4)
+            d["winograd"][path] = {"spec": c["spec"], "tile": max(TILE_SIZES[3])}
+            del d["convs"][path]
+    assert len(d["winograd"]) == 4 and d["convs"]
+    (tmp_path / "m.maco").write_text(json.dumps(d))
+    loaded = load(tmp_path / "m.maco", _features())
+    assert sum(isinstance(m, MacoWinograd2d) for m in loaded.modules()) == 4
+    with torch.inference_mode():
+        for x in _poisoned():
+            _same_positions(model(x), loaded(x))
