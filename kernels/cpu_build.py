@@ -8,7 +8,8 @@ A cached object is trusted only when the sha256 digest stored beside it (k_<key>
 matches its bytes and it holds its own key (the exported string `maco_kernel_key`): a truncated
 object would crash the process that dlopens it, and another kernel's object under this name would
 silently compute the wrong thing. Anything else is rebuilt. An unwritable cache falls back to a
-private temporary one, with one warning.
+private temporary one, with one warning; a full one (gcc's "No space left on device", ENOSPC) is a
+NoSpaceError naming the folder, which the tuner stops on instead of recording a failed kernel.
 
 `-march=native` is resolved to what it means on this machine (gcc's own expansion: the -march
 target, every ISA feature, the cache sizes, -mtune) before it is hashed and compiled, so the key
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import hashlib
 import os
 import platform
@@ -49,6 +51,20 @@ _USABLE: dict[str, Path] = {}  # cache folder asked for -> folder used (itself, 
 _SWEPT: set[str] = set()  # folders whose stale temporaries this process has removed
 _LOCK = threading.Lock()
 _PRIVATE: tuple[int, Path] | None = None  # (pid, folder): this process's temporary folder
+
+
+class NoSpaceError(MacoError):
+    """A build that failed because a disk is full (gcc's "No space left on device", or ENOSPC
+    writing the object or its digest): a fault of the machine, not of the kernel, so the tuner
+    stops with this one line instead of recording the schedule as failed."""
+
+
+NO_SPACE = "No space left on device"
+
+
+def _no_space(folder: Path, detail: str) -> NoSpaceError:
+    return NoSpaceError(f"the kernel cache {str(folder)!r} has no space left ({detail}); "
+                        "free some space there or point MACO_CACHE at another folder")
 
 
 def cache_dir() -> Path:
@@ -213,8 +229,13 @@ def install(source: str, flags: list[str], data: bytes, digest: str,
     if hashlib.sha256(data).hexdigest() != digest or k.encode() + b"\0" not in data:
         return None
     # as in _compile: the object first, its digest last, each whole or not at all
-    write_atomic(so, data)
-    write_atomic(_digest_file(so), digest + "\n")
+    try:
+        write_atomic(so, data)
+        write_atomic(_digest_file(so), digest + "\n")
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _no_space(out_dir, f"installing {so.name}: {exc.strerror}") from None
+        raise MacoError(f"cannot write to the kernel cache {str(out_dir)!r}: {exc.strerror or exc}") from None
     return so
 
 
@@ -251,6 +272,8 @@ def _compile(source: str, flags: list[str], so: Path, timeout: float) -> None:
         fd, tmp_so = tempfile.mkstemp(prefix="tmp", suffix=".so.tmp", dir=so.parent)
         os.close(fd)
     except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _no_space(so.parent, f"creating a file for {so.name}: {exc.strerror}") from None
         raise MacoError(f"cannot write to the kernel cache {so.parent}: {exc.strerror}") from None
     try:
         cmd = [compiler(), *flags, "-x", "c", "-", "-o", tmp_so]
@@ -265,12 +288,19 @@ def _compile(source: str, flags: list[str], so: Path, timeout: float) -> None:
             raise MacoError(f"gcc took longer than {timeout:g} s on {so.name}") from None
         if proc.returncode != 0:
             msg = (stderr or stdout).strip()
+            if NO_SPACE in msg:  # in the cache, or in gcc's own temporaries (TMPDIR): named in its line
+                line = next(x for x in msg.splitlines() if NO_SPACE in x)
+                raise _no_space(so.parent, f"gcc: {line.strip()[:300]}")
             raise MacoError(f"gcc failed ({' '.join(cmd[:-5])[:300]}):\n{msg[-4000:]}")
         digest = hashlib.sha256(Path(tmp_so).read_bytes()).hexdigest()
         # the object first, its digest last: a crash in between leaves an old or no digest,
         # which reads as "rebuild", never as "trust"
         os.replace(tmp_so, so)
         write_atomic(_digest_file(so), digest + "\n")
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _no_space(so.parent, f"writing {so.name}: {exc.strerror}") from None
+        raise
     finally:
         try:
             os.unlink(tmp_so)

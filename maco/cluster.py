@@ -240,6 +240,8 @@ class MachinePool:
                 try:
                     results[i] = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
+                    if isinstance(exc.cause, MacoError):  # e.g. a full disk on that machine: its one line
+                        raise exc.cause from None
                     raise exc.as_instanceof_cause() from None  # a bug in fn, not a fault
                 except ray.exceptions.RayError as exc:
                     losses[i] += 1

@@ -55,6 +55,8 @@ def build(source: str, flags: list[str], timeout: float) -> tuple[dict[str, Any]
     try:
         so = cpu_build.build(source, flags, timeout=timeout)
         data = cpu_build.shipped(so)
+    except cpu_build.NoSpaceError as exc:  # the node's disk, not the kernel: the run stops
+        return {"error": str(exc), "no_space": True}, b""
     except MacoError as exc:
         return {"error": str(exc)}, b""
     return {"key": so.name[2:-3], "digest": hashlib.sha256(data).hexdigest()}, data
@@ -153,6 +155,8 @@ class ClusterMeasurer:
             if results[i] is not None:
                 continue
             info, data = built.get(i, ({}, None))
+            if info.get("no_space"):
+                raise cpu_build.NoSpaceError(info["error"])
             if "error" in info:
                 results[i] = (None, info["error"], None)
                 continue

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from maco import kernels
 from maco.errors import MacoError
 from maco.kernels.baselines import torch_conv
+from maco.kernels.cpu_build import NoSpaceError
 from maco.records import TransientError
 from maco.schedule import Schedule
 from maco.spec import ConvSpec
@@ -140,11 +141,16 @@ class Measurer:
 
 def _prebuild(spec: ConvSpec, schedules: Sequence[Schedule], target: Target,
               timeout: float) -> list[str | None]:
-    """Compile a batch in parallel into the kernel cache; per schedule, its build error or None."""
+    """Compile a batch in parallel into the kernel cache; per schedule, its build error or None.
+    A build that failed for lack of disk space is no fact about its schedule: it stops the batch
+    (cpu_build.NoSpaceError, one line naming the folder), and no schedule is recorded as failed."""
     if target.kind != "cpu":
         return [None] * len(schedules)  # CUDA kernels are compiled by the worker (NVRTC, cached)
-    return [str(k) if isinstance(k, Exception) else None
-            for k in kernels.build_many(spec, list(schedules), target, timeout=timeout)]
+    built = kernels.build_many(spec, list(schedules), target, timeout=timeout)
+    full = next((k for k in built if isinstance(k, NoSpaceError)), None)
+    if full is not None:
+        raise full
+    return [str(k) if isinstance(k, Exception) else None for k in built]
 
 
 # -- the worker ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from maco.files import check_writable
 from maco.kernel_choice import MIN_GAIN
 from maco.layouts.end_to_end import conv_share
 from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input, load_model
-from maco.optimize_report import LayerRow, OptimizeResult, end_to_end_rows, write_outputs
+from maco.optimize_report import LayerRow, OptimizeResult, end_to_end_rows, save_output, write_outputs
 from maco.pipeline import build_variants, fastest
 from maco.records import best_in_files
 from maco.kernels import resolve_target
@@ -94,7 +94,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         "epilogues, planning layouts")
     built = build_variants(model, x, tgt, torch_seconds, best, device=device, log=log)
     plan, swapped, variants = built.plan, built.swapped, built.models
-    plan.save(out / "plan.json")
+    save_output(out, "plan.json", plan.to_json())
     kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise,
              "3x3/5x5 convs tried with Winograd": built.winograd}
     others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"

@@ -1,5 +1,6 @@
 """What `maco optimize` leaves in its output folder: the per-layer table (CSV), its plot (PNG),
-the end-to-end numbers (JSON) and report.md, each written whole or not at all."""
+the end-to-end numbers (JSON) and report.md, each written whole or not at all; a file that cannot
+be written (a full disk) is one line naming the folder."""
 from __future__ import annotations
 
 import csv
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from maco.errors import MacoError
 from maco.files import write_atomic
 from maco.kernel_choice import MIN_GAIN
 from maco.layouts import LayoutPlan
@@ -85,12 +87,37 @@ def write_outputs(result: OptimizeResult, target: Target, records: Path, swapped
     w = csv.writer(text)
     w.writerow(header)
     w.writerows(lines)
-    write_atomic(out / "layers.csv", text.getvalue())
-    _plot(result, out / "layers.png")
-    write_atomic(out / "end_to_end.json", json.dumps(result.end_to_end, indent=2))
+    files = {"layers.csv": lambda: text.getvalue(), "layers.png": lambda: _plot(result),
+             "end_to_end.json": lambda: json.dumps(result.end_to_end, indent=2)}
     if result.share is not None:
-        write_atomic(out / "time_split.json", json.dumps(result.share.to_dict(), indent=2))
-    write_atomic(out / "report.md", report_markdown(result, target, records, swapped))
+        files["time_split.json"] = lambda: json.dumps(result.share.to_dict(), indent=2)
+    files["report.md"] = lambda: report_markdown(result, target, records, swapped)
+    # each file whole or not at all, and one that cannot be written (a full disk) does not keep
+    # the others from being written: then one line names the folder and what is missing
+    failed: dict[str, OSError] = {}
+    for name, data in files.items():
+        try:
+            write_atomic(out / name, data())
+        except OSError as exc:
+            failed[name] = exc
+    if failed:
+        raise output_error(out, failed)
+
+
+def output_error(out: Path, failed: dict[str, OSError]) -> MacoError:
+    """One line naming the output folder, the files not written and why."""
+    reasons = sorted({exc.strerror or str(exc) for exc in failed.values()})
+    return MacoError(f"cannot write {', '.join(failed)} to the output folder {str(out)!r} "
+                     f"({'; '.join(reasons)}); every other file there was written whole")
+
+
+def save_output(out: Path, name: str, data: str | bytes) -> None:
+    """Write `name` into the output folder whole or not at all; a full disk (or any other
+    failure to write) is one line naming the folder."""
+    try:
+        write_atomic(out / name, data)
+    except OSError as exc:
+        raise output_error(out, {name: exc}) from None
 
 
 def _ratios(by_layout: dict[str, float]) -> str:
@@ -101,7 +128,8 @@ def _fmt(v: float | None) -> str:
     return "" if v is None else f"{v:.2f}"
 
 
-def _plot(result: OptimizeResult, path: Path) -> None:
+def _plot(result: OptimizeResult) -> bytes:
+    """The per-layer plot as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +151,7 @@ def _plot(result: OptimizeResult, path: Path) -> None:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    write_atomic(path, png.getvalue())
+    return png.getvalue()
 
 
 def report_markdown(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> str:

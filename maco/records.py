@@ -4,6 +4,7 @@ Besides kernel records, a file holds baseline lines (Baseline: torch's conv time
 which `load` leaves out and `load_baselines` returns."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import gzip
 import json
@@ -264,6 +265,17 @@ def make_baseline(spec: ConvSpec, target: Target, layout: str, timing: Timing,
     return Baseline(spec, target.fingerprint(), layout, timing, environment() if env is None else env)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is written; a write that makes no progress (a full disk that
+    reports a short write instead of ENOSPC) is an OSError."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+
+
 def _capped_lines(fh: Any, limit: int) -> Iterator[bytes | None]:
     """The lines of a binary file, each read with at most `limit` bytes in memory; None stands
     for a longer line (its rest is skipped), so one huge line cannot exhaust memory."""
@@ -294,12 +306,29 @@ class RecordFile:
         data = "".join(r.to_json() + "\n" for r in batch).encode()
         fd = self._open_locked()
         try:
-            if os.fstat(fd).st_size and not self._ends_with_newline(fd):
+            size = os.fstat(fd).st_size
+            if size and not self._ends_with_newline(fd):
                 data = b"\n" + data  # a torn last line from a crash stays on its own line
-            os.write(fd, data)
-            os.fsync(fd)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            except OSError as exc:
+                self._roll_back(fd, size)
+                raise MacoError(f"cannot append to records file {str(self.path)!r}: "
+                                f"{exc.strerror or exc}; its {size} bytes before are kept, "
+                                f"the {len(batch)} new record(s) are not saved") from None
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _roll_back(fd: int, size: int) -> None:
+        """Cut a partly written append off again (the lock is still held), so the file ends
+        where it ended before: never a torn line where the disk filled up."""
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        except OSError:
+            pass  # a torn line then, which load() reports and skips
 
     def _open_locked(self) -> int:
         """The file, opened for appending and locked (flock): an in-place rewrite (`replace`)
@@ -330,7 +359,11 @@ class RecordFile:
                 if not 1 <= lineno <= len(lines):
                     raise MacoError(f"records file {str(self.path)!r} has no line {lineno}")
                 lines[lineno - 1] = record.to_json().encode()
-            write_atomic(self.path, b"\n".join(lines))
+            try:
+                write_atomic(self.path, b"\n".join(lines))
+            except OSError as exc:  # the old file stays whole: write_atomic swaps only a whole new one
+                raise MacoError(f"cannot rewrite records file {str(self.path)!r}: {exc.strerror or exc}; "
+                                "it is kept as it was") from None
         finally:
             os.close(fd)
 
