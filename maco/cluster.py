@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ except ImportError:  # the [cluster] extra is not installed: connect() says so
     ray = None
 
 ADDRESSES = "ray://HOST:PORT (Ray Client), HOST:PORT (the address `ray start --head` prints) or auto"
+CONNECT_TIMEOUT = 10.0  # seconds a cluster's address may take to accept a TCP connection
+CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"  # where `ray start` leaves its address (auto)
 ATTEMPTS = 3  # machines a job may lose before it counts as failed (a job that kills every machine)
 _HEAD = "node:__internal_head__"
 
@@ -44,6 +47,32 @@ def check_address(address: Any) -> str:
         if m and 0 < int(m.group(3)) < 65536:
             return text
     raise MacoError(f"cluster must be {ADDRESSES}, got {address!r}")
+
+
+def _probe(address: str, timeout: float | None = None) -> None:
+    """Fail in seconds, with one line, where nothing answers at a HOST:PORT address: ray.init
+    waits minutes for a cluster that is not there, printing only its own warnings. A ray://
+    address fails fast by itself; auto is probed at the address it stands for, when it names one
+    (RAY_ADDRESS, or the cluster `ray start` last left on this machine)."""
+    target = address
+    if address == "auto":
+        target = os.environ.get("RAY_ADDRESS", "")
+        if not target:
+            try:
+                target = Path(CURRENT_CLUSTER).read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                return  # ray.init says there is no cluster to connect to, at once
+    m = re.fullmatch(r"([A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(\d{1,5})", target)
+    if m is None:
+        return
+    host, port = m.group(1).strip("[]"), int(m.group(2))
+    wait = CONNECT_TIMEOUT if timeout is None else timeout
+    try:
+        socket.create_connection((host, port), timeout=wait).close()
+    except OSError as exc:
+        why = f"no answer within {wait:g} s" if isinstance(exc, TimeoutError) else exc.strerror or type(exc).__name__
+        raise MacoError(f"cannot connect to the Ray cluster {address!r}: nothing answers at {host}:{port} "
+                        f"({why}); is `ray start --head` running there?") from None
 
 
 @dataclass(frozen=True)
@@ -67,6 +96,7 @@ class Cluster:
         self.address = address
         self._owned = not ray.is_initialized()
         if self._owned:
+            _probe(address)
             try:
                 ray.init(address=address, log_to_driver=False, logging_level="WARNING")
             except (ConnectionError, RuntimeError, ValueError) as exc:

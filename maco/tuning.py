@@ -161,10 +161,6 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
     measures on its machines of `target`; without it nothing imports Ray."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if cluster is not None:
-        from maco.cluster import check_address
-
-        cluster = check_address(cluster)
     weights = weights or [_weight(name) for name, _ in layers]
     if target.kind == "cpu":
         for name, spec in layers:

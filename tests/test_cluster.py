@@ -58,6 +58,59 @@ def test_a_bad_address_is_one_line_naming_it(command: list[str], address: str, t
     assert not (tmp_path / "o").exists() and not (tmp_path / "r.jsonl").exists()
 
 
+# -- an address where no cluster answers -------------------------------------------------------
+def _tune_on(address: str, tmp_path: Path, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "maco.cli", "tune", "n1_c4_h6_w6_k8_r3x3_p1", "--trials", "2",
+                           "--no-baseline", "--records", str(tmp_path / "r.jsonl"), "--cluster", address],
+                          capture_output=True, text=True, timeout=90,
+                          env={**os.environ, "MACO_CACHE": str(tmp_path / "cache"), **(env or {})}, **kwargs)
+
+
+@pytest.mark.parametrize("address, env", [("127.0.0.1:1", {}), ("auto", {"RAY_ADDRESS": "127.0.0.1:1"})])
+def test_nothing_listening_at_the_address_is_one_line_in_seconds(address: str, env: dict[str, str],
+                                                                 tmp_path: Path) -> None:
+    """ray.init waits minutes where no cluster listens, printing only its warnings: maco says so
+    at once (the process gets 90 s, Ray would take more than 5 minutes)."""
+    pytest.importorskip("ray", reason="Ray cannot be installed here (pip install 'maco[cluster]')")
+    start = time.monotonic()
+    run = _tune_on(address, tmp_path, env)
+    assert run.returncode == 2, run.stderr[-3000:]
+    err = run.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"cannot connect to the Ray cluster {address!r}: nothing answers at 127.0.0.1:1" in err
+    assert time.monotonic() - start < 60 and not (tmp_path / "r.jsonl").exists()
+
+
+def test_an_address_that_never_answers_times_out(tmp_path: Path) -> None:
+    """A port whose connections are never taken (its listen backlog is full, so new ones hang
+    as at a host that drops them) waits out the connect timeout only."""
+    pytest.importorskip("ray", reason="Ray cannot be installed here (pip install 'maco[cluster]')")
+    script = textwrap.dedent("""
+        import socket, time
+        import maco.cluster as c
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port, held = server.getsockname()[1], []
+        for _ in range(4):  # fill the backlog: further connects hang
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            held.append(s)
+        time.sleep(0.2)
+        c.CONNECT_TIMEOUT = 1.0
+        start = time.monotonic()
+        try:
+            c.Cluster(f"127.0.0.1:{port}")
+        except c.MacoError as exc:
+            print(round(time.monotonic() - start, 1), exc)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seconds, message = run.stdout.strip().split(" ", 1)
+    assert float(seconds) < 5 and "no answer within 1 s" in message, run.stdout
+
+
 # -- a real two-node cluster -------------------------------------------------------------------
 ray = pytest.importorskip("ray", reason="Ray cannot be installed here (pip install 'maco[cluster]')")
 from ray.cluster_utils import Cluster as LocalCluster  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from maco.commands.common import (add_cluster_argument, checked_cluster, nonnegative_float, nonnegative_int,
+from maco.commands.common import (add_cluster_argument, nonnegative_float, nonnegative_int,
                                   positive_float, positive_int, print_table)
 from maco.errors import MacoError
 from maco.files import check_writable
@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     from maco.layouts.dataset import collect, network_specs, random_specs
     from maco.layouts.latency import check_device
 
-    cluster = checked_cluster(args.cluster)
     device = check_device(args.device).type
     out = args.out or f"results/dataset_{device}.csv"
     check_writable(out, "--out")
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     layouts = [v.strip() for v in args.layouts.split(",") if v.strip()]
     summary = collect(out, specs, layouts, args.device, rounds=args.rounds, tolerance=args.tolerance,
                       attempts=args.attempts, retime_noisy=args.retime_noisy, threads=args.threads,
-                      patience=args.patience, progress=not args.no_progress, cluster=cluster)
+                      patience=args.patience, progress=not args.no_progress, cluster=args.cluster)
     print_table(f"maco collect -> {out}",
                 ["measured", "retimed", "in a spell (timed again at the end)", "never settled", "under load",
                  "skipped", "rows", "bad lines", "seconds"],

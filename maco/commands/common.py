@@ -36,19 +36,21 @@ nonnegative_float = _number(float, 0, True)
 
 
 def add_cluster_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+    p.add_argument("--cluster", default=None, metavar="ADDRESS", type=cluster_address,
                    help="build on every node of a Ray cluster and measure on its machines of this "
                    "machine's kind: ray://HOST:PORT, HOST:PORT (as `ray start --head` prints) or "
                    "auto (RAY_ADDRESS); needs pip install 'maco[cluster]'")
 
 
-def checked_cluster(address: str | None) -> str | None:
-    """--cluster checked before any work (None: no cluster, and Ray is not imported)."""
-    if address is None:
-        return None
+def cluster_address(text: str) -> str:
+    """--cluster, checked where it is parsed, before any work (maco.cluster.check_address; Ray
+    is imported only when --cluster is given)."""
     from maco.cluster import check_address
 
-    return check_address(address)
+    try:
+        return check_address(text)
+    except MacoError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def resolve_layers(text: str, batch: int = 1, every: bool = False) -> list[tuple[str, ConvSpec]]:

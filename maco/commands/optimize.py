@@ -46,10 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from maco.commands.common import checked_cluster
     from maco.optimize import optimize
 
-    cluster = checked_cluster(args.cluster)
     shape = None
     if args.input_shape:
         try:
@@ -60,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             raise MacoError(f"--input-shape must be positive ints, got {args.input_shape!r}")
     result = optimize(args.model, target=args.target, budget=args.budget, out=args.out,
                       records=args.records, seed=args.seed, input_shape=shape, batch=args.batch,
-                      save=args.save, cluster=cluster, engines=engines_to_time(args.engines))
+                      save=args.save, cluster=args.cluster, engines=engines_to_time(args.engines))
     for key, label in (("fused", "fused (BatchNorm folded, epilogues in the conv)"),
                        ("planned_torch", "fused + planned layouts, torch convs"),
                        ("planned_maco", "fused + planned layouts + MACO kernels")):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from maco.commands.common import (add_cluster_argument, checked_cluster, nonnegative_int, positive_float,
+from maco.commands.common import (add_cluster_argument, nonnegative_int, positive_float,
                                   positive_int, print_table, resolve_layers)
 from maco.errors import MacoError
 from maco.files import check_writable
@@ -60,13 +60,12 @@ def run(args: argparse.Namespace) -> int:
         raise MacoError(f"--layouts must name NCHW and/or NHWC, got {args.layouts!r}")
     from maco.kernels import resolve_target
 
-    cluster = checked_cluster(args.cluster)
     target = resolve_target(args.target)
     check_writable(args.records, "--records")
     results = tune_layers(resolve_layers(args.layer, args.batch), target, args.trials,
                           records=args.records, pruned=not args.no_prune, seed=args.seed,
                           round_size=args.round_size, layouts=layouts, timeout=args.timeout,
-                          baselines=not args.no_baseline, cluster=cluster)
+                          baselines=not args.no_baseline, cluster=args.cluster)
     print_results(results, target, f"tuned {args.layer} on {target.name} "
                   f"({'full' if args.no_prune else 'MACO-pruned'} space, records: {args.records})")
     return 0
