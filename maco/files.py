@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,12 @@ from maco.errors import MacoError
 
 MAX_JSON_BYTES = 64 << 20  # a plan, schedule or predictor file; records are capped per line
 MAX_LINE_BYTES = 1 << 20  # one record (a few kB in practice)
+# Deepest [ / { nesting MACO accepts: its own files nest under 10 levels (XGBoost models 6). The
+# parsers recurse per level (Python's json into a RecursionError, XGBoost's into a segfault).
+MAX_JSON_DEPTH = 100
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def short(value: Any, limit: int = 60) -> str:
@@ -24,32 +33,94 @@ def short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def load_json(text: str | bytes, what: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """json.loads with a size cap; too large, malformed or too deeply nested -> MacoError."""
+def json_depth(text: str | bytes) -> int:
+    """The deepest nesting of [ and { outside JSON strings, counted without recursion (for
+    malformed text an estimate; the parser refuses it anyway)."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    import numpy as np
+
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max())
+
+
+def check_depth(text: str | bytes, what: str, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """MacoError when `text` nests [ and { deeper than `max_depth`, before any parser recurses."""
+    opens = text.count("[") + text.count("{") if isinstance(text, str) else text.count(b"[") + text.count(b"{")
+    if opens > max_depth and json_depth(text) > max_depth:
+        raise MacoError(f"not a {what}: nested more than {max_depth} levels deep")
+
+
+def load_json(text: str | bytes, what: str, max_bytes: int = MAX_JSON_BYTES,
+              max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """json.loads with a size and a nesting cap; too large, malformed, too deeply nested or
+    holding an integer Python refuses to convert -> MacoError."""
     if len(text) > max_bytes:
         raise MacoError(f"not a {what}: {len(text)} bytes, more than the {max_bytes}-byte limit")
+    check_depth(text, what, max_depth)
     try:
         return json.loads(text)
     except RecursionError:
         raise MacoError(f"not a {what}: nested too deeply") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of > 4300 digits
+        if "integer string conversion" in str(exc):
+            raise MacoError(f"not a {what}: it holds an integer of more than "
+                            f"{sys.get_int_max_str_digits()} digits") from None
         raise MacoError(f"not a {what}: {exc}") from None
 
 
-def read_text(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_JSON_BYTES) -> str:
-    """The text of a user's file, or MacoError naming it (missing, a folder, unreadable, too big)."""
+_KINDS = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def _check_regular(mode: int, p: Path, what: str) -> None:
+    if stat.S_ISDIR(mode):
+        raise MacoError(f"{what} {str(p)!r} is a directory, not a file")
+    if not stat.S_ISREG(mode):
+        raise MacoError(f"{what} {str(p)!r} is {_KINDS.get(stat.S_IFMT(mode), 'not a file')}, "
+                        "not a regular file")
+
+
+def read_bytes(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a user's regular file, at most `max_bytes`, or MacoError naming it (missing,
+    a folder, a pipe or device, unreadable, too big). Never waits on a FIFO and never reads past
+    the cap, whatever size the file claims (a link to /dev/zero claims 0 bytes)."""
     p = Path(path)
     try:
-        if p.is_dir():
-            raise MacoError(f"{what} {str(p)!r} is a directory, not a file")
-        size = p.stat().st_size
-        if size > max_bytes:
-            raise MacoError(f"{what} {str(p)!r} is {size} bytes, more than the {max_bytes}-byte limit")
-        return p.read_text()
+        _check_regular(os.stat(p).st_mode, p, what)  # a device is refused before it is opened
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)  # what was opened, not what the path named a moment before
+            _check_regular(st.st_mode, p, what)
+            if st.st_size > max_bytes:
+                raise MacoError(f"{what} {str(p)!r} is {st.st_size} bytes, more than the {max_bytes}-byte limit")
+            chunks, total = [], 0
+            while total <= max_bytes:  # at most the cap and one byte, to see a file that grew
+                chunk = os.read(fd, min(max_bytes + 1 - total, 1 << 24))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise MacoError(f"cannot read {what} {str(p)!r}: it does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MacoError(f"cannot read {what} {str(p)!r}: {exc}") from None
+    except OSError as exc:
+        raise MacoError(f"cannot read {what} {str(p)!r}: {exc.strerror or exc}") from None
+    if total > max_bytes:
+        raise MacoError(f"{what} {str(p)!r} is more than the {max_bytes}-byte limit")
+    return b"".join(chunks)
+
+
+def read_text(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_JSON_BYTES) -> str:
+    """The UTF-8 text of a user's file, or MacoError naming it (as read_bytes, or not UTF-8)."""
+    try:
+        return read_bytes(path, what, max_bytes).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MacoError(f"cannot read {what} {str(path)!r}: {exc}") from None
 
 
 def load_json_file(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_JSON_BYTES) -> Any:

@@ -151,3 +151,24 @@ def test_cli_bench_refuses_a_hostile_schedule_file(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "unknown CPU schedule knob" in proc.stderr
     assert not marker.exists()
+
+
+def test_a_schedule_with_a_number_python_will_not_read_or_deep_nesting_is_one_line(tmp_path):
+    """An integer of more than 4300 digits, or 300,000 levels of nesting, in a schedule file or
+    a shared spec is refused with one line (Python's parser raises a bare ValueError for the
+    first and recurses on the second)."""
+    d = _cpu_base().to_dict()
+    text = json.dumps(d).replace('"unroll": 0', '"unroll": 1' + "0" * 5000)
+    assert text != json.dumps(d)
+    with pytest.raises(MacoError, match="integer of more than 4300 digits"):
+        Schedule.from_json(text)
+    with pytest.raises(MacoError, match="nested more than"):
+        Schedule.from_json(json.dumps({**d, "extra": "DEEP"}).replace('"DEEP"', "[" * 300_000 + "]" * 300_000))
+    with pytest.raises(MacoError, match="integer of more than 4300 digits"):
+        ConvSpec.from_json(SPEC.to_json().replace('"c": 8', '"c": 8' + "0" * 5000))
+    evil = tmp_path / "evil.json"
+    evil.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "maco.cli", "bench", str(SPEC), "--schedule", str(evil)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and "4300 digits" in proc.stderr
