@@ -14,6 +14,9 @@ from maco.files import load_json, short
 
 Pair = tuple[int, int]
 DTYPE_BYTES = 4  # fp32 everywhere
+# The largest size along any axis, padded extents included: the generated kernels index rows,
+# columns and channels with C ints (a bigger one would wrap), and numpy sizes stay int64.
+MAX_EXTENT = 2**31 - 1
 
 
 def _pair(name: str, value: int | tuple[int, int] | list[int]) -> Pair:
@@ -61,6 +64,11 @@ class ConvSpec:
             raise MacoError(f"ConvSpec.dilation must be positive, got {self.dilation}")
         if min(self.padding) < 0:
             raise MacoError(f"ConvSpec.padding must be >= 0, got {self.padding}")
+        for name in ("n", "c", "h", "w", "k", "kh", "kw", "groups", "stride", "padding", "dilation"):
+            value = getattr(self, name)
+            if max(value if isinstance(value, tuple) else (value,)) > MAX_EXTENT:
+                raise MacoError(f"ConvSpec.{name}={short(value)} is past {MAX_EXTENT}, the largest "
+                                "size MACO's kernels index along an axis")
         if self.c % self.groups:
             raise MacoError(f"ConvSpec.c={self.c} is not divisible by groups={self.groups}")
         if self.k % self.groups:
@@ -74,6 +82,9 @@ class ConvSpec:
                     f"kernel extent {ext} along {axis} is larger than the padded input "
                     f"{size} + 2*{pad} = {size + 2 * pad}"
                 )
+            if size + 2 * pad > MAX_EXTENT:
+                raise MacoError(f"the padded input {size} + 2*{pad} along {axis} is past {MAX_EXTENT}, "
+                                "the largest size MACO's kernels index along an axis")
 
     # -- derived sizes -------------------------------------------------------
     @property
