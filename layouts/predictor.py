@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import time
 import zlib
@@ -35,11 +36,12 @@ import torch
 from torch import nn
 
 from maco.errors import MacoError
-from maco.files import load_json_file, write_atomic
+from maco.files import load_json, load_json_file, read_bytes, write_atomic
 from maco.kernels.baselines import torch_backend
 from maco.layouts.dataset import cpus_of, load_rows
 from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, predict_conversion
 from maco.spec import ConvSpec
+from maco.xgb_check import load_booster
 
 FEATURES = ["layout", "n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h",
             "pad_w", "dil_h", "dil_w", "groups", "flops", "input_bytes", "weight_bytes",
@@ -90,7 +92,11 @@ def features(specs: Sequence[ConvSpec], layouts: Sequence[str], log: bool = True
                 "c_pad16": _pad(s.c_per_group, 16), "k_pad8": _pad(s.k_per_group, 8),
                 "k_pad16": _pad(s.k_per_group, 16), "out_pixels": s.n * s.out_h * s.out_w,
                 "padded_flops": s.flops * _pad(s.c_per_group, 16) * _pad(s.k_per_group, 16)}
-        backend = torch_backend(s, lay)
+        try:
+            backend = torch_backend(s, lay)
+        except RuntimeError:  # torch allocates the (untouched) input and weights to choose
+            raise MacoError(f"cannot predict {s}: torch cannot hold its {s.input_bytes / 2**30:.4g} GiB input "
+                            f"and {s.weight_bytes / 2**30:.4g} GiB weights to say which conv it runs") from None
         vals.update({name: float(backend == picked) for name, picked in _BACKENDS.items()})
         out[i] = [math.log(vals[f]) if log and f in _LOGGED else float(vals[f]) for f in FEATURES]
     return out
@@ -349,12 +355,7 @@ class LatencyPredictor:
         if family not in _MODEL_FILES:
             raise MacoError(f"{str(path)!r}: unknown model family {family!r}; choose from {', '.join(_MODEL_FILES)}")
         name = _MODEL_FILES[family]
-        try:
-            if (folder / name).stat().st_size > MAX_MODEL_BYTES:
-                raise MacoError(f"{str(path)!r}: {name} is larger than {MAX_MODEL_BYTES} bytes")
-            blob = (folder / name).read_bytes()
-        except OSError as exc:
-            raise MacoError(f"cannot read a latency predictor from {str(path)!r}: {exc}") from None
+        blob = read_bytes(folder / name, "latency predictor model", MAX_MODEL_BYTES)  # a regular file, capped
         if doc.get("features") != FEATURES:
             raise MacoError(f"{str(path)!r} was trained on other features than this MACO computes")
         if hashlib.sha256(blob).hexdigest() != doc.get("model_sha256"):
@@ -371,8 +372,9 @@ class LatencyPredictor:
             return cls(config, np.array(doc["x_mean"]), np.array(doc["x_std"]), float(doc["y_mean"]),
                        float(doc["y_std"]), models, str(doc.get("device", "cpu")), conv,
                        meta, doc.get("label", "seconds"), reference)
-        except (KeyError, TypeError, ValueError, RuntimeError, MacoError) as exc:
-            raise MacoError(f"{str(path)!r}: not a valid latency predictor: {exc}") from None
+        except (KeyError, TypeError, ValueError, RuntimeError, MacoError, pickle.UnpicklingError, EOFError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise MacoError(f"{str(path)!r}: not a valid latency predictor: {first}") from None
 
 
 _MODEL_FILES = {"mlp": "model.pt", "trees": "model.json.gz"}
@@ -388,26 +390,21 @@ def _load_mlps(config: MLPConfig, blob: bytes) -> list[nn.Module]:
 
 
 def _load_trees(blob: bytes) -> list[Any]:
-    """Boosters from XGBoost's JSON model format (data only), each checked to read FEATURES."""
-    import xgboost as xgb
-
+    """Boosters from XGBoost's JSON model format (data only), each checked to be proper trees
+    reading FEATURES (maco.xgb_check) before XGBoost's native code sees it."""
     inflate = zlib.decompressobj(wbits=31)  # gzip; a bomb stops at the size cap
     text = inflate.decompress(blob, MAX_MODEL_BYTES)
     if inflate.unconsumed_tail or not inflate.eof:
         raise ValueError(f"model.json.gz is cut or inflates past {MAX_MODEL_BYTES} bytes")
-    texts = json.loads(text)
+    texts = load_json(text, "list of XGBoost models (model.json.gz)", MAX_MODEL_BYTES)
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise ValueError("model.json.gz must hold a list of XGBoost JSON models")
     models = []
-    for text in texts:
-        booster = xgb.Booster(params={"nthread": 1})
+    for i, text in enumerate(texts):
         try:
-            booster.load_model(bytearray(text.encode()))
-        except xgb.core.XGBoostError as exc:
-            raise ValueError(f"an XGBoost model does not load: {str(exc).splitlines()[0]}") from None
-        if booster.num_features() != len(FEATURES):
-            raise ValueError(f"a booster reads {booster.num_features()} features, not {len(FEATURES)}")
-        models.append(booster)
+            models.append(load_booster(text, f"model {i} of model.json.gz", len(FEATURES), MAX_MODEL_BYTES))
+        except MacoError as exc:
+            raise ValueError(f"an XGBoost model does not load: {exc}") from None
     return models
 
 

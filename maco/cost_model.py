@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -18,6 +19,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from maco.errors import MacoError
+from maco.files import load_json, read_bytes, write_atomic
 from maco.geometry import footprint
 from maco.kernels import default_schedule
 from maco.kernels.cpu_codegen import intrinsics_isa
@@ -26,6 +28,7 @@ from maco.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNRO
                            axis_extents)
 from maco.spec import ConvSpec
 from maco.target import CPU_ISAS, Target
+from maco.xgb_check import CHECKSUM_ATTR, booster_from_doc, check_checksum, content_sha256
 
 MIN_TRAINING_RECORDS = 8  # below this, the prior or the analytic estimate ranks better than a tiny model
 PRIOR_FILE = Path(__file__).with_name("cost_prior_cpu.json")  # rebuilt by `python -m maco.cost_model`
@@ -185,18 +188,35 @@ def train_prior(records: Iterable[Record], exclude: Iterable[ConvSpec] = (), see
     return booster
 
 
+MAX_PRIOR_BYTES = 64 << 20  # ~1 MB shipped
+
+
+def load_prior(path: str | os.PathLike[str] = PRIOR_FILE):
+    """A prior booster from its file, checked before XGBoost reads it: its sha256 (the learner
+    attribute `sha256`, which `python -m maco.cost_model` writes) must match its content, so a
+    damaged file is named, and its trees must be proper trees (maco.xgb_check), so a crafted
+    one is refused with one line rather than crashing XGBoost's native code."""
+    what = f"cost-model prior {str(path)!r}"
+    doc = load_json(read_bytes(path, "cost-model prior", MAX_PRIOR_BYTES), what, MAX_PRIOR_BYTES)
+    check_checksum(doc, f"{what} (rebuild it with `python -m maco.cost_model`)")
+    return booster_from_doc(doc, what)  # one thread, as the fitted model: no OpenMP pool in the tuner
+
+
 @lru_cache(maxsize=1)
 def shipped_prior():
     """The prior shipped with MACO (PRIOR_FILE), or None where the file is absent."""
-    import xgboost as xgb
-
     if not PRIOR_FILE.is_file():
         return None
-    try:  # one thread, as the fitted model: no OpenMP pool in the tuner's process
-        return xgb.Booster(params={"nthread": 1}, model_file=str(PRIOR_FILE))
-    except xgb.core.XGBoostError as exc:
-        first = str(exc).splitlines()[0]
-        raise MacoError(f"the shipped cost-model prior {PRIOR_FILE} does not load: {first}") from None
+    return load_prior(PRIOR_FILE)
+
+
+def save_prior(booster, path: str | os.PathLike[str]) -> None:
+    """Write `booster` as XGBoost JSON, atomically, with its content's sha256 as the learner
+    attribute load_prior checks."""
+    booster.set_attr(**{CHECKSUM_ATTR: None})
+    booster.set_attr(**{CHECKSUM_ATTR: content_sha256(json.loads(bytes(booster.save_raw("json"))))})
+    write_atomic(path, bytes(booster.save_raw("json")))
+    check_checksum(json.loads(Path(path).read_bytes()), str(path))
 
 
 def prior_fits(booster, target: Target) -> bool:
@@ -261,9 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     records = [r for path in args.records for r in RecordFile(path).load()]
     booster = train_prior(records)
-    tmp = args.out.with_suffix(".tmp" + args.out.suffix)  # xgboost picks the format by the suffix
-    booster.save_model(str(tmp))
-    tmp.replace(args.out)
+    save_prior(booster, args.out)
     print(f"{args.out}: trained on {booster.attr('schedules')} schedules of {booster.attr('convs')} convs "
           f"({booster.attr('isas')})")
     return 0

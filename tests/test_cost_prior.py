@@ -93,3 +93,27 @@ def test_records_are_read_from_a_gzip_file_and_a_cut_one_is_named(tmp_path):
     path.write_bytes(gzip.compress(data)[:-20])
     with pytest.raises(MacoError, match="cannot read records file .*r.jsonl.gz"):
         RecordFile(path).load()
+
+
+def test_the_shipped_prior_is_checked_against_its_checksum_before_xgboost_reads_it(tmp_path):
+    """The prior holds the sha256 of its content (learner attribute `sha256`, written by
+    `python -m maco.cost_model`): an edited leaf, which XGBoost would load and use without a word,
+    is named as damage; a copy loads and predicts as the shipped one does."""
+    import json
+
+    from maco.cost_model import load_prior
+
+    doc = json.loads(PRIOR_FILE.read_text())
+    assert doc["learner"]["attributes"]["sha256"]
+    (tmp_path / "copy.json").write_text(json.dumps(doc))
+    x = np.random.default_rng(0).random((16, 79))
+    assert np.array_equal(load_prior(tmp_path / "copy.json").inplace_predict(x), shipped_prior().inplace_predict(x))
+    tree = doc["learner"]["gradient_booster"]["model"]["trees"][3]
+    leaf = tree["left_children"].index(-1)
+    tree["split_conditions"][leaf] *= 2
+    (tmp_path / "edited.json").write_text(json.dumps(doc))
+    with pytest.raises(MacoError, match="cost-model prior .*edited.json.* is damaged"):
+        load_prior(tmp_path / "edited.json")
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(MacoError, match="is a directory"):
+        load_prior(tmp_path / "dir.json")

@@ -204,6 +204,40 @@ def test_load_refuses_foreign_tree_files(synthetic, tmp_path):
         LatencyPredictor.load(tmp_path / "t")
 
 
+
+def test_load_refuses_tree_files_xgboost_would_misread_or_crash_on(synthetic, tmp_path):
+    """Checked in Python before XGBoost sees them (maco.xgb_check): a NaN leaf XGBoost loads and
+    predicts NaN from; a feature count other than FEATURES'; a split on a feature the model does not
+    read. (Crashing ones run in child processes: tests/test_untrusted_files.py.)"""
+    import gzip
+    import hashlib
+
+    specs, lays, secs = synthetic
+    fit_predictor(specs[:40], lays[:40], secs[:40], TreeConfig(depth=2, trees=5)).save(tmp_path / "t")
+    doc = json.loads((tmp_path / "t" / "predictor.json").read_text())
+    booster = json.loads(json.loads(gzip.decompress((tmp_path / "t" / "model.json.gz").read_bytes()))[0])
+
+    def save(change) -> None:
+        b = json.loads(json.dumps(booster))
+        change(b)
+        blob = gzip.compress(json.dumps([json.dumps(b)]).encode())
+        (tmp_path / "t" / "model.json.gz").write_bytes(blob)
+        (tmp_path / "t" / "predictor.json").write_text(
+            json.dumps({**doc, "model_sha256": hashlib.sha256(blob).hexdigest()}))
+
+    tree = lambda b: b["learner"]["gradient_booster"]["model"]["trees"][0]  # noqa: E731
+    save(lambda b: tree(b)["split_conditions"].__setitem__(tree(b)["left_children"].index(-1), float("nan")))
+    with pytest.raises(MacoError, match="not a valid latency predictor: an XGBoost model does not load: .*nan"):
+        LatencyPredictor.load(tmp_path / "t")
+    save(lambda b: b["learner"]["learner_model_param"].__setitem__("num_feature", "40"))
+    with pytest.raises(MacoError, match=f"reads 40 features, not {len(FEATURES)}"):
+        LatencyPredictor.load(tmp_path / "t")
+    save(lambda b: b["learner"]["gradient_booster"]["model"]["tree_info"].append(0))
+    with pytest.raises(MacoError, match="tree_info must be a list of 5 integers"):
+        LatencyPredictor.load(tmp_path / "t")
+    save(lambda b: None)
+    assert len(LatencyPredictor.load(tmp_path / "t").models) == 1
+
 def test_baselines_raw_and_log(synthetic):
     specs, lays, secs = synthetic
     tr, te = split_by_spec(specs, 0.2, seed=0)
