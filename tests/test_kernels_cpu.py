@@ -12,6 +12,7 @@ import torch
 
 from maco import ConvSpec, MacoError, MemoryLevel, Schedule, Target, kernels
 from maco.space import sample
+from tests.busy import holds_unless_busy
 from tests.targets import AVX2, GENERIC
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -346,14 +347,24 @@ def test_measure_peak_is_positive_and_cached():
 
 
 def test_microkernel_ceiling_lies_below_the_fma_peak():
+    """Loads share the core with the FMAs: the register-tile mix never outruns the FMA loop, both
+    timed on the same flops in the same rounds (peaks cached from another moment can disagree)."""
     if HOST.isa not in ("avx512", "avx2"):
         pytest.skip(f"the microkernel ceiling needs AVX2 or AVX-512 intrinsics; this host is {HOST.isa}")
-    fma, micro = kernels.measure_peak(HOST), kernels.measure_peak(HOST, kind="microkernel")
-    assert 0 < micro <= 1.05 * fma  # loads share the core with the FMAs: never above the peak
+    from maco.kernels.cpu_peak import flops_runner
+    from maco.timing import interleaved_rounds
+
+    assert kernels.measure_peak(HOST, kind="microkernel") > 0
+    fma, micro, flops = flops_runner(HOST, "fma"), flops_runner(HOST, "microkernel"), 1e8
+
+    def check() -> str:
+        t = interleaved_rounds({"fma": lambda: fma(flops), "micro": lambda: micro(flops)}, 5, repeats=3,
+                               min_run_time=2e-3)
+        ratio = sorted(f.min / m.min for f, m in zip(t["fma"], t["micro"]))[2]  # micro's speed over fma's
+        return "" if 0 < ratio <= 1.05 else f"the microkernel ran {ratio:.2f}x the FMA loop's speed"
+    holds_unless_busy(check)
     with pytest.raises(MacoError, match="unknown peak kind 'gpu'"):
         kernels.measure_peak(HOST, kind="gpu")
-    from maco.kernels.cpu_peak import flops_runner
-
     flops_runner(HOST, "microkernel", (3, 8))(1e6)  # another register-tile shape builds and runs
     with pytest.raises(MacoError, match=r"register tile shape must be positive.*\(0, 8\)"):
         flops_runner(HOST, "microkernel", (0, 8))
@@ -365,14 +376,19 @@ def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
     from maco.benchmark import bench_layer
 
     spec = ConvSpec.parse("n1_c32_h14_w14_k64_r3x3_p1")
-    r = bench_layer("x", spec, {"maco": kernels.default_schedule(spec, HOST, "NHWC")}, HOST, repeats=3,
-                    min_run_time=0.005, ceilings=True)
-    assert len(r.rounds["FMA peak"]) == 3
-    assert ("microkernel ceiling" in r.rounds) == (HOST.isa in ("avx512", "avx2"))
-    assert 0.2 * kernels.measure_peak(HOST) < r.gflops("FMA peak") < 1.5 * kernels.measure_peak(HOST)
-    # Below 1 up to the VM's noise: on a noisy host the FMA loop's 30 us parallel region has read
-    # 1.3x slow beside the kernel in CI; a flop count off by 2 reads twice the kernel's share.
-    assert 0 < r.speedup("maco", over=("FMA peak",)) < 1.5
+
+    def check() -> str:
+        r = bench_layer("x", spec, {"maco": kernels.default_schedule(spec, HOST, "NHWC")}, HOST, repeats=3,
+                        min_run_time=0.005, ceilings=True)
+        assert len(r.rounds["FMA peak"]) == 3
+        assert ("microkernel ceiling" in r.rounds) == (HOST.isa in ("avx512", "avx2"))
+        peak, beside = kernels.measure_peak(HOST), r.gflops("FMA peak")
+        if not 0.2 * peak < beside < 1.5 * peak:
+            return f"the FMA loop beside the kernel read {beside:.0f} GFLOP/s, the cached peak {peak:.0f}"
+        # Below 1 up to the VM's noise; a flop count off by 2 reads twice the kernel's share.
+        share = r.speedup("maco", over=("FMA peak",))
+        return "" if 0 < share < 1.5 else f"the kernel ran {share:.2f}x the FMA loop on the layer's flops"
+    holds_unless_busy(check)
 
 
 def test_bench_layer_times_winograd_in_each_tile_size_and_checks_it():
