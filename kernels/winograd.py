@@ -254,7 +254,8 @@ def _source(plan: WinogradPlan) -> str:
     e(f"  float *restrict M = block_buffer + {els * per_block * c};")
     e("  long done = -1;  /* the block whose V this thread holds */")
     # items run part-major within a block, so a thread with several items of one block transforms it once
-    e("  #pragma omp for schedule(static)")
+    # nowait: the check after the loop needs no barrier (the region's end joins the threads anyway)
+    e("  #pragma omp for schedule(static) nowait")
     e(f"  for (long item = 0; item < {blocks * parts}; item++) {{")
     e(f"    const long blk = item / {parts}, k1 = item % {parts} * {kp};")
     e(f"    const long t0 = blk * {per_block};")
