@@ -51,7 +51,7 @@ def check_depth(text: str | bytes, what: str, max_depth: int = MAX_JSON_DEPTH) -
     """MacoError when `text` nests [ and { deeper than `max_depth`, before any parser recurses."""
     opens = text.count("[") + text.count("{") if isinstance(text, str) else text.count(b"[") + text.count(b"{")
     if opens > max_depth and json_depth(text) > max_depth:
-        raise MacoError(f"not a {what}: nested more than {max_depth} levels deep")
+        raise MacoError(f"not a {what}: nested too deeply (more than {max_depth} levels)")
 
 
 def load_json(text: str | bytes, what: str, max_bytes: int = MAX_JSON_BYTES,

@@ -162,7 +162,7 @@ def test_a_schedule_with_a_number_python_will_not_read_or_deep_nesting_is_one_li
     assert text != json.dumps(d)
     with pytest.raises(MacoError, match="integer of more than 4300 digits"):
         Schedule.from_json(text)
-    with pytest.raises(MacoError, match="nested more than"):
+    with pytest.raises(MacoError, match="nested too deeply"):
         Schedule.from_json(json.dumps({**d, "extra": "DEEP"}).replace('"DEEP"', "[" * 300_000 + "]" * 300_000))
     with pytest.raises(MacoError, match="integer of more than 4300 digits"):
         ConvSpec.from_json(SPEC.to_json().replace('"c": 8', '"c": 8' + "0" * 5000))

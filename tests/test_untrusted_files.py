@@ -109,7 +109,7 @@ MUTATIONS = {  # name -> (change, a phrase of the one line that refuses it)
     "split on feature 1e9": (_split_1e9, "splits on feature 1000000000"),
     "NaN leaf": (_nan_leaf, "nan"),
     "iteration_indptr past the trees": (_bad_indptr, "iteration_indptr"),
-    f"{DEEP:,} levels of nesting": (_deep, f"nested more than {MAX_JSON_DEPTH} levels"),
+    f"{DEEP:,} levels of nesting": (_deep, f"nested too deeply (more than {MAX_JSON_DEPTH} levels)"),
 }
 
 
@@ -189,9 +189,9 @@ def test_a_deeply_nested_model_list_or_predictor_json_is_one_line(tree_predictor
     (bad / "model.json.gz").write_bytes(blob)
     doc = json.loads((bad / "predictor.json").read_text())
     (bad / "predictor.json").write_text(json.dumps({**doc, "model_sha256": hashlib.sha256(blob).hexdigest()}))
-    _one_line(_run(LOAD_PREDICTOR, env={"MACO_PREDICTOR": str(bad)}), "nested more than")
+    _one_line(_run(LOAD_PREDICTOR, env={"MACO_PREDICTOR": str(bad)}), "nested too deeply")
     (bad / "predictor.json").write_text('{"format": 1, "meta": ' + "[" * DEEP + "]" * DEEP + "}")
-    _one_line(_run(LOAD_PREDICTOR, env={"MACO_PREDICTOR": str(bad)}), "nested more than")
+    _one_line(_run(LOAD_PREDICTOR, env={"MACO_PREDICTOR": str(bad)}), "nested too deeply")
 
 
 def test_the_checks_take_the_shipped_models_and_name_each_flaw(tree_predictor):
@@ -204,7 +204,7 @@ def test_the_checks_take_the_shipped_models_and_name_each_flaw(tree_predictor):
     assert check_booster(json.loads(PRIOR_FILE.read_text()), "prior") == 79
     _, doc = tree_predictor
     for name, (change, phrase) in MUTATIONS.items():
-        with pytest.raises(MacoError, match="not a usable XGBoost model|nested more than") as err:
+        with pytest.raises(MacoError, match="not a usable XGBoost model|nested too deeply") as err:
             text = _mutated_text(doc, change)
             check_booster(load_json(text, "booster"), "booster")
         assert phrase in str(err.value), (name, str(err.value))
@@ -391,9 +391,9 @@ def test_nesting_is_counted_outside_strings_without_recursion():
     assert json_depth('[[1], {"a": [2]}]') == 3 and json_depth("") == 0
     assert json_depth('["[[[[", {"a\\"[[": "]]]"}]') == 2
     assert load_json("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH, "plan") is not None
-    with pytest.raises(MacoError, match=f"not a plan: nested more than {MAX_JSON_DEPTH} levels deep"):
+    with pytest.raises(MacoError, match=fr"not a plan: nested too deeply \(more than {MAX_JSON_DEPTH} levels\)"):
         load_json("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), "plan")
-    with pytest.raises(MacoError, match="nested more than"):
+    with pytest.raises(MacoError, match="nested too deeply"):
         load_json(b"{\"a\": " * DEEP + b"1" + b"}" * DEEP, "plan")
 
 
