@@ -18,7 +18,8 @@ from maco.files import check_writable
 from maco.kernel_choice import MIN_GAIN
 from maco.layouts.end_to_end import conv_share
 from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input, load_model
-from maco.optimize_report import LayerRow, OptimizeResult, end_to_end_rows, save_output, write_outputs
+from maco.optimize_report import (LayerRow, OptimizeResult, end_to_end_rows, hold_output_folder,
+                                  one_run_per_output_folder, save_output, write_outputs)
 from maco.pipeline import build_variants, fastest
 from maco.records import best_in_files
 from maco.kernels import resolve_target
@@ -28,6 +29,7 @@ from maco.tuning import BUDGETS, tune_layers
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
 
 
+@one_run_per_output_folder
 def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str = "quick",
              out: str | Path = "maco-out", records: str | Path | None = None, seed: int = 0,
              input_shape: tuple[int, ...] | None = None, batch: int | None = None,
@@ -55,6 +57,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
 
         require_gpu()
     out = check_writable(out, "output folder", folder=True)
+    hold_output_folder(out)  # one run writes there at a time (until this call ends)
     records = check_writable(records or out / "records.jsonl", "records file")
     if save:
         check_writable(save, "--save file")

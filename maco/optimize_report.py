@@ -1,14 +1,20 @@
 """What `maco optimize` leaves in its output folder: the per-layer table (CSV), its plot (PNG),
 the end-to-end numbers (JSON) and report.md, each written whole or not at all; a file that cannot
-be written (a full disk) is one line naming the folder."""
+be written (a full disk) is one line naming the folder. One run at a time writes to a folder: it
+holds a lock there (hold_output_folder)."""
 from __future__ import annotations
 
+import contextvars
 import csv
+import fcntl
+import functools
 import io
 import json
+import os
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from torch import nn
@@ -52,6 +58,45 @@ class OptimizeResult:
     share: ConvShare | None = None  # the chosen model's time beside its conv kernels'
     target: Target | None = None
     engines: list[dict[str, Any]] = field(default_factory=list)  # maco.engines rows, MACO's last
+
+
+LOCK_NAME = ".maco-optimize.lock"  # in the output folder: held (flock) by the run writing there
+_HELD: contextvars.ContextVar[ExitStack | None] = contextvars.ContextVar("maco_output_locks", default=None)
+
+
+def one_run_per_output_folder(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator of `optimize`: an output folder it locks (hold_output_folder) stays locked until
+    the call returns or fails, and is released then."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with ExitStack() as stack:
+            token = _HELD.set(stack)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _HELD.reset(token)
+    return call
+
+
+def hold_output_folder(out: Path) -> None:
+    """Lock `out` for this run (a non-blocking flock on LOCK_NAME inside it), so that two runs
+    never mix their plan, model and report in one folder; MacoError naming the folder when
+    another run holds it. Released when the call decorated by one_run_per_output_folder ends."""
+    stack = _HELD.get()
+    if stack is None:
+        raise RuntimeError("hold_output_folder needs a call decorated with one_run_per_output_folder")
+    lock = out / LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise MacoError(f"cannot lock the output folder {str(out)!r} ({lock.name}: {exc.strerror or exc})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise MacoError(f"the output folder {str(out)!r} is in use: another maco optimize run holds its lock "
+                        f"{lock.name}; wait for it to finish or give another --out") from None
+    stack.callback(os.close, fd)
 
 
 def end_to_end_rows(times: ModelTimes, pick: str) -> dict[str, dict[str, Any]]:

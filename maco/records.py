@@ -1,12 +1,14 @@
 """Tuning records: one JSON object per line, appended atomically, so a run can be resumed and
 a crash never leaves half a record. A corrupt line is reported and skipped; the rest is kept.
 Besides kernel records, a file holds baseline lines (Baseline: torch's conv timed by the tuner),
-which `load` leaves out and `load_baselines` returns."""
+which `load` leaves out and `load_baselines` returns. Runs may share a file: `read_new` reads what
+the others appended since, and `Claims` keeps two runs from measuring one schedule at once."""
 from __future__ import annotations
 
 import errno
 import fcntl
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -276,6 +278,22 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+def _whole_lines(fh: Any, offset: int, limit: int) -> Iterator[tuple[int, int, bytes | None]]:
+    """(start, end, line) of each whole line of a binary file from `offset` (at most `limit`
+    bytes in memory per line; None for a longer one); stops before a line with no newline yet."""
+    while True:
+        line = fh.readline(limit + 1)
+        start, end, long = offset, offset + len(line), False
+        while line and not line.endswith(b"\n") and len(line) > limit:
+            long = True
+            line = fh.readline(limit + 1)
+            end += len(line)
+        if not line.endswith(b"\n"):
+            return
+        yield start, end, None if long else line
+        offset = end
+
+
 def _capped_lines(fh: Any, limit: int) -> Iterator[bytes | None]:
     """The lines of a binary file, each read with at most `limit` bytes in memory; None stands
     for a longer line (its rest is skipped), so one huge line cannot exhaust memory."""
@@ -293,11 +311,14 @@ def _capped_lines(fh: Any, limit: int) -> Iterator[bytes | None]:
 
 class RecordFile:
     """A JSON-lines file of Records. Each append is a single O_APPEND write of one whole line,
-    followed by fsync, so concurrent writers and crashes leave only whole lines."""
+    followed by fsync, so concurrent writers and crashes leave only whole lines; an append that
+    cannot be written whole (a full disk) is cut off again and is a MacoError."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.bad_lines: list[tuple[int, str]] = []  # (line number, reason) found by the last load
+        self._mine: list[tuple[int, int]] = []  # byte ranges this object appended (read_new skips them)
+        self._follow: tuple[int, int, int] | None = None  # read_new's (inode, offset, lines) so far
 
     def append(self, records: Entry | Iterable[Entry]) -> None:
         batch = [records] if isinstance(records, (Record, Baseline)) else list(records)
@@ -317,6 +338,7 @@ class RecordFile:
                 raise MacoError(f"cannot append to records file {str(self.path)!r}: "
                                 f"{exc.strerror or exc}; its {size} bytes before are kept, "
                                 f"the {len(batch)} new record(s) are not saved") from None
+            self._mine.append((size, size + len(data)))
         finally:
             os.close(fd)
 
@@ -414,6 +436,61 @@ class RecordFile:
                           f"first at line {first[0]}: {first[1]}", stacklevel=2)
         return out
 
+    def read_new(self, warn: bool = True) -> tuple[list[Entry], bool]:
+        """What this object has not read of the file yet, and whether it is the whole file. The
+        first call (or one after the file was rewritten or cut: `replace`) reads every valid
+        line: (entries, True). Later calls read only the tail appended since, skipping what this
+        object appended itself: (entries, False); a line still being written waits for the next
+        call. So a long run sees what other runs on the same file have measured meanwhile.
+        Bad lines as in `load` (a gzipped file is read whole once, then never again)."""
+        if self.path.suffix == ".gz":
+            if self._follow is not None:
+                return [], False
+            self._follow = (0, 0, 0)
+            return self.load_entries(warn), True
+        try:
+            fh = open(self.path, "rb")
+        except FileNotFoundError:
+            self._follow, self._mine = None, []
+            return [], True
+        except OSError as exc:
+            raise MacoError(f"cannot read records file {str(self.path)!r}: {exc.strerror or exc}") from None
+        with fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_SH)  # no append in flight (it may yet be rolled back)
+            st = os.fstat(fh.fileno())
+            inode, offset, lineno = self._follow or (None, 0, 0)
+            whole = inode != st.st_ino or st.st_size < offset
+            if whole:
+                offset, lineno, self._mine = 0, 0, []
+                self.bad_lines = []
+            fh.seek(offset)
+            out, bad = [], []
+            for start, end, line in _whole_lines(fh, offset, MAX_LINE_BYTES):
+                lineno += 1
+                offset = end
+                if any(a <= start < b for a, b in self._mine):
+                    continue  # this object's own append
+                if line is None:
+                    bad.append((lineno, f"line longer than {MAX_LINE_BYTES} bytes"))
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    out.append(parse_line(line.decode("utf-8", errors="replace")))
+                except MacoError as exc:
+                    bad.append((lineno, str(exc)))
+            self._follow = (st.st_ino, offset, lineno)
+        self._mine = [(a, b) for a, b in self._mine if b > offset]
+        self.bad_lines += bad
+        if warn and bad:
+            warnings.warn(f"{self.path}: skipped {len(bad)} bad record line(s), first at line {bad[0][0]}: "
+                          f"{bad[0][1]}", stacklevel=2)
+        return out, whole
+
+    def claims(self) -> "Claims":
+        """Claims on the schedules this run is about to measure, seen by other runs on this file."""
+        return Claims(self.path)
+
     def for_task(self, spec: ConvSpec, target: Target) -> list[Record]:
         fingerprint = target.fingerprint()
         return [r for r in self.load() if r.spec == spec and r.target == fingerprint]
@@ -422,6 +499,62 @@ class RecordFile:
         """The fastest successful record of `spec` on `target` (optionally in one layout)."""
         mine = [r for r in self.for_task(spec, target) if r.ok and layout in (None, r.schedule.layout)]
         return min(zip(normalized(mine), mine), key=lambda x: x[0], default=(0, None))[1]
+
+
+class Claims:
+    """The schedules a run is measuring right now, announced to every other run on the same
+    records file, so that two runs never time one schedule twice: a claim is a lock (lockf) on
+    one byte of a lock file beside the records (".NAME.lock"), at an offset that hashes the
+    schedule with its conv and target. Another run's claim fails; a run that dies drops its
+    claims with it. Release a claim only after its record is appended: a run that takes it then
+    re-reads the records (RecordFile.read_new) and finds the schedule measured. Without a
+    writable lock file nothing is claimed and every `take` succeeds."""
+
+    def __init__(self, records: Path):
+        self.path = records.with_name(f".{records.name}.lock")
+        self._fd: int | None = None
+        self._held: set[int] = set()
+
+    def _key(self, spec: ConvSpec, target: Target, schedule: Schedule) -> int:
+        text = json.dumps([spec.to_dict(), target.fingerprint(), schedule.to_dict()], sort_keys=True)
+        return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)  # < 2**60: a valid offset
+
+    def take(self, spec: ConvSpec, target: Target, schedule: Schedule) -> bool:
+        """Claim `schedule`; False when another run holds its claim."""
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                self._fd = -1
+        key = self._key(spec, target, schedule)
+        if self._fd < 0 or key in self._held:
+            return True
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, key)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return False
+            return True  # locks unsupported here (some network file systems): claim nothing
+        self._held.add(key)
+        return True
+
+    def release(self, spec: ConvSpec, target: Target, schedule: Schedule) -> None:
+        key = self._key(spec, target, schedule)
+        if key in self._held:
+            self._held.discard(key)
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, key)
+
+    def close(self) -> None:
+        """Release every claim (closing the file drops this process's locks on it)."""
+        if self._fd is not None and self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._held = None, set()
+
+    def __enter__(self) -> "Claims":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def normalized(records: Sequence[Record]) -> list[float]:

@@ -15,7 +15,7 @@ from typing import Callable, Protocol, Sequence
 from maco import space
 from maco.errors import MacoError
 from maco.prune import alpha_c_index, alpha_order_ok
-from maco.records import Interrupted, Record, RecordFile, make_record, normalized
+from maco.records import Claims, Interrupted, Record, RecordFile, make_record, normalized
 from maco.schedule import SPATIAL_AXES, UNROLL_STEPS, Schedule
 from maco.spec import ConvSpec
 from maco.target import Target
@@ -224,10 +224,15 @@ def evolve(spec: ConvSpec, target: Target, population: list[Schedule],
 # -- one task's tuning rounds ------------------------------------------------------------------
 def search_round(state: TaskState, target: Target, model, measurer: MeasureFunction, rng: random.Random,
                  config: SearchConfig, n: int | None = None,
-                 records: RecordFile | None = None, seeds: Sequence[Schedule] = ()) -> list[Record]:
+                 records: RecordFile | None = None, seeds: Sequence[Schedule] = (),
+                 refresh: Callable[[], object] | None = None) -> list[Record]:
     """Pick and measure one batch of new schedules for `state.spec` ranked by `model` (already
     fitted by the caller, which may train it on every task); returns the new records. `seeds`
-    not measured yet go first (the bound-derived default: a search never starts from nothing)."""
+    not measured yet go first (the bound-derived default: a search never starts from nothing).
+    With `records`, other runs may share the file: the batch is claimed (records.Claims) and
+    checked against the file's new tail (`refresh`, by default `follow` of this state) before
+    it is measured, so a schedule another run measured or is measuring is replaced by the next
+    candidate."""
     spec, n = state.spec, n or config.batch
     retries = state.retries()
     measured = state.measured | set(retries)
@@ -243,9 +248,41 @@ def search_round(state: TaskState, target: Target, model, measurer: MeasureFunct
     ranked = sorted(zip(fitness(candidates), range(len(candidates))), reverse=True) if candidates else []
     picked = first + [candidates[i] for _, i in ranked[:n - len(first) - n_random]]
     extra = [s for s in _sample(spec, target, rng, 3 * n, config) if s not in measured and s not in picked]
+    spare = [candidates[i] for _, i in ranked[n - len(first) - n_random:]] + extra[n - len(picked):]
     picked += extra[:n - len(picked)]
-    if not picked:
-        return []
+    if records is None:
+        return _measure(state, target, measurer, picked, None) if picked else []
+    with records.claims() as claims:
+        picked = _claim(state, target, claims, picked + spare, len(picked),
+                        refresh or (lambda: follow(records, [state], target)))
+        return _measure(state, target, measurer, picked, records) if picked else []
+
+
+def _claim(state: TaskState, target: Target, claims: Claims, candidates: list[Schedule], n: int,
+           refresh: Callable[[], object]) -> list[Schedule]:
+    """Up to `n` of `candidates`, in order, that this run holds the claim of and that no run has
+    measured: claimed first, then checked against the records as they are now (a run that
+    released a claim had appended its record before)."""
+    got: list[Schedule] = []
+    pool = iter(dict.fromkeys(candidates))
+    while True:
+        measured = state.measured
+        while len(got) < n and (s := next(pool, None)) is not None:
+            if s not in measured and claims.take(state.spec, target, s):
+                got.append(s)
+        refresh()
+        measured = state.measured
+        done = [s for s in got if s in measured]
+        if not done:
+            return got
+        for s in done:
+            claims.release(state.spec, target, s)
+            got.remove(s)
+
+
+def _measure(state: TaskState, target: Target, measurer: MeasureFunction, picked: list[Schedule],
+             records: RecordFile | None) -> list[Record]:
+    spec = state.spec
     try:
         results = measurer(spec, picked, target)
     except Interrupted as stop:  # keep what was measured, then stop
@@ -254,6 +291,28 @@ def search_round(state: TaskState, target: Target, model, measurer: MeasureFunct
     new = [_record(spec, target, s, r) for s, r in zip(picked, results)]
     _keep(state, records, new)
     return new
+
+
+def follow(records: RecordFile, states: Sequence[TaskState], target: Target) -> list[int]:
+    """Bring `states` up to date with `records` (RecordFile.read_new: the whole file the first
+    time, then what other runs appended since): the records of each state's conv measured on
+    `target`. Returns the indices of the states that changed."""
+    entries, whole = records.read_new()
+    fingerprint = target.fingerprint()
+    index: dict[ConvSpec, list[int]] = {}
+    for i, state in enumerate(states):
+        index.setdefault(state.spec, []).append(i)
+    changed: set[int] = set()
+    if whole:
+        changed = {i for i, state in enumerate(states) if state.records}
+        for state in states:
+            state.records = []
+    for e in entries:
+        if isinstance(e, Record) and e.target == fingerprint:
+            for i in index.get(e.spec, ()):
+                states[i].records.append(e)
+                changed.add(i)
+    return sorted(changed)
 
 
 def _record(spec: ConvSpec, target: Target, schedule: Schedule, result: tuple) -> Record:

@@ -18,7 +18,7 @@ from maco.errors import MacoError
 from maco.measure import MeasureConfig, Measurer
 from maco.records import Record, RecordFile, latest_baselines, make_baseline, normalized
 from maco.schedule import LAYOUTS
-from maco.search import MeasureFunction, SearchConfig, TaskState, search_round
+from maco.search import MeasureFunction, SearchConfig, TaskState, follow, search_round
 from maco.spec import ConvSpec
 from maco.target import Target, require_memory
 from maco.timing import environment
@@ -83,8 +83,11 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFu
          records: str | Path | None = None, config: SearchConfig | None = None, seed: int = 0,
          progress: Callable[[int, int, Task, TaskState], None] | None = None, prior=True) -> TuneResult:
     """Spend `trials` measurements over `tasks`. Records already in the file count towards
-    the budget of their task, so re-running the same command resumes where it stopped.
-    `prior`: the cost model's ranking of a conv without records (CostModel)."""
+    the budget of their task, so re-running the same command resumes where it stopped. Runs may
+    share the file: before each round this one reads what the others appended (search.follow),
+    which counts towards the budget too, and it never measures a schedule another run measured
+    or is measuring (search_round's claims). `prior`: the cost model's ranking of a conv
+    without records (CostModel)."""
     if trials < 0:
         raise MacoError(f"trials must be >= 0, got {trials}")
     if not tasks:
@@ -92,14 +95,17 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFu
     config = config or SearchConfig()
     rng = random.Random(seed)
     store = RecordFile(records) if records else None
-    states = [TaskState(t.spec, store.for_task(t.spec, target) if store else []) for t in tasks]
+    states = [TaskState(t.spec) for t in tasks]
     sched = TaskScheduler()
-    for i, state in enumerate(states):
-        if state.records:
-            sched.record(i, len(state.records), state.best_seconds())
+
+    def refresh() -> None:  # the records other runs appended since (all of them the first time)
+        for j in follow(store, states, target) if store else ():
+            if states[j].records and sched.history.get(j, [(0, 0)])[-1][0] < 10**9:
+                sched.record(j, len(states[j].records), states[j].best_seconds())
+
+    refresh()
     model = CostModel(target, seed=seed, prior=prior)
-    done = sum(len(s.records) for s in states)
-    start = done
+    done, measured = sum(len(s.records) for s in states), 0
     while done < trials:
         i = sched.next_task(tasks)
         state = states[i]
@@ -107,17 +113,19 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFu
         model.fit(all_records)
         new = search_round(state, target, model, measurer, rng, config,
                            n=_round_size(i, sched, len(tasks), config.batch, trials - done),
-                           records=store, seeds=tasks[i].seeds)
-        if not new:  # the space of this task is exhausted
+                           records=store, seeds=tasks[i].seeds, refresh=refresh)
+        if not new:  # the space of this task is exhausted (or every candidate left is another run's)
             sched.record(i, 10**9, state.best_seconds())
             if all(sched.history.get(j, [(0, 0)])[-1][0] >= 10**9 for j in range(len(tasks))):
                 break
             continue
-        done += len(new)
+        measured += len(new)
+        refresh()
+        done = sum(len(s.records) for s in states)
         sched.record(i, len(state.records), state.best_seconds())
         if progress:
             progress(done, trials, tasks[i], state)
-    return TuneResult(list(tasks), states, done - start)
+    return TuneResult(list(tasks), states, measured)
 
 
 def _round_size(index: int, sched: TaskScheduler, n_tasks: int, batch: int, left: int) -> int:
