@@ -34,13 +34,13 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
              out: str | Path = "maco-out", records: str | Path | None = None, seed: int = 0,
              input_shape: tuple[int, ...] | None = None, batch: int | None = None,
              save: str | Path | None = None, log: Callable[[str], Any] = print,
-             cluster: str | None = None, engines: Sequence[str] = ()) -> OptimizeResult:
+             cluster: str | None = None, engines: Sequence[str] = (), exact: bool = False) -> OptimizeResult:
     """The main job (module docstring). Kernels are tuned for `batch` images (default: the input
     shape's first size, else 1) and torch's thread count; `save` writes the model it hands back to
     one file (maco.deployment: reload it with maco.load, no tuning). `cluster` (a Ray address)
     tunes on that cluster's machines of this one's kind; the rest runs here. `engines` (of
     maco.engines.ENGINES but maco) are timed beside the model handed back, each in its own process
-    (CPU only), and the report compares them."""
+    (CPU only), and the report compares them. `exact` leaves Winograd out (docs/exactness.md)."""
     start = time.perf_counter()
     unknown = [e for e in engines if e not in ENGINES or e == "maco"]
     if unknown:
@@ -68,6 +68,8 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         raise MacoError(f"batch must be a positive int, got {batch!r}")
     if input_shape or model_text not in NETWORKS:
         shape = tuple(input_shape or DEFAULT_INPUT_SHAPE)
+        if not shape or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape):
+            raise MacoError(f"input_shape must be positive ints, got {input_shape!r}")
         shape = (batch or shape[0], *shape[1:])
         require_memory(16 * 4 * math.prod(shape), f"an input of shape {shape}")
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
@@ -95,7 +97,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     torch_seconds = {(row.spec, lay): s for row in rows for lay, s in row.torch.items()}
     log("[2/4] re-timing the kernels that beat torch in this process; folding BatchNorm, fusing "
         "epilogues, planning layouts")
-    built = build_variants(model, x, tgt, torch_seconds, best, device=device, log=log)
+    built = build_variants(model, x, tgt, torch_seconds, best, device=device, log=log, exact=exact)
     plan, swapped, variants = built.plan, built.swapped, built.models
     save_output(out, "plan.json", plan.to_json())
     kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise,

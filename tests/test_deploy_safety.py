@@ -264,3 +264,11 @@ def test_a_network_keeps_nan_and_inf_where_eager_does_through_load_with_winograd
     with torch.inference_mode():
         for x in _poisoned():
             _same_positions(model(x), loaded(x))
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 1e30, 8), (1, 3, 8.0, 8), (1, 0, 8, 8)])
+def test_optimize_names_a_bad_input_shape(shape, tmp_path):
+    from maco.optimize import optimize
+
+    with pytest.raises(MacoError, match="input_shape must be positive ints"):
+        optimize(f"{__file__}:ResidualAfter", input_shape=shape, out=tmp_path / "out", engines=())

@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "alternating with torch eager: auto (default: ONNX Runtime and OpenVINO where installed, "
                    "pip install 'maco[engines]'), none, or a comma-separated list of "
                    f"{', '.join(e for e in ENGINES if e != 'maco')}")
+    p.add_argument("--exact", action="store_true",
+                   help="no Winograd kernels: their fp32 error is up to ~10-25x a direct conv's, local to an "
+                   "output tile (docs/exactness.md)")
     add_cluster_argument(p)
     p.set_defaults(func=run)
 
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
             raise MacoError(f"--input-shape must be positive ints, got {args.input_shape!r}")
     result = optimize(args.model, target=args.target, budget=args.budget, out=args.out,
                       records=args.records, seed=args.seed, input_shape=shape, batch=args.batch,
-                      save=args.save, cluster=args.cluster, engines=engines_to_time(args.engines))
+                      save=args.save, cluster=args.cluster, engines=engines_to_time(args.engines),
+                      exact=args.exact)
     for key, label in (("fused", "fused (BatchNorm folded, epilogues in the conv)"),
                        ("planned_torch", "fused + planned layouts, torch convs"),
                        ("planned_maco", "fused + planned layouts + MACO kernels")):
