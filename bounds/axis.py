@@ -18,8 +18,8 @@ from math import gcd
 
 import numpy as np
 
-from maco.errors import MacoError
-from maco.spec import ConvSpec
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
 
 
 @dataclass(frozen=True)

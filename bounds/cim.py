@@ -1,4 +1,4 @@
-"""A lower bound on the weight updates of a conv on a compute-in-memory chip (maco.target.CimArch).
+"""A lower bound on the weight updates of a conv on a compute-in-memory chip (maco.core.target.CimArch).
 
 The red-blue pebble game with two fast memories per core: the crossbars hold at most S_w weights
 (red pebbles on weights) and the psum buffer at most S_p partial sums. What the chip cannot do is
@@ -22,7 +22,7 @@ resident, and the same argument with S_col in place of S_w bounds those schedule
 segments of a column into one crossbar (one activation per segment) could still save.
 
 The tile conditions that follow
-(maco.prune's CIM rules): a schedule meets (1) exactly when no weight is written twice, so the
+(maco.space.prune's CIM rules): a schedule meets (1) exactly when no weight is written twice, so the
 crossbars of different cores must not hold the same weights (bind cores to output channels and
 groups, not to images or pixels), and each block is written once per sweep of the outputs whose
 partial sums stay alive: the loops over images and pixels run inside the weight loops except for
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from maco.spec import ConvSpec
-from maco.target import CimArch
+from maco.core.spec import ConvSpec
+from maco.core.target import CimArch
 
 M, K, R, S_w, S_p = sp.symbols("M K R S_w S_p", positive=True)
 

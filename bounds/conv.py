@@ -16,8 +16,8 @@ import sympy as sp
 
 from maco.bounds.axis import spec_axes
 from maco.bounds.pebble import PebbleBound, Stage, k_sym, multistage_bound
-from maco.errors import MacoError
-from maco.spec import ConvSpec
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
 
 # -- the symbolic derivation --------------------------------------------------------------------
 C, K, H, W = sp.symbols("C K H W", positive=True)

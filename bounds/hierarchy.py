@@ -26,7 +26,7 @@ them. Two statements follow:
 
 3. Per tile level (`tile_conditions`, `chunk_intensity`, `nominal_balance`): the traffic of a
    level is its own tile's as channel chunks slide past it, so statement 2 becomes one condition
-   per tile level and chunk, which maco.prune checks and maco.space counts exactly. A pass of the
+   per tile level and chunk, which maco.space.prune checks and maco.space.schedules counts exactly. A pass of the
    reduction need not hold the whole kernel window: with the window split (kh0, kw0 > 1) a tile
    makes c0*kh0*kw0 passes of c1 channels by kh1 x kw1 taps, and `window_split` derives what that
    costs: the outputs cross once per pass (as for a shallower chunk), the weights not at all more,
@@ -52,12 +52,12 @@ import numpy as np
 import sympy as sp
 
 from maco.bounds.simulate import schedule_loops
-from maco.errors import MacoError
-from maco.factors import divisors
-from maco.geometry import input_window
-from maco.schedule import INPUT_AXES, SPATIAL_AXES, WEIGHT_AXES, Schedule
-from maco.spec import DTYPE_BYTES, ConvSpec
-from maco.target import Target
+from maco.core.errors import MacoError
+from maco.core.factors import divisors
+from maco.core.geometry import input_window
+from maco.core.schedule import INPUT_AXES, SPATIAL_AXES, WEIGHT_AXES, Schedule
+from maco.core.spec import DTYPE_BYTES, ConvSpec
+from maco.core.target import Target
 
 OUTPUT_AXES = SPATIAL_AXES
 
@@ -145,7 +145,7 @@ def level_balance() -> dict[str, sp.Expr]:
             "condition": sp.Ge(TILE_INTENSITY, beta)}
 
 
-# -- statement 3: the tile conditions per level (what maco.prune checks) ------------------------
+# -- statement 3: the tile conditions per level (what maco.space.prune checks) ------------------------
 # A CPU nest S0 S1 R0 S2 R1 S3 slides channel chunks (R0, c1 channels each) past its tiles:
 #   registers <- L1: the register tile S3 reduces one chunk, then its accumulators go back to L1
 #   L1 <- L2:       the register tile sweeps the S2 tile within a chunk; L1 has to hold that
@@ -253,7 +253,7 @@ def best_tile_intensity(spec: ConvSpec, max_outputs: int) -> float:
 #: nominal figures of current cores (two vector loads a cycle from L1; a 64-byte line a cycle from
 #: L2, half a line from L3, a quarter from DRAM) and of the H100 (128 B a cycle from shared memory
 #: into registers, ~32 B a cycle per SM from L2, about what 5.5 TB/s over 132 SMs at 1.98 GHz gives).
-#: A real machine is often slower, so its balance is higher: maco.prune divides by its tolerance.
+#: A real machine is often slower, so its balance is higher: maco.space.prune divides by its tolerance.
 FEED_BYTES = {"cpu": (64.0, 32.0, 16.0, 8.0), "cuda": {"shared": 32.0, "L2": 16.0}}
 
 

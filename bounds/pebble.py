@@ -25,7 +25,7 @@ import numpy as np
 import sympy as sp
 from scipy.optimize import minimize
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 
 k_sym = sp.Symbol("k", nonnegative=True)
 S_sym = sp.Symbol("S", positive=True)

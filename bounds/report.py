@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 from maco.bounds.conv import BoundReport, bound_report
 from maco.bounds.tiles import Tile, dataflow_io, optimal_tile
-from maco.spec import ConvSpec
-from maco.target import MemoryLevel
+from maco.core.spec import ConvSpec
+from maco.core.target import MemoryLevel
 
 
 @dataclass(frozen=True)

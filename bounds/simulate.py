@@ -25,9 +25,9 @@ from typing import Sequence
 import numpy as np
 
 from maco.bounds.tiles import Tile
-from maco.errors import MacoError
-from maco.schedule import LEVELS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, Schedule
-from maco.spec import ConvSpec
+from maco.core.errors import MacoError
+from maco.core.schedule import LEVELS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, Schedule
+from maco.core.spec import ConvSpec
 
 DATAFLOW_ORDER = ("n", "g", "k", "oh", "ow", "c")  # tile loops, outermost first
 INNER_ORDER = ("kh", "kw", "k", "oh", "ow")  # loops inside one tile and channel

@@ -21,10 +21,10 @@ import numpy as np
 
 from maco.bounds.axis import spec_axes
 from maco.bounds.conv import _check_S, max_reuse
-from maco.errors import MacoError
-from maco.geometry import footprint, input_extent
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.errors import MacoError
+from maco.core.geometry import footprint, input_extent
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 CHUNK = 1 << 19  # (x, y) pairs optimal_tile scores at once (~50 MB of numpy temporaries)
 PIECES = 1 << 18  # about the most row pieces optimal_tile bounds (~20 MB of arrays)

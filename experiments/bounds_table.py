@@ -18,7 +18,7 @@ from tqdm import tqdm
 from maco.bounds.report import analyse_levels
 from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv
 from maco.layouts.networks import network_convs
-from maco.target import Target
+from maco.core.target import Target
 
 FIGURE = Figure(
     "bounds", "eq. (8): Q >= kh*kw*C*Ho*Wo*K / (4*sqrt(2*R*S)); optimal tiles x*y = R*z, "

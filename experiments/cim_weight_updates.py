@@ -22,8 +22,8 @@ from pathlib import Path
 from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv, write_env
 from maco.kernels.cim_report import analyse
 from maco.layouts.networks import network_convs
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 FIGURE = Figure(
     "cim", "weight updates cut by 85-96% against the chip compiler's default template",

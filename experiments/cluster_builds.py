@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("needs Ray: pip install 'maco[cluster]'", file=sys.stderr)
         return 2
-    from maco.cluster import Cluster
-    from maco.cluster_measure import ClusterMeasurer
-    from maco.measure import Measurer
+    from maco.tune.cluster import Cluster
+    from maco.tune.cluster_measure import ClusterMeasurer
+    from maco.tune.measure import Measurer
 
     os.environ["MACO_CACHE"] = tempfile.mkdtemp(prefix="maco-cluster-builds-")  # the nodes inherit it
     target = host_target()

@@ -16,8 +16,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable, Mapping, Sequence
 
-from maco.files import write_atomic
-from maco.timing import environment
+from maco.core.files import write_atomic
+from maco.core.timing import environment
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout, or site-packages/maco once installed
 RESULTS = ROOT / "results"  # the results kept in a checkout: the report falls back on them

@@ -6,7 +6,7 @@ the paper). Per network:
   backend_records  torch.compile(model, backend="maco", options={"records": DIR, "tune": "quick"}):
                    the layers missing from DIR are tuned into it first (quick budget), and torch's
                    conv is timed by the tuner's worker where DIR has no baseline for it
-  optimize         maco.optimize.optimize(net, budget="quick", records=DIR/maco_records.jsonl,
+  optimize         maco.deploy.optimize.optimize(net, budget="quick", records=DIR/maco_records.jsonl,
                    save=FILE): the main job on the same records (they count toward its budget);
                    both plan layouts from the same torch baselines in the records
   load             maco.load(FILE, a freshly built model): rebuilt without tuning (warm build cache)
@@ -128,10 +128,10 @@ def build(net: str) -> nn.Module:
 def run_network(net: str, batch: int, records: Path, rounds: int, log: Any = print) -> list[dict]:
     """The four paths on one network, checked and timed against eager in the same rounds."""
     import maco
-    from maco.compile_backend import maco_backend
+    from maco.deploy.compile_backend import maco_backend
     from maco.layouts.end_to_end import time_models
     from maco.layouts.networks import example_input
-    from maco.optimize import optimize
+    from maco.deploy.optimize import optimize
 
     torch._dynamo.reset()
     model = build(net)

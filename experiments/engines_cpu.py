@@ -1,7 +1,7 @@
 """Issue 18 part 5: the model MACO hands back beside the engines a deployment engineer would try
 instead, whole networks at batch 1, fp32, on this CPU (not a figure of the paper).
 
-The engines and the protocol are maco.engines' (each engine in its own process, alternating round
+The engines and the protocol are maco.deploy.engines' (each engine in its own process, alternating round
 by round with torch eager NCHW there; speedup = median of the per-round ratios): channels_last,
 inductor (torch.compile with freezing), onnxruntime (ORT_ENABLE_ALL), openvino (fp32 forced) and
 maco, the model `maco optimize --budget B` hands back for the network, tuned here first (records
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from maco.engines import ENGINES, Job, run_engine, version
+from maco.deploy.engines import ENGINES, Job, run_engine, version
 from maco.experiments.common import (RESULTS, Figure, num, out_dir, parser, print_table, pyplot, save_plot,
                                      write_csv, write_env)
 
@@ -88,7 +88,7 @@ def run_network(net: str, engines: list[str], args: argparse.Namespace) -> list[
 
 def _optimize(net: str, args: argparse.Namespace, tmp: Path) -> tuple[float, str]:
     """`maco optimize` on the network (under the lock), its model saved to tmp/model.maco."""
-    from maco.optimize import optimize
+    from maco.deploy.optimize import optimize
 
     records = tmp / "records_cpu.jsonl"
     if args.records and Path(args.records).is_file():

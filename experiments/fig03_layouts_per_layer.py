@@ -16,7 +16,7 @@ from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_p
 from maco.layouts.dataset import Canary
 from maco.layouts.latency import measure_conversion, measure_layouts
 from maco.layouts.networks import network_convs
-from maco.timing import environment
+from maco.core.timing import environment
 
 FIGURE = Figure(
     "fig03", "AlexNet: the faster layout differs from layer to layer (no single layout is best)",

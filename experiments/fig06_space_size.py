@@ -3,7 +3,7 @@ before and after MACO pruning, on this machine's CPU (sketch SSRSRS) and on the 
 
     python experiments/fig06_space_size.py [--out results] [--batch 1] [--tolerance 2]
 
-Sizes are exact counts (maco.space.space_size), not estimates; a layer whose pruning had to be
+Sizes are exact counts (maco.space.schedules.space_size), not estimates; a layer whose pruning had to be
 relaxed says so in the `relaxed` column. Writes fig06_space_size.csv and .png under --out.
 """
 from __future__ import annotations
@@ -25,10 +25,10 @@ COLUMNS = ["network", "layer", "spec", "target", "sketch", "unpruned", "pruned",
 def measure(batch: int, tolerance: float) -> list[dict]:
     from tqdm import tqdm
 
-    from maco import prune, space
+    from maco.space import prune, schedules as space
     from maco.layouts.networks import distinct_convs, network_convs
-    from maco.schedule import SKETCHES
-    from maco.target import Target
+    from maco.core.schedule import SKETCHES
+    from maco.core.target import Target
 
     config = prune.PruneConfig(tolerance=tolerance)
     targets = (Target.host(), Target.h100())

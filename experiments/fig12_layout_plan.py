@@ -36,7 +36,7 @@ def all_nhwc(spec, layout: str) -> float:
 
 
 def run_network(name: str, sources: list[str], rounds: int, predictor: str | None) -> list[dict]:
-    from maco.errors import MacoError
+    from maco.core.errors import MacoError
     from maco.layouts import compare_end_to_end, load_predictor, plan
     from maco.layouts.networks import build, example_input
 

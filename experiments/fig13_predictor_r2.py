@@ -36,7 +36,7 @@ from maco.layouts.latency import ConversionModel, measure_layouts
 from maco.kernels.cpu_peak import fma_reference
 from maco.layouts.predictor import (LABELS, baseline_models, evaluate, fit_baseline, fit_predictor,
                                     row_labels, search_config, split_by_spec)
-from maco.target import Target
+from maco.core.target import Target
 
 FIGURE = Figure(
     "fig13", "NAS predictor R2 = 0.998 on latency (GBRT 0.90, linear 0.31, SVR 0.16)",

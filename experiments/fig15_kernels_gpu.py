@@ -4,7 +4,7 @@ AlexNet and VGG-11, batch 1 and 8, NCHW and NHWC, strict fp32 (TF32 off).
 Contenders per layer: cuDNN's default algorithm, cuDNN with cudnn.benchmark=True (its best),
 MACO's default schedule (the model's first choice) and MACO searched (the fastest of the
 model's top --candidates schedules, each measured; every one is checked against cuDNN's output
-first). Times are medians of interleaved rounds of event-timed runs (maco.gpu_measure); 'cold'
+first). Times are medians of interleaved rounds of event-timed runs (maco.tune.gpu_measure); 'cold'
 columns flush L2 before each launch. Writes fig15_kernels_gpu_<gpu>.csv / .png under --out.
 
     python experiments/fig15_kernels_gpu.py --out results
@@ -23,7 +23,7 @@ import torch
 
 from maco import ConvSpec, Target
 from maco.experiments.common import Figure, geomean, num, out_dir, parser, pyplot, save_plot, write_csv
-from maco.gpu_measure import CudnnConv, GpuTimer, cudnn_version
+from maco.tune.gpu_measure import CudnnConv, GpuTimer, cudnn_version
 from maco.kernels import cuda_build
 from maco.kernels.cuda import CudaKernel, candidates, prebuild
 from maco.kernels.cuda_codegen import CudaPlan

@@ -45,7 +45,7 @@ def worker(layers: list[str]) -> None:
     import torch
 
     from maco import ConvSpec
-    from maco.gpu_measure import CudnnConv
+    from maco.tune.gpu_measure import CudnnConv
     from maco.kernels.cuda import compile_cuda
 
     marker = cupy.RawKernel('extern "C" __global__ void maco_marker(int i) { }', "maco_marker")

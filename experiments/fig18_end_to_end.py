@@ -8,7 +8,7 @@ The last column needs tuning records (`maco optimize NET --records R`, or `maco 
 them with --records R (repeatable). Without records that column is left empty and the CSV's
 note says so. With records, the plan is remade from the per-layer best of torch and MACO in each
 layout (torch measured here, each layout's best MACO record re-timed beside it in this process,
-maco.kernel_choice.faster_kernels) and the convs whose MACO kernel wins are swapped for MacoConv2d
+maco.deploy.kernel_choice.faster_kernels) and the convs whose MACO kernel wins are swapped for MacoConv2d
 modules. Each planned model is timed against
 the default in interleaved rounds and its output checked against the original's.
 Writes fig18_end_to_end.csv / .png.
@@ -37,10 +37,10 @@ COLUMNS = ["network", "convs", "default_ms", "planned_torch_ms", "speedup_torch"
 def run_network(name: str, rounds: int, records: dict | None) -> dict:
     from maco.layouts import compare_end_to_end, fuse, plan
     from maco.layouts.networks import build, example_input
-    from maco.kernel_choice import faster_kernels
+    from maco.deploy.kernel_choice import faster_kernels
     from maco.layouts.maco_modules import use_maco_kernels
-    from maco.spec import ConvSpec
-    from maco.target import Target
+    from maco.core.spec import ConvSpec
+    from maco.core.target import Target
 
     model, x = build(name).eval(), example_input(1)
     fused = fuse(model, x)
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"records file(s) not found: {', '.join(missing)}")
     records = None
     if args.records:
-        from maco.records import best_in_files
-        from maco.target import Target
+        from maco.tune.records import best_in_files
+        from maco.core.target import Target
 
         records = best_in_files(args.records, Target.host())
     out = out_dir(args)

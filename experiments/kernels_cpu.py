@@ -5,7 +5,7 @@ layout's best tuned schedule, timed beside the default in the same rounds (the f
 Per layer: MACO's NCHW and NHWC kernels (each checked against torch first), torch in NCHW and
 channels_last, and the layer's flops done by the FMA-peak loop and by the register-tile mix (the
 same loads and FMAs with every operand in L1), all timed in the same interleaved rounds
-(maco.benchmark): the VM runs in faster and slower spells, so each fraction of peak is the
+(maco.tune.benchmark): the VM runs in faster and slower spells, so each fraction of peak is the
 median of per-round ratios, beside the fraction of the best peak ever measured here. Writes
 kernels_cpu[_tuned].csv (GFLOP/s, those fractions, speedup of MACO's better layout over torch's
 faster one), a .png and an .env.json under --out, and prints the geometric means.
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from maco import Target, kernels
-from maco.benchmark import bench_layer
+from maco.tune.benchmark import bench_layer
 from maco.experiments.common import (Figure, geomean, layer_bars, num, out_dir, parser, save_plot, write_csv,
                                      write_env)
 from maco.layouts.networks import distinct_convs, network_convs
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     best_peak = kernels.measure_peak(target, fresh=True)
     tuned = {}
     if args.records:
-        from maco.records import best_in_files
+        from maco.tune.records import best_in_files
 
         tuned = best_in_files(args.records, target)
     rows = []

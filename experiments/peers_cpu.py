@@ -18,13 +18,13 @@ For each conv layer (NCHW, fp32, batch 1) this tunes and times:
                             model + evolutionary search, `--trials` measured candidates)
   maco-default              MACO with no search: maco.kernels.default_schedule (bound-derived),
                             both layouts timed, the faster is the row (0 trials)
-  maco                      MACO's tuner (maco.tuning.tune_layers, `--trials` measurements)
+  maco                      MACO's tuner (maco.tune.tuning.tune_layers, `--trials` measurements)
 
 Every (layer, tuner) runs in its own worker process (a peer that crashes -- TVM can segfault --
 becomes a row with an empty gflops and the reason in `note`), under `flock <--lock>` so that
 the two shared cores are not measured by two jobs at once. Every kernel is checked against
 torch.nn.functional.conv2d and (except MACO, whose own measurer times its kernels in a worker)
-re-timed with maco.timing.time_callable in the worker, on warm inputs.
+re-timed with maco.core.timing.time_callable in the worker, on warm inputs.
 
 tuning_seconds is the wall time from the algorithm description to a callable kernel (schedule
 search + measurements + final compile), not counting the correctness check and the timing; for
@@ -121,7 +121,7 @@ def _check(out, ref) -> float:
 
 
 def _time(fn, quick: bool) -> float:
-    from maco.timing import time_callable
+    from maco.core.timing import time_callable
 
     t = time_callable(fn, repeats=5 if quick else 15, min_run_time=0.05 if quick else 0.2, warmup=3)
     return t.median
@@ -191,7 +191,7 @@ def run_halide(spec, algo: str, trials: int, quick: bool, workdir: Path,
         raise _missing("halide", "halide==21.0.0", exc) from None
     import numpy as np
 
-    from maco.target import Target
+    from maco.core.target import Target
 
     _plain_conv(spec, "halide")
     target = Target.host()
@@ -348,7 +348,7 @@ def run_halide_hand(spec, trials: int, quick: bool, workdir: Path,
         raise _missing("halide", "halide==21.0.0", exc) from None
     import numpy as np
 
-    from maco.timing import time_callable
+    from maco.core.timing import time_callable
 
     _plain_conv(spec, "halide")
     hl_target = hl.get_jit_target_from_environment()
@@ -397,7 +397,7 @@ def run_tvm(spec, trials: int, quick: bool, workdir: Path) -> dict:
                        "apache-tvm==0.27.0.post1 'apache-tvm-ffi<0.1.15'", exc) from None
     import numpy as np
 
-    from maco.target import Target
+    from maco.core.target import Target
 
     _plain_conv(spec, "tvm")
     cores = Target.host().cores
@@ -458,8 +458,8 @@ def run_maco(spec, trials: int, quick: bool, workdir: Path) -> dict:
 
     if not hasattr(kernels, "build_many"):
         raise RuntimeError("maco.kernels.build_many missing: the CPU kernel backend is not there yet")
-    from maco.tuning import tune_layers
-    from maco.target import Target
+    from maco.tune.tuning import tune_layers
+    from maco.core.target import Target
 
     # a cold gcc build cache, like TVM's and Halide's compiles: tuning_seconds counts every build
     os.environ["MACO_CACHE"] = str(workdir / "maco_kernel_cache")
@@ -498,7 +498,7 @@ def run_maco_default(spec, trials: int, quick: bool, workdir: Path) -> dict:
     import torch
 
     from maco import kernels
-    from maco.target import Target
+    from maco.core.target import Target
 
     os.environ["MACO_CACHE"] = str(workdir / "maco_kernel_cache")
     target = Target.host()
@@ -524,7 +524,7 @@ def run_maco_default(spec, trials: int, quick: bool, workdir: Path) -> dict:
                      f"{scheds[best].describe()}"[:300])
 
 def run_one(tuner: str, spec_text: str, trials: int, quick: bool, workdir: Path) -> dict:
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     spec = ConvSpec.parse(spec_text)
     if tuner == "torch-nchw":
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [t for t in tuners if t not in TUNERS]
     if bad:
         p.error(f"unknown tuners {bad}; known: {', '.join(TUNERS)}")
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     specs = {layer: ConvSpec.parse(layer) for layer in layers}  # fails early on a bad spec
     out = Path(args.out)

@@ -2,19 +2,19 @@
 (not a figure of the paper, which reports only the pruned search's results).
 
 For every distinct conv of the networks, in both layouts, it measures a uniform sample of the
-full schedule space (maco.space.sample_many, seeded: a rerun draws the same schedules), the
+full schedule space (maco.space.schedules.sample_many, seeded: a rerun draws the same schedules), the
 bound-derived default (maco.kernels.default_schedule) and the best records that searches found
-(--records). Measurements are the tuner's (maco.measure.Measurer: a worker process, outputs
+(--records). Measurements are the tuner's (maco.tune.measure.Measurer: a worker process, outputs
 checked against torch) in --rounds interleaved rounds: each round times every schedule of the
 layer once, in a fresh shuffled order, so a slow spell of the VM hits all of them alike; a
 schedule's time is the median of its rounds. Every measurement is appended to --data (a records
 file), so a rerun only measures what is missing.
 
-Then for each rule of the pruning plan in force (maco.space.prune_plan: the registers' rules,
+Then for each rule of the pruning plan in force (maco.space.schedules.prune_plan: the registers' rules,
 each cache level's balance rule on its tile, every core busy, alpha = 1) alone, for all of them together ("MACO
 pruning"), for the bounds' own conditions without alpha = 1 ("MACO pruning without alpha = 1": the
 level rules judge a split window as a shallower pass, no loop order asked; PruneConfig.alpha_cpu),
-for the balance conditions on the whole nest (maco.prune.balance_reasons: "nest
+for the balance conditions on the whole nest (maco.space.prune.balance_reasons: "nest
 balance", no cache level is the bottleneck of the nest's replayed traffic, maco.bounds.hierarchy)
 and for the register, busy-core and alpha rules with those in place of the per-level rules
 ("registers + alpha + nest balance"), it reports:
@@ -89,7 +89,8 @@ def _key(schedule: Any) -> str:
 
 def candidates(spec: Any, target: Any, samples: int, seed: int, best: dict) -> dict[str, list]:
     """Per layout: the default, the searches' best records, and `samples` uniform draws (deduplicated)."""
-    from maco import kernels, space
+    from maco import kernels
+    from maco.space import schedules as space
 
     drawn = space.sample_many(spec, target, 2 * samples, rng=random.Random(f"{seed}:{spec}"))
     out = {}
@@ -127,7 +128,7 @@ def measure(spec: Any, schedules: list, target: Any, rounds: int, data: Any, don
             measurer: Any, bar: Any, seed: int) -> dict[str, float | None]:
     """Median seconds over `rounds` interleaved rounds per schedule (None: it failed); what `done`
     (measured(data)) already holds counts, what is missing is measured, appended to `data` and to `done`."""
-    from maco.records import make_record
+    from maco.tune.records import make_record
 
     done = {_key(s): done[(spec, _key(s))] for s in schedules}  # the lists themselves: appends reach the caller's
     rng = random.Random(f"{seed}:{spec}:rounds")
@@ -160,8 +161,8 @@ BUSY = "parallel loop (every core busy)"
 def rule_plans(spec: Any, target: Any) -> dict[str, Any]:
     """The plan in force, and each of its rules alone (a PrunePlan holding only that rule; the
     registers' accumulator rule and their level's balance count as one)."""
-    from maco.prune import PruneConfig
-    from maco.space import prune_plan
+    from maco.space.prune import PruneConfig
+    from maco.space.schedules import prune_plan
 
     plan = prune_plan(spec, target)
     alone = replace(plan, registers=None, levels=(), alpha_one=False, cores=0)
@@ -186,7 +187,7 @@ def rule_plans(spec: Any, target: Any) -> dict[str, Any]:
 def analysis_balance(target: Any) -> dict[str, float]:
     """The cache levels' balance the nest balance rules ask for: nominal over the tolerance."""
     from maco.bounds.hierarchy import nominal_balance
-    from maco.prune import PruneConfig
+    from maco.space.prune import PruneConfig
 
     return {name: b / PruneConfig().tolerance for name, b in nominal_balance(target).items() if name != "registers"}
 
@@ -195,8 +196,8 @@ def data_target(data: Any) -> Any:
     """The CPU target the records in `data` were measured on (the most frequent fingerprint)."""
     from collections import Counter
 
-    from maco.errors import MacoError
-    from maco.target import MemoryLevel, Target
+    from maco.core.errors import MacoError
+    from maco.core.target import MemoryLevel, Target
 
     seen = Counter(json.dumps(r.target, sort_keys=True) for r in data.load() if r.target.get("kind") == "cpu")
     if not seen:
@@ -212,7 +213,7 @@ def analyse(layer: str, spec: Any, layout: str, schedules: list, seconds: dict, 
     """One row per rule (module docstring). The balance rules (maco.bounds.hierarchy: every cache
     level crossed with at least the machine's balance of MACs per element) are not counted
     exactly: their reduction is estimated from `draws`, uniform draws of the full space."""
-    from maco import prune, space
+    from maco.space import prune, schedules as space
 
     timed = sorted((seconds[_key(s)], i) for i, s in enumerate(schedules) if seconds[_key(s)] is not None)
     if not timed:
@@ -302,12 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from maco import space
+    from maco.space import schedules as space
     from maco.kernels import host_target
     from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
-    from maco.measure import Measurer
-    from maco.records import RecordFile
-    from maco.spec import ConvSpec
+    from maco.tune.measure import Measurer
+    from maco.tune.records import RecordFile
+    from maco.core.spec import ConvSpec
 
     out = out_dir(args)
     data = RecordFile(args.data or out / DEFAULT_DATA.name)

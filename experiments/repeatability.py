@@ -11,7 +11,7 @@
 
 For labels, three are compared, each as the second timing "predicted" by the first: torch's seconds;
 the ratio to the reference timed in the same rounds (the FMA loop doing the conv's flops,
-maco.timing), which is what a label that repeats across spells should be; and the first ratio
+maco.core.timing), which is what a label that repeats across spells should be; and the first ratio
 turned back into seconds with the reference measured in the second run (what a planner that
 predicts ratios would use); and, for each of seconds and ratio, the fastest repeat instead of the
 median (a slow spell lengthens the median, seldom the fastest). The reference is maco collect's
@@ -32,15 +32,17 @@ import numpy as np
 
 from scipy.stats import spearmanr
 
-from maco import kernels, space
-from maco.errors import MacoError
+from maco import kernels
+
+from maco.space import schedules as space
+from maco.core.errors import MacoError
 from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv, write_env
 from maco.layouts.dataset import SETTLED_LOAD, Dataset, collect, load_rows, reference_of
 from maco.layouts.predictor import split_by_spec
-from maco.measure import Measurer
-from maco.records import RecordFile, make_record
-from maco.spec import ConvSpec
-from maco.tuning import retime
+from maco.tune.measure import Measurer
+from maco.tune.records import RecordFile, make_record
+from maco.core.spec import ConvSpec
+from maco.tune.tuning import retime
 
 FIGURE = Figure(
     "repeat", "(not in the paper) labels re-timed an hour later: R2 >= 0.99, >= 95% within +-5%; "

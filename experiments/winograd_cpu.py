@@ -2,7 +2,7 @@
 stride-1 conv of ResNet-18, AlexNet, VGG-11 and ResNet-50 at batch 1 (issue 18: the direct
 kernels run near the FMA peak, so fewer multiplies are what is left).
 
-Per layer, in the same interleaved rounds (maco.benchmark.bench_layer): the Winograd kernel in
+Per layer, in the same interleaved rounds (maco.tune.benchmark.bench_layer): the Winograd kernel in
 each tile size (kernels.winograd, NHWC), MACO's bound-derived default in NHWC, torch in NCHW and
 channels_last, and the layer's flops done by the FMA loop. GFLOP/s count the direct conv's flops
 for every kernel, so Winograd's can pass the FMA peak. Speedups are medians of per-round ratios;
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from maco import Target, kernels
-from maco.benchmark import bench_layer
+from maco.tune.benchmark import bench_layer
 from maco.experiments.common import Figure, geomean, layer_bars, num, out_dir, parser, save_plot, write_csv, write_env
 from maco.kernels.winograd import winograd_can_run
 from maco.layouts.networks import distinct_convs, network_convs

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels.epilogue import activation_of
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 
 class BoundKernel(Protocol):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from maco.errors import MacoError
-from maco.spec import ConvSpec
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
 
 
 def torch_conv(spec: ConvSpec, x: Any, w: Any, layout: str) -> Callable[[], Any]:

@@ -1,6 +1,6 @@
 """Exact event counts of a CIM schedule, in closed form over the loop nest (no per-pixel walk).
 
-The semantics are maco.schedule's CIM sketch. What makes closed forms exact:
+The semantics are maco.core.schedule's CIM sketch. What makes closed forms exact:
 - consecutive iterations of the outer nest, taken down to the innermost loop of a set of axes that
   has more than one trip, always differ in one of those axes' indices (the innermost one steps, or
   it wraps from its last index to its first). So a weight block is loaded once per iteration of the
@@ -19,11 +19,11 @@ from math import prod
 
 import numpy as np
 
-from maco.errors import MacoError
-from maco.geometry import input_span
-from maco.schedule import INPUT_AXES, WEIGHT_AXES, Schedule
-from maco.spec import ConvSpec
-from maco.target import CimArch, Target
+from maco.core.errors import MacoError
+from maco.core.geometry import input_span
+from maco.core.schedule import INPUT_AXES, WEIGHT_AXES, Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import CimArch, Target
 
 
 @dataclass(frozen=True)

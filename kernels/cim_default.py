@@ -1,5 +1,5 @@
 """Two CIM schedules built without search: the chip compiler's default template, and MACO's
-bound-derived default (maco.bounds.cim, maco.prune_cim).
+bound-derived default (maco.bounds.cim, maco.space.prune_cim).
 
 The template splits the output channels by the MVM unit (arch.rows, 64 by default), binds the
 outer part across the cores, and finishes each output pixel before it moves on: for every pixel
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from itertools import product
 
-from maco.errors import MacoError
-from maco.factors import divisors
-from maco.prune_cim import cim_rules, one_block_fits
-from maco.schedule import Schedule, cim_crossbars
-from maco.spec import ConvSpec
-from maco.target import CimArch, Target
+from maco.core.errors import MacoError
+from maco.core.factors import divisors
+from maco.space.prune_cim import cim_rules, one_block_fits
+from maco.core.schedule import Schedule, cim_crossbars
+from maco.core.spec import ConvSpec
+from maco.core.target import CimArch, Target
 
 TEMPLATE_ORDER = ("g", "k", "n", "oh", "ow", "c", "kh", "kw")
 

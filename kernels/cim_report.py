@@ -9,8 +9,8 @@ from typing import Any, Sequence
 from maco.bounds.cim import cim_weight_bound
 from maco.kernels.cim_cost import cim_cost
 from maco.kernels.cim_default import default_schedule, template_schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 
 @dataclass(frozen=True)

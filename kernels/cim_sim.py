@@ -1,6 +1,6 @@
 """A functional simulator of a compute-in-memory (CIM) schedule, written to be checked against.
 
-`simulate` executes a "cim" Schedule (see maco.schedule) on the chip of a `Target.cim` with integer
+`simulate` executes a "cim" Schedule (see maco.core.schedule) on the chip of a `Target.cim` with integer
 numpy arithmetic: it writes each weight block into crossbar cells, loads input windows into the
 input buffer, streams the tile's pixels through the crossbars and accumulates partial sums, and it
 counts the events (weight updates, DMA transactions, buffer peaks) as they happen. It is a
@@ -14,7 +14,7 @@ Choices where the hardware description leaves room:
   least significant first; the MVM removes the offset as 2**(weight_bits-1) * sum(inputs).
   "differential" when cells_per_weight is twice that: w+ = max(w, 0) in the first
   cells_per_weight // 2 cells, w- = max(-w, 0) in the rest; the MVM subtracts the two halves.
-  maco.target.CimArch refuses any other cell count.
+  maco.core.target.CimArch refuses any other cell count.
 - Inputs are applied as signed input_bits-bit ints, one activation per pixel and crossbar
   (a bit-serial drive would give the same sums).
 - A window is fetched whenever its index (the tile's images and pixels, the block's channels and
@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from maco.errors import MacoError
-from maco.geometry import input_span
-from maco.schedule import SPATIAL_AXES, Schedule
-from maco.spec import ConvSpec
-from maco.target import CimArch, Target
+from maco.core.errors import MacoError
+from maco.core.geometry import input_span
+from maco.core.schedule import SPATIAL_AXES, Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import CimArch, Target
 
 _CACHE_LIMIT = 256  # encoded blocks kept for reuse (a reload writes the same cells again)
 _MEMO_LIMIT = 1 << 16  # transaction counts of windows and output tiles kept for reuse

@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.cpu_codegen import FUNCTION, CpuPlan, aligned_empty
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 __all__ = ["CpuKernel", "CpuConv", "compile_cpu", "build_many_cpu"]
 

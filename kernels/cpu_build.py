@@ -14,7 +14,7 @@ NoSpaceError naming the folder, which the tuner stops on instead of recording a 
 `-march=native` is resolved to what it means on this machine (gcc's own expansion: the -march
 target, every ISA feature, the cache sizes, -mtune) before it is hashed and compiled, so the key
 names the machine's -march target: an object built on another node for this one's expansion has
-this node's key (a cluster build, maco.cluster_measure), one built for another ISA never does.
+this node's key (a cluster build, maco.tune.cluster_measure), one built for another ISA never does.
 `install` puts such an object into the cache only after the same digest and key checks.
 """
 from __future__ import annotations
@@ -38,9 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
-from maco.errors import MacoError
-from maco.files import write_atomic
-from maco.target import Target
+from maco.core.errors import MacoError
+from maco.core.files import write_atomic
+from maco.core.target import Target
 
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
               "-fno-predictive-commoning")  # it reuses broadcasts across steps and spills

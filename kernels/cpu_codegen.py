@@ -30,13 +30,13 @@ from math import prod
 
 import numpy as np
 
-from maco.errors import MacoError
-from maco.geometry import input_window
+from maco.core.errors import MacoError
+from maco.core.geometry import input_window
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.source_text import comment
-from maco.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 FUNCTION = "maco_conv"
 # Unrolled statements the portable micro-kernel may hold: past a few hundred, gcc's alias

@@ -17,11 +17,11 @@ from __future__ import annotations
 from math import prod
 
 from maco.bounds import optimal_tile
-from maco.errors import MacoError
-from maco.schedule import LAYOUTS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, axis_extents
-from maco.factors import divisors
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.errors import MacoError
+from maco.core.schedule import LAYOUTS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, axis_extents
+from maco.core.factors import divisors
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 
 def _register_tiles(spec: ConvSpec, target: Target, layout: str):

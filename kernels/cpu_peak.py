@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from functools import lru_cache
 
-from maco.errors import MacoError
-from maco.files import load_json_file, write_atomic
+from maco.core.errors import MacoError
+from maco.core.files import load_json_file, write_atomic
 from maco.kernels import cpu_build
 from maco.kernels.cpu_codegen import ISA
-from maco.target import Target
+from maco.core.target import Target
 
 CHAINS = 24  # independent accumulators: > latency x pipes on every x86 core
 
@@ -131,7 +131,7 @@ def flops_runner(target: Target, kind: str = "fma",
 
 
 def fma_reference(flops: float, target: Target) -> Callable[[], None]:
-    """The reference every CPU measurement is timed beside (maco.timing.time_with_reference): the
+    """The reference every CPU measurement is timed beside (maco.core.timing.time_with_reference): the
     FMA loop doing `flops` on target.cores threads. It reads only registers, so it tracks the
     core's clock and the share of it this VM gets, not the caches or memory; candidate seconds over
     its seconds is the inverse of the fraction of the FMA peak, comparable across spells and days."""

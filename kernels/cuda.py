@@ -13,13 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import cuda_build
 from maco.kernels.cuda_codegen import KERNEL_NAME, CudaPlan, pack_weight, plan as make_plan
 from maco.kernels.cuda_schedule import candidates, default_schedule as _default_schedule
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 __all__ = ["CudaKernel", "CudaConv", "compile_cuda", "default_schedule", "candidates", "prebuild",
            "cupy_module", "gpu_available"]

@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maco.errors import MacoError
-from maco.files import write_atomic
+from maco.core.errors import MacoError
+from maco.core.files import write_atomic
 from maco.kernels.cuda_codegen import CudaPlan, batch_source
 
 

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from maco.errors import MacoError
-from maco.geometry import input_window
-from maco.schedule import (GPU_MAX_ACCUMULATORS, GPU_MAX_SMEM_BYTES, GPU_MAX_THREADS, REDUCTION_AXES,
+from maco.core.errors import MacoError
+from maco.core.geometry import input_window
+from maco.core.schedule import (GPU_MAX_ACCUMULATORS, GPU_MAX_SMEM_BYTES, GPU_MAX_THREADS, REDUCTION_AXES,
                            SPATIAL_AXES, Schedule)
 from maco.kernels.source_text import comment
-from maco.spec import ConvSpec
+from maco.core.spec import ConvSpec
 
 INT32_MAX = 2**31 - 1
 KERNEL_NAME = "maco_conv"

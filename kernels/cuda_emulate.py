@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels.cuda_codegen import CudaPlan, pack_weight
 
 _CACHE = Path(tempfile.gettempdir()) / f"maco-cuda-emulate-{os.getuid()}"

@@ -14,12 +14,12 @@ from math import sqrt
 
 import numpy as np
 
-from maco.errors import MacoError
-from maco.geometry import paper_reuse
+from maco.core.errors import MacoError
+from maco.core.geometry import paper_reuse
 from maco.kernels.cuda_codegen import CudaPlan
-from maco.schedule import REDUCTION_AXES, UNROLL_STEPS, Schedule, axis_extents, gpu_max_shared_bytes
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import REDUCTION_AXES, UNROLL_STEPS, Schedule, axis_extents, gpu_max_shared_bytes
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 # H100-class per-SM machine model (cycles); the Target supplies SMs, clock and shared memory.
 ISSUE_PER_CLK = 4  # warp instructions per cycle per SM (4 schedulers)

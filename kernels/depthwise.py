@@ -1,7 +1,7 @@
 """Depthwise convolution (one filter per channel), generated in C with its epilogue fused.
 
 A depthwise layer does 9 multiply-adds per output for a 3x3 window, so it is bound by moving its
-input and output, not by arithmetic. The schedule space's nest (maco.schedule) vectorises over
+input and output, not by arithmetic. The schedule space's nest (maco.core.schedule) vectorises over
 filters within a group (k) or output columns (ow); a depthwise group has one filter, so its
 kernels there run on one lane in NHWC, and MobileNetV2's 17 depthwise layers took 2.6 ms of a
 5 ms model. Here, in NHWC, a block of channels (contiguous) is the vector: its 9 weight vectors
@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.source_text import comment
-from maco.schedule import LAYOUTS
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import LAYOUTS
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 FUNCTION = "maco_depthwise"
 MAX_TAPS = 64  # kh * kw a channel block names as weight vectors (past ~25 they spill; timing decides)

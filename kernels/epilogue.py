@@ -3,7 +3,7 @@ residual tensor, then apply an activation. A network's conv -> BatchNorm -> (add
 chains fold into one kernel this way (maco.layouts.fusion), so they cost no extra pass over memory."""
 from __future__ import annotations
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 
 ACTIVATIONS = ("none", "relu", "relu6")  # relu6 = hardtanh(0, 6), MobileNetV2's
 

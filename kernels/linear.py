@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.source_text import comment
-from maco.target import Target
+from maco.core.target import Target
 
 FUNCTION = "maco_linear"
 ROWS = 4  # weight rows per step: four independent sums share each input load

@@ -20,11 +20,11 @@ from functools import cached_property
 from math import ceil, floor
 from typing import Any
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.source_text import comment
-from maco.schedule import LAYOUTS
-from maco.target import Target
+from maco.core.schedule import LAYOUTS
+from maco.core.target import Target
 
 FUNCTION = "maco_pool"
 KINDS = ("max", "avg")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from maco.errors import MacoError
-from maco.files import short
+from maco.core.errors import MacoError
+from maco.core.files import short
 
 _PLAIN = re.compile(r"[A-Za-z0-9_ ,.:=+()\[\]-]*")
 

@@ -42,12 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.source_text import comment
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 FUNCTION = "maco_winograd"
 TILES = {4: 36, 6: 16, 8: 9}  # output tiles per block at most, per input tile side: V and M stay in L2

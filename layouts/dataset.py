@@ -23,20 +23,20 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from maco.errors import MacoError
-from maco.files import write_atomic
+from maco.core.errors import MacoError
+from maco.core.files import write_atomic
 from maco.kernels.cpu_peak import fma_reference
 from maco.layouts.latency import LAYOUTS, check_device, check_layout, conv_callable, measure_layouts
 from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
-from maco.spec import ConvSpec
-from maco.target import Target
-from maco.timing import Timing, environment, time_callable
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.core.timing import Timing, environment, time_callable
 
 SPEC_COLUMNS = ["n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h", "pad_w",
                 "dil_h", "dil_w", "groups"]
 UNREFERENCED_COLUMNS = ["spec", "layout", "device", "source", *SPEC_COLUMNS, "seconds", "min", "max",
                         "stdev", "repeats", "number", "gflops", "load", "env_id", "time"]
-# reference: seconds of REFERENCE in the same rounds (maco.timing); ratio: median over rounds of
+# reference: seconds of REFERENCE in the same rounds (maco.core.timing); ratio: median over rounds of
 # seconds / reference, the label that repeats across spells
 REFERENCE = "fma"  # the FMA loop doing the conv's flops. Rows name it in their environment (rows
 # without a name are "fma" too). A copy of the conv's bytes after the loop ("fma+copy", meant to
@@ -432,7 +432,7 @@ def collect(path: str | os.PathLike[str], specs: Sequence[tuple[str, ConvSpec]],
             raise MacoError(f"threads must be positive, got {threads}")
         torch.set_num_threads(threads)
     if cluster is not None:
-        from maco.cluster import check_address
+        from maco.tune.cluster import check_address
 
         cluster = check_address(cluster)
     ds = Dataset(path)
@@ -514,7 +514,7 @@ def _time_spec(canary: Canary, spec: ConvSpec, lays: list[str], dev: str, *, rou
 
 
 def _reference(spec: ConvSpec, dev: str) -> Any:
-    """On the CPU, REFERENCE (the label that repeats is the conv's seconds over it, maco.timing);
+    """On the CPU, REFERENCE (the label that repeats is the conv's seconds over it, maco.core.timing);
     on a GPU, none."""
     if dev.startswith("cuda"):
         return None
@@ -523,10 +523,10 @@ def _reference(spec: ConvSpec, dev: str) -> Any:
 
 def _collect_on_cluster(address: str, ds: Dataset, todo: list[tuple[str, ConvSpec, list[str]]], dev: str,
                         params: dict[str, Any], keep: Any) -> None:
-    """`todo` timed on the cluster's machines of this machine's kind (maco.cluster), rows kept
+    """`todo` timed on the cluster's machines of this machine's kind (maco.tune.cluster), rows kept
     as each conv finishes; a conv whose machines all died stays missing (a rerun resumes)."""
-    from maco.cluster import Cluster
-    from maco.cluster_measure import describe, group_of, label_of
+    from maco.tune.cluster import Cluster
+    from maco.tune.cluster_measure import describe, group_of, label_of
 
     cuda = dev.startswith("cuda")
     target = Target.h100() if cuda else Target.host(torch.get_num_threads())
@@ -546,10 +546,10 @@ def _collect_on_cluster(address: str, ds: Dataset, todo: list[tuple[str, ConvSpe
 
 def _time_on_machine(state: dict[str, Any], threads: int, dev: str, spec: dict[str, Any], lays: list[str],
                      params: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float, dict[str, Any]]:
-    """Run on a machine's actor (maco.cluster): _time_spec with this machine's canary, and the
+    """Run on a machine's actor (maco.tune.cluster): _time_spec with this machine's canary, and the
     environment its rows name."""
     if "canary" not in state:
-        from maco.cluster import local_threads
+        from maco.tune.cluster import local_threads
 
         state["env"] = {**local_threads(threads), "torch_threads": threads, "reference": REFERENCE}
         state["canary"] = Canary(dev)

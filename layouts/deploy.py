@@ -31,9 +31,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from maco.errors import MacoError
-from maco.target import Target
-from maco.timing import environment
+from maco.core.errors import MacoError
+from maco.core.target import Target
+from maco.core.timing import environment
 
 from maco.layouts.graph import trace_module
 from maco.layouts.latency import check_layout

@@ -20,8 +20,8 @@ from torch import nn
 from maco.kernels import host_target
 from maco.layouts.latency import strict_cudnn
 from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d
-from maco.target import Target
-from maco.timing import CacheEvictor, Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
+from maco.core.target import Target
+from maco.core.timing import CacheEvictor, Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
 
 
 @dataclass

@@ -17,8 +17,8 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from maco.errors import MacoError
-from maco.spec import ConvSpec
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
 
 # Module types -> kind. Order matters only for subclasses (checked with isinstance).
 _MODULE_KINDS: list[tuple[type, str]] = [

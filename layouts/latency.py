@@ -1,5 +1,5 @@
 """Latency sources for layout planning: one conv in one layout, and one tensor's layout conversion,
-measured in-process with torch (oneDNN on CPU, cuDNN on GPU) by the protocol of maco.timing, plus a
+measured in-process with torch (oneDNN on CPU, cuDNN on GPU) by the protocol of maco.core.timing, plus a
 small model that predicts a conversion's cost from the tensor's size.
 
 Layouts are the two torch memory formats of a 4-D tensor: "NCHW" (contiguous) and "NHWC"
@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from maco.errors import MacoError
-from maco.files import load_json_file, write_atomic
+from maco.core.errors import MacoError
+from maco.core.files import load_json_file, write_atomic
 from maco.kernels.baselines import torch_conv
-from maco.spec import DTYPE_BYTES, ConvSpec
-from maco.timing import (Timing, interleaved_rounds, pool_referenced, pool_timings, steady_allocator,
+from maco.core.spec import DTYPE_BYTES, ConvSpec
+from maco.core.timing import (Timing, interleaved_rounds, pool_referenced, pool_timings, steady_allocator,
                          time_callable)
 
 LAYOUTS: tuple[str, ...] = ("NCHW", "NHWC")

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from maco.errors import MacoError
-from maco.files import load_json_file
-from maco.records import Record, RecordFile, best_per_layout
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.errors import MacoError
+from maco.core.files import load_json_file
+from maco.tune.records import Record, RecordFile, best_per_layout
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 from maco.layouts.latency import ConversionModel, measure_conversion, measure_layouts, predict_conversion
 from maco.layouts.predictor import LatencyPredictor
@@ -86,7 +86,7 @@ def at_speed_now(predictor: LatencyPredictor) -> LatencyPredictor:
     import torch
 
     from maco.kernels.cpu_peak import fma_reference
-    from maco.timing import time_callable
+    from maco.core.timing import time_callable
 
     run = fma_reference(REFERENCE_FLOPS, Target.host(torch.get_num_threads()))
     seconds = time_callable(run, repeats=7, min_run_time=1e-3).median

@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from maco.errors import MacoError
-from maco.files import load_json, load_json_file, write_atomic
+from maco.core.errors import MacoError
+from maco.core.files import load_json, load_json_file, write_atomic
 
 from maco.layouts.graph import node_kind, reads_data, symbolic_trace
 from maco.layouts.latency import check_layout, memory_format

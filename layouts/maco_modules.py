@@ -19,13 +19,13 @@ from torch.nn import functional as F
 from maco import kernels
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.linear import compile_linear
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels.depthwise import MAX_TAPS, DepthwiseKernel, DepthwisePlan, is_depthwise
 from maco.kernels.pool import PoolKernel, plan_for
 from maco.kernels.winograd import WinogradKernel, WinogradPlan, direct, winograd_can_run
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 from maco.layouts.fusion import FusedConv2d
 

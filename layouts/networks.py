@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from maco.errors import MacoError
-from maco.spec import ConvSpec
-from maco.target import require_memory
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
+from maco.core.target import require_memory
 
 
 class BasicBlock(nn.Module):

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 
 from maco.layouts.problem import LayoutProblem, Name, PlannerTimeout, Solution
 

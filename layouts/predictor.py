@@ -35,13 +35,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from maco.errors import MacoError
-from maco.files import load_json, load_json_file, read_bytes, write_atomic
+from maco.core.errors import MacoError
+from maco.core.files import load_json, load_json_file, read_bytes, write_atomic
 from maco.kernels.baselines import torch_backend
 from maco.layouts.dataset import cpus_of, load_rows
 from maco.layouts.latency import LAYOUTS, ConversionModel, check_layout, predict_conversion
-from maco.spec import ConvSpec
-from maco.xgb_check import load_booster
+from maco.core.spec import ConvSpec
+from maco.core.xgb_check import load_booster
 
 FEATURES = ["layout", "n", "c", "h", "w", "k", "kh", "kw", "stride_h", "stride_w", "pad_h",
             "pad_w", "dil_h", "dil_w", "groups", "flops", "input_bytes", "weight_bytes",
@@ -391,7 +391,7 @@ def _load_mlps(config: MLPConfig, blob: bytes) -> list[nn.Module]:
 
 def _load_trees(blob: bytes) -> list[Any]:
     """Boosters from XGBoost's JSON model format (data only), each checked to be proper trees
-    reading FEATURES (maco.xgb_check) before XGBoost's native code sees it."""
+    reading FEATURES (maco.core.xgb_check) before XGBoost's native code sees it."""
     inflate = zlib.decompressobj(wbits=31)  # gzip; a bomb stops at the size cap
     text = inflate.decompress(blob, MAX_MODEL_BYTES)
     if inflate.unconsumed_tail or not inflate.eof:

@@ -20,7 +20,7 @@ from fractions import Fraction
 from numbers import Real
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 
 Name = Hashable
 # Seconds to convert a tensor of this shape from one layout to another: (shape, src, dst) -> s.

@@ -8,7 +8,7 @@ import sys
 import warnings
 from typing import NoReturn
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 
 COMMANDS = ["layers", "collect", "space", "bound", "plan", "tune", "optimize", "reproduce", "bench", "cim"]
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Protocol
 
-from maco.errors import MacoError
-from maco.files import write_atomic
+from maco.core.errors import MacoError
+from maco.core.files import write_atomic
 
 PACKAGE = "maco.experiments"
 RECORDS = "records_cpu.jsonl"  # tuning records in --out, passed to the figures that take them
@@ -115,7 +115,7 @@ def run_figures(figures: list[Figure], out: Path, quick: bool, log: Callable[[st
 
 def write_report(out: Path, status: dict[str, str], path: Path | None = None) -> Path:
     """REPORT.md in `out` (or `path`): per figure, the paper's number, ours, why they differ."""
-    from maco.timing import environment
+    from maco.core.timing import environment
 
     summary = _import(f"{PACKAGE}.common").summary
     env = environment()

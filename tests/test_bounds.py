@@ -9,7 +9,7 @@ from math import sqrt
 import pytest
 import sympy as sp
 
-from maco import geometry
+from maco.core import geometry
 from maco import ConvSpec, MacoError
 from maco import bounds
 from maco.bounds import conv as cb

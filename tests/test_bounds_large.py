@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from maco import geometry
+from maco.core import geometry
 from maco import ConvSpec, MacoError, Target
 from maco import bounds
 from maco.bounds import Tile, tiles

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from maco import geometry
+from maco.core import geometry
 from maco import ConvSpec, MacoError, Target
 from maco import bounds
 from maco.bounds import Tile

@@ -179,7 +179,7 @@ def test_a_truncated_cubin_is_rebuilt(tmp_path: Path) -> None:
     assert again.registers is not None  # ptxas ran again
 
 
-# -- objects built on another node (issue 23: maco.cluster_measure ships them with their key) --
+# -- objects built on another node (issue 23: maco.tune.cluster_measure ships them with their key) --
 def _shipped(tmp_path: Path, source: str, flags: list[str]) -> tuple[bytes, str]:
     import hashlib
 

@@ -12,18 +12,18 @@ import pytest
 import sympy as sp
 from scipy.stats import chisquare
 
-from maco import space
+from maco.space import schedules as space
 from maco.bounds.cim import cim_weight_bound, derive_cim
-from maco.errors import MacoError
-from maco.factors import factorizations
+from maco.core.errors import MacoError
+from maco.core.factors import factorizations
 from maco.kernels.cim_cost import cim_cost
 from maco.kernels.cim_default import default_schedule, reduction_block, template_schedule
 from maco.kernels.cim_sim import simulate
 from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
-from maco.prune_cim import cim_reasons, cim_rules
-from maco.schedule import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents
-from maco.spec import ConvSpec
-from maco.target import CimArch, Target
+from maco.space.prune_cim import cim_reasons, cim_rules
+from maco.core.schedule import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents
+from maco.core.spec import ConvSpec
+from maco.core.target import CimArch, Target
 
 SMALL = Target.cim(cores=2, crossbars=4, rows=8, columns=8, psum_buffer=64, input_buffer=64)
 SMALL_LAYERS = [ConvSpec(n=1, c=4, h=4, w=4, k=4, kh=1, kw=1),

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels.cim_sim import cell_encoding, decode_cells, encode_cells, quantize, simulate
-from maco.schedule import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents
-from maco.spec import ConvSpec
-from maco.target import CimArch, Target
+from maco.core.schedule import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents
+from maco.core.spec import ConvSpec
+from maco.core.target import CimArch, Target
 
 ORDER = ("n", "g", "k", "oh", "ow", "c", "kh", "kw")  # reduction innermost
 SMALL = {"cores": 2, "crossbars": 4, "rows": 8, "columns": 8, "cell_bits": 2, "input_buffer": 512,

@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from maco.cli import main
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.layouts import LayoutPlan
-from maco.records import RecordFile
+from maco.tune.records import RecordFile
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 SPEC_TEXT = st.one_of(
@@ -121,8 +121,8 @@ def test_nonsense_arguments_are_refused_before_any_work(tmp_path, capsys, monkey
 
 
 def test_plans_and_records_have_a_size_cap(tmp_path):
-    from maco.files import MAX_JSON_BYTES
-    from maco.records import Record
+    from maco.core.files import MAX_JSON_BYTES
+    from maco.tune.records import Record
 
     huge = tmp_path / "plan.json"
     with open(huge, "wb") as fh:

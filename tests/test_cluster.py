@@ -23,7 +23,7 @@ import pytest
 from maco import ConvSpec, MacoError
 from maco.cli import main
 from maco.kernels import default_schedule, host_target
-from maco.records import RecordFile
+from maco.tune.records import RecordFile
 
 SPECS = [("a", ConvSpec.parse("n1_c16_h14_w14_k16_r3x3_p1")), ("b", ConvSpec.parse("n1_c8_h12_w12_k16_r1x1"))]
 REPO = Path(__file__).resolve().parents[1]
@@ -35,10 +35,10 @@ def test_without_a_cluster_ray_is_not_imported(tmp_path: Path) -> None:
         from maco.cli import main
         assert main(["tune", "n1_c4_h6_w6_k8_r3x3_p1", "--trials", "2", "--no-baseline",
                      "--records", {str(tmp_path / "r.jsonl")!r}]) == 0
-        from maco.optimize import optimize
+        from maco.deploy.optimize import optimize
         from maco.layouts.dataset import collect
-        import maco.tuning, maco.commands.collect, maco.commands.optimize
-        print("ray" in sys.modules, any(m.startswith("maco.cluster") for m in sys.modules))
+        import maco.tune.tuning, maco.commands.collect, maco.commands.optimize
+        print("ray" in sys.modules, any(m.startswith("maco.tune.cluster") for m in sys.modules))
     """)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MACO_CACHE": str(tmp_path / "cache")})
@@ -87,7 +87,7 @@ def test_an_address_that_never_answers_times_out(tmp_path: Path) -> None:
     pytest.importorskip("ray", reason="Ray cannot be installed here (pip install 'maco[cluster]')")
     script = textwrap.dedent("""
         import socket, time
-        import maco.cluster as c
+        import maco.tune.cluster as c
         server = socket.socket()
         server.bind(("127.0.0.1", 0))
         server.listen(0)
@@ -115,11 +115,11 @@ def test_an_address_that_never_answers_times_out(tmp_path: Path) -> None:
 ray = pytest.importorskip("ray", reason="Ray cannot be installed here (pip install 'maco[cluster]')")
 from ray.cluster_utils import Cluster as LocalCluster  # noqa: E402
 
-from maco.cluster import Cluster  # noqa: E402
-from maco.cluster_measure import ClusterMeasurer  # noqa: E402
-from maco.measure import MeasureConfig  # noqa: E402
-from maco.search import SearchConfig  # noqa: E402
-from maco.tuning import Task, tune, tune_layers  # noqa: E402
+from maco.tune.cluster import Cluster  # noqa: E402
+from maco.tune.cluster_measure import ClusterMeasurer  # noqa: E402
+from maco.tune.measure import MeasureConfig  # noqa: E402
+from maco.tune.search import SearchConfig  # noqa: E402
+from maco.tune.tuning import Task, tune, tune_layers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_cluster_times_agree_with_local_times(cluster: LocalCluster) -> None:
     thread: two threads on this 2-core VM meet at every barrier, and a busy neighbour (another
     test run) makes each barrier wait a scheduler tick, 10-1000x the kernel's time."""
     from maco import Target
-    from maco.measure import Measurer
+    from maco.tune.measure import Measurer
 
     target = Target.host(1)
     best: dict[str, dict] = {"local": {}, "cluster": {}}

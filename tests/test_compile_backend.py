@@ -8,10 +8,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from maco import kernels
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
-from maco.records import RecordFile, make_record
-from maco.timing import Timing
+from maco.tune.records import RecordFile, make_record
+from maco.core.timing import Timing
 
 
 class SmallNet(nn.Module):
@@ -66,7 +66,7 @@ def test_outputs_equal_eager_with_the_defaults(name, caplog):
 
 def test_the_returned_callable_exposes_its_graph():
     """run.model is the optimized graph dynamo calls (the deployment experiment times it alone)."""
-    from maco.compile_backend import maco_backend
+    from maco.deploy.compile_backend import maco_backend
 
     model = _randomize_bn(SmallNet())
     x = torch.randn(1, 3, 32, 32)
@@ -116,7 +116,7 @@ def test_what_maco_does_not_handle_stays_torch_with_one_log_line(caplog):
 
 
 def test_bad_options_are_named():
-    from maco.compile_backend import check_options
+    from maco.deploy.compile_backend import check_options
 
     with pytest.raises(MacoError, match="unknown maco backend option"):
         check_options({"turbo": True})
@@ -150,8 +150,8 @@ def _records_with_baselines(path, specs, baselines=True):
     """A records file `maco optimize` tunes nothing more in (the quick budget per spec is there)
     and, if `baselines`, torch baselines far apart: conv1 plans NCHW, conv2 NHWC, whatever the
     in-process ratios and conversions."""
-    from maco.records import make_baseline
-    from maco.tuning import BUDGETS
+    from maco.tune.records import make_baseline
+    from maco.tune.tuning import BUDGETS
 
     host = kernels.host_target()
     records = RecordFile(path)
@@ -167,7 +167,7 @@ def _records_with_baselines(path, specs, baselines=True):
 
 def _spy_backend(monkeypatch):
     """Calls of the in-process torch timing, and the plans the backend builds."""
-    import maco.compile_backend as backend
+    import maco.deploy.compile_backend as backend
 
     timed, plans = [], []
     real = backend.build_variants
@@ -183,8 +183,8 @@ def _spy_backend(monkeypatch):
 
 def test_with_baselines_the_backend_plans_as_optimize_does(tmp_path, monkeypatch):
     from maco.layouts.networks import load_model
-    from maco.optimize import optimize
-    from maco.records import RecordFile as File
+    from maco.deploy.optimize import optimize
+    from maco.tune.records import RecordFile as File
 
     (tmp_path / "two.py").write_text(TWO_CONVS)
     text = f"{tmp_path / 'two.py'}:TwoConvs"
@@ -211,7 +211,7 @@ def test_with_baselines_the_backend_plans_as_optimize_does(tmp_path, monkeypatch
 def test_tuning_backend_times_missing_baselines_in_the_worker(tmp_path, monkeypatch):
     """Records tuned before baselines: with tune quick the backend has the tuner's worker time torch
     into the records (as optimize would) instead of timing it in the user's process."""
-    from maco.records import baselines_in_files
+    from maco.tune.records import baselines_in_files
 
     model = _randomize_bn(SmallNet())
     x = torch.randn(1, 3, 32, 32)
@@ -241,7 +241,7 @@ class Pools(nn.Module):
 
 
 def test_pooling_calls_become_modules_the_pipeline_can_swap():
-    from maco.compile_backend import lift_parameters
+    from maco.deploy.compile_backend import lift_parameters
 
     seen = []
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from maco import ConvSpec, MacoError, Schedule, Target
-from maco.cost_model import analytic_seconds
-from maco.records import Claims, RecordFile, make_record
-from maco.search import SearchConfig
-from maco.timing import Timing
-from maco.tuning import Task, tune
+from maco.tune.cost_model import analytic_seconds
+from maco.tune.records import Claims, RecordFile, make_record
+from maco.tune.search import SearchConfig
+from maco.core.timing import Timing
+from maco.tune.tuning import Task, tune
 from tests.targets import AVX2
 
 SPEC = ConvSpec.parse("n1_c32_h28_w28_k64_r3_p1")
@@ -124,14 +124,14 @@ def test_a_claim_of_another_process_is_refused_until_released(tmp_path):
 
 # -- one optimize run per output folder ---------------------------------------------------------
 def test_a_second_optimize_on_the_same_out_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
-    import maco.optimize
+    import maco.deploy.optimize
     from maco.cli import main
-    from maco.optimize_report import LOCK_NAME
+    from maco.deploy.optimize_report import LOCK_NAME
 
     def ran(*args, **kwargs):
         raise AssertionError("optimize went on in a folder another run writes")
 
-    monkeypatch.setattr(maco.optimize, "load_model", ran)
+    monkeypatch.setattr(maco.deploy.optimize, "load_model", ran)
     out = tmp_path / "out"
     out.mkdir()
     with open(out / LOCK_NAME, "w") as other_run:
@@ -143,8 +143,8 @@ def test_a_second_optimize_on_the_same_out_is_refused_in_one_line(tmp_path, monk
 
 
 def test_optimize_holds_its_output_folder_until_it_ends(tmp_path, monkeypatch):
-    import maco.optimize
-    from maco.optimize_report import LOCK_NAME
+    import maco.deploy.optimize
+    from maco.deploy.optimize_report import LOCK_NAME
 
     out, seen = tmp_path / "out", []
 
@@ -157,9 +157,9 @@ def test_optimize_holds_its_output_folder_until_it_ends(tmp_path, monkeypatch):
                 seen.append("held")
         raise MacoError("stop here")
 
-    monkeypatch.setattr(maco.optimize, "load_model", busy_folder)
+    monkeypatch.setattr(maco.deploy.optimize, "load_model", busy_folder)
     with pytest.raises(MacoError, match="stop here"):
-        maco.optimize.optimize("alexnet", out=out)
+        maco.deploy.optimize.optimize("alexnet", out=out)
     assert seen == ["held"]
     with open(out / LOCK_NAME) as fh:  # released when the run ended, by an error too
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -5,11 +5,11 @@ import time
 import pytest
 
 from maco.cli import main
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.layouts.dataset import (COLUMNS, REFERENCE, Canary, Dataset, Row, best_rows, collect, load_rows,
                                   network_specs, random_specs, reference_of)
-from maco.spec import ConvSpec
-from maco.timing import Timing
+from maco.core.spec import ConvSpec
+from maco.core.timing import Timing
 
 TINY = [("t", ConvSpec.parse(s)) for s in
         ("n1_c4_h8_w8_k8_r3_p1", "n1_c8_h6_w6_k8_r1", "n1_c8_h9_w9_k8_r3_s2_p1_g8")]

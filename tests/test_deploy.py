@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.interpreter import Interpreter
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.layouts import LayoutPlan, build_problem, plan
 from maco.layouts.graph import trace, trace_module
 from maco.layouts.networks import build, example_input
@@ -182,10 +182,10 @@ def test_json_round_trip_save_load_and_mismatch(tmp_path) -> None:
 
 
 def test_latency_sources_tables_records_and_errors() -> None:
-    from maco.records import Record
-    from maco.schedule import Schedule
-    from maco.target import Target
-    from maco.timing import Timing
+    from maco.tune.records import Record
+    from maco.core.schedule import Schedule
+    from maco.core.target import Target
+    from maco.core.timing import Timing
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
     x = torch.randn(1, 3, 10, 10)
@@ -217,7 +217,7 @@ def test_latency_sources_tables_records_and_errors() -> None:
 def test_measured_and_predicted_latency_on_a_small_model() -> None:
     from maco.layouts.latency import ConversionModel
     from maco.layouts.predictor import MLPConfig, fit_predictor
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 2)).eval()
@@ -249,10 +249,10 @@ def test_records_of_another_machine_are_not_used() -> None:
     host takes this host's records, even where another machine's are faster."""
     from dataclasses import replace
 
-    from maco.records import Record
-    from maco.schedule import Schedule
-    from maco.target import Target
-    from maco.timing import Timing
+    from maco.tune.records import Record
+    from maco.core.schedule import Schedule
+    from maco.core.target import Target
+    from maco.core.timing import Timing
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
     x = torch.randn(1, 3, 10, 10)

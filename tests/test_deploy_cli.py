@@ -40,7 +40,7 @@ def test_plan_with_a_saved_predictor_shows_both_columns(tmp_path, capsys) -> Non
 
     from maco.layouts.latency import ConversionModel
     from maco.layouts.predictor import MLPConfig, fit_predictor
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     specs = [ConvSpec(1, c, s, s, k, 3, 3, padding=1) for c, s, k in
              ((3, 224, 64), (64, 27, 192), (192, 13, 384), (384, 13, 256))] * 2

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from maco import kernels
-from maco.compile_backend import check_options, maco_backend
-from maco.deployment import describe, load
-from maco.errors import MacoError
+from maco.deploy.compile_backend import check_options, maco_backend
+from maco.deploy.deployment import describe, load
+from maco.core.errors import MacoError
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
 from maco.layouts.end_to_end import output_diff
@@ -268,7 +268,7 @@ def test_a_network_keeps_nan_and_inf_where_eager_does_through_load_with_winograd
 
 @pytest.mark.parametrize("shape", [(1, 3, 1e30, 8), (1, 3, 8.0, 8), (1, 0, 8, 8)])
 def test_optimize_names_a_bad_input_shape(shape, tmp_path):
-    from maco.optimize import optimize
+    from maco.deploy.optimize import optimize
 
     with pytest.raises(MacoError, match="input_shape must be positive ints"):
         optimize(f"{__file__}:ResidualAfter", input_shape=shape, out=tmp_path / "out", engines=())

@@ -10,13 +10,13 @@ from torch import nn
 
 import maco
 from maco import kernels
-from maco.deployment import Deployment, describe, load, save
-from maco.errors import MacoError
+from maco.deploy.deployment import Deployment, describe, load, save
+from maco.core.errors import MacoError
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
 from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, swap_module, use_maco_kernels
 from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
-from maco.kernel_choice import faster_linears, faster_pools
+from maco.deploy.kernel_choice import faster_linears, faster_pools
 
 HOST = kernels.host_target()
 

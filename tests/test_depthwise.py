@@ -10,16 +10,16 @@ from torch import nn
 
 import maco
 from maco import kernels
-from maco.deployment import describe
-from maco.errors import MacoError
-from maco.kernel_choice import faster_depthwise
+from maco.deploy.deployment import describe
+from maco.core.errors import MacoError
+from maco.deploy.kernel_choice import faster_depthwise
 from maco.kernels.depthwise import DepthwisePlan, is_depthwise
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
 from maco.layouts.fusion import FusedConv2d
 from maco.layouts.maco_modules import MacoDepthwise2d, depthwise_can_run, swap_module
 from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
-from maco.spec import ConvSpec
+from maco.core.spec import ConvSpec
 
 HOST = kernels.host_target()
 FORMATS = {"NCHW": torch.contiguous_format, "NHWC": torch.channels_last}

@@ -1,4 +1,4 @@
-"""maco.engines and experiments/engines_cpu.py: the report line reads its CSV; a failing or missing
+"""maco.deploy.engines and experiments/engines_cpu.py: the report line reads its CSV; a failing or missing
 engine is a row with a reason, never a crash; a real engine runs through the subprocess path; ONNX
 Runtime and OpenVINO (where installed) compute what torch eager does; `maco optimize` times the
 model it hands back beside the engines it is given."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from maco import engines
-from maco.errors import MacoError
+from maco.deploy import engines
+from maco.core.errors import MacoError
 from maco.experiments import engines_cpu as eng
 
 ROWS = [  # as read back from a CSV: every cell a string
@@ -135,5 +135,5 @@ def test_auto_engines_are_the_installed_ones():
     assert engines_to_time("inductor, onnxruntime") == ["inductor", "onnxruntime"]
     assert engines_to_time("auto") == [e for e in ("onnxruntime", "openvino") if engines.installed(e)]
     with pytest.raises(MacoError, match="unknown engine 'maco'"):
-        from maco.optimize import optimize
+        from maco.deploy.optimize import optimize
         optimize("resnet18", engines=["maco"])

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from maco import ConvSpec, MacoError, Schedule, Target
-from maco.records import RecordFile, make_record
-from maco.timing import Timing
+from maco.tune.records import RecordFile, make_record
+from maco.core.timing import Timing
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)
 LAYER = "n1_c4_h6_w6_k8_r3x3_p1"  # what the command-line runs tune: a few milliseconds per build
@@ -78,7 +78,7 @@ def test_a_short_write_is_finished_not_left_torn(tmp_path, monkeypatch):
 
 
 def test_rewriting_records_on_a_full_disk_keeps_the_file(tmp_path, monkeypatch):
-    import maco.records
+    import maco.tune.records
 
     path = tmp_path / "r.jsonl"
     RecordFile(path).append([_record(0)])
@@ -87,7 +87,7 @@ def test_rewriting_records_on_a_full_disk_keeps_the_file(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(maco.records, "write_atomic", full)
+    monkeypatch.setattr(maco.tune.records, "write_atomic", full)
     with pytest.raises(MacoError, match="cannot rewrite records file.*No space left on device"):
         RecordFile(path).replace({1: _record(0, 2e-3)})
     assert path.read_bytes() == kept
@@ -175,7 +175,7 @@ def test_a_cache_write_that_hits_enospc_is_a_no_space_error(tmp_path, monkeypatc
 # -- the output folder of maco optimize -------------------------------------------------------
 def _result(out: Path):
     from maco.layouts import LayoutPlan
-    from maco.optimize_report import LayerRow, OptimizeResult
+    from maco.deploy.optimize_report import LayerRow, OptimizeResult
 
     spec = ConvSpec.parse("n1_c16_h20_w20_k16_r3_p1")
     rows = [LayerRow("conv1", spec, 1, 4, maco={"NCHW": 1e-4}, torch={"NCHW": 2e-4, "NHWC": 1.5e-4},
@@ -187,8 +187,8 @@ def _result(out: Path):
 
 
 def test_an_output_file_that_does_not_fit_is_one_line_and_the_rest_is_written(tmp_path, monkeypatch):
-    import maco.optimize_report as report
-    from maco.files import write_atomic
+    import maco.deploy.optimize_report as report
+    from maco.core.files import write_atomic
 
     out = tmp_path / "out"
     out.mkdir()
@@ -210,7 +210,7 @@ def test_an_output_file_that_does_not_fit_is_one_line_and_the_rest_is_written(tm
 
 
 def test_a_full_output_folder_is_one_line_naming_it(tiny_disk):
-    from maco.optimize_report import save_output, write_outputs
+    from maco.deploy.optimize_report import save_output, write_outputs
 
     _fill(tiny_disk)
     with pytest.raises(MacoError) as info:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.layouts.graph import trace, trace_module
 from maco.layouts.networks import build, conv_layers, example_input
 

@@ -9,9 +9,9 @@ import sympy as sp
 from maco import ConvSpec, Schedule, space
 from maco.bounds.hierarchy import level_balance, nest_traffic
 from maco.bounds.simulate import simulate_io
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import default_schedule
-from maco.target import MemoryLevel, Target
+from maco.core.target import MemoryLevel, Target
 from tests.targets import AVX2
 
 SMALL = [ConvSpec.parse("n1_c8_h10_w10_k16_r3"), ConvSpec.parse("n1_c16_h8_w8_k8_r1"),
@@ -71,7 +71,7 @@ def test_no_level_is_the_bottleneck_of_a_default_schedule():
     """The bound-derived defaults of every distinct conv of the five networks meet every level's
     balance (or what the level's I/O bound allows), which the one-level ratio rules did not."""
     from maco.layouts.networks import NETWORKS, build, conv_layers, distinct_convs, example_input
-    from maco.prune import balance_reasons
+    from maco.space.prune import balance_reasons
 
     failures = []
     for net in NETWORKS:
@@ -82,7 +82,7 @@ def test_no_level_is_the_bottleneck_of_a_default_schedule():
 
 
 def test_a_schedule_that_starves_a_level_is_named():
-    from maco.prune import balance_reasons
+    from maco.space.prune import balance_reasons
 
     spec = ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")
     default = default_schedule(spec, AVX2, "NHWC")
@@ -111,7 +111,7 @@ def test_the_machine_balance_is_measured_per_level():
     assert all(0 < v < 1e3 and math.isfinite(v) for v in balance.values()), balance
 
 
-# -- statement 3: the per-level tile conditions that maco.prune checks ---------------------------
+# -- statement 3: the per-level tile conditions that maco.space.prune checks ---------------------------
 def test_the_tile_conditions_are_derived():
     from maco.bounds.hierarchy import TILE_INTENSITY, chunk_intensity, tile_conditions
 
@@ -137,12 +137,12 @@ def test_the_tile_conditions_are_derived():
 
 @pytest.mark.parametrize("spec", SMALL + [ConvSpec.parse("n1_c32_h6_w6_k16_r1")], ids=str)
 def test_a_levels_tile_traffic_follows_the_replayed_nest(spec):
-    """Where a level does not hold its tile with every channel (else maco.prune does not judge it),
+    """Where a level does not hold its tile with every channel (else maco.space.prune does not judge it),
     the tile's traffic (each chunk's operands once, the outputs once or per chunk) against the
     exact LRU replay of the whole nest: the model moves at most 2.5x (measured 2.2x), in 90% at most 1.2x what
     the replay moves, so a tile the model says starves a level starves it (up to that factor)."""
     from maco.bounds.hierarchy import chunk_intensity, tile_footprint
-    from maco.schedule import SPATIAL_AXES
+    from maco.core.schedule import SPATIAL_AXES
 
     macs = spec.n * spec.k * spec.out_h * spec.out_w * spec.c_per_group * spec.kh * spec.kw
     ratios = []
@@ -165,7 +165,7 @@ def test_a_levels_tile_traffic_follows_the_replayed_nest(spec):
 
 def test_the_nominal_balance_is_the_targets_and_below_the_measured_one():
     from maco.bounds.hierarchy import nominal_balance
-    from maco.prune import PruneConfig
+    from maco.space.prune import PruneConfig
 
     assert nominal_balance(AVX2) == {"registers": 1.0, "L1": 1.0, "L2": 2.0, "L3": 4.0}
     assert nominal_balance(AVX2) == nominal_balance(AVX2)  # no measurement: it repeats

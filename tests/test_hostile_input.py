@@ -11,13 +11,13 @@ import sys
 import pytest
 
 from maco import ConvSpec, Target, kernels
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import cpu_build, cuda_codegen
 from maco.kernels.cuda_schedule import default_schedule as cuda_default
 from maco.kernels.source_text import comment
-from maco.records import best_in_files, RecordFile, make_record
-from maco.schedule import Schedule
-from maco.timing import Timing
+from maco.tune.records import best_in_files, RecordFile, make_record
+from maco.core.schedule import Schedule
+from maco.core.timing import Timing
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)
 

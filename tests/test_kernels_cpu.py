@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from maco import ConvSpec, MacoError, MemoryLevel, Schedule, Target, kernels
-from maco.space import sample
+from maco.space.schedules import sample
 from tests.busy import holds_unless_busy
 from tests.targets import AVX2, AVX512, GENERIC
 
@@ -352,7 +352,7 @@ def test_microkernel_ceiling_lies_below_the_fma_peak():
     if HOST.isa not in ("avx512", "avx2"):
         pytest.skip(f"the microkernel ceiling needs AVX2 or AVX-512 intrinsics; this host is {HOST.isa}")
     from maco.kernels.cpu_peak import flops_runner
-    from maco.timing import interleaved_rounds
+    from maco.core.timing import interleaved_rounds
 
     assert kernels.measure_peak(HOST, kind="microkernel") > 0
     fma, micro, flops = flops_runner(HOST, "fma"), flops_runner(HOST, "microkernel"), 1e8
@@ -373,7 +373,7 @@ def test_microkernel_ceiling_lies_below_the_fma_peak():
 def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
     """The VM runs in faster and slower spells: the fraction of peak compares the kernel with the
     FMA loop doing the same flops in the same rounds, not with the best peak ever seen."""
-    from maco.benchmark import bench_layer
+    from maco.tune.benchmark import bench_layer
 
     spec = ConvSpec.parse("n1_c32_h14_w14_k64_r3x3_p1")
 
@@ -392,7 +392,7 @@ def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
 
 
 def test_bench_layer_times_winograd_in_each_tile_size_and_checks_it():
-    from maco.benchmark import bench_layer
+    from maco.tune.benchmark import bench_layer
 
     spec = ConvSpec.parse("n1_c16_h10_w10_k64_r5_p2")
     r = bench_layer("x", spec, {"maco": kernels.default_schedule(spec, HOST, "NHWC")}, HOST, repeats=1,
@@ -414,7 +414,7 @@ def test_bench_cli(capsys):
 def test_bench_speedup_compares_within_rounds():
     """The machine's fast and slow spells hit neighbours in a round alike: a kernel 1.2x faster
     than torch's faster layout in every round is 1.2x, whichever spell each round fell in."""
-    from maco.benchmark import BenchRow
+    from maco.tune.benchmark import BenchRow
 
     spell = [1.0, 1.0, 1.3, 1.3, 1.3]
     row = BenchRow("x", ConvSpec.parse("n1_c8_h10_w10_k16_r3x3_p1"),
@@ -432,8 +432,8 @@ def test_bench_times_torch_with_the_steady_allocator():
     import subprocess
     import sys
 
-    code = ("from maco import ConvSpec, Target, kernels; from maco.benchmark import bench_layer; "
-            "import maco.timing as L; s = ConvSpec.parse('n1_c8_h10_w10_k16_r3x3_p1'); "
+    code = ("from maco import ConvSpec, Target, kernels; from maco.tune.benchmark import bench_layer; "
+            "import maco.core.timing as L; s = ConvSpec.parse('n1_c8_h10_w10_k16_r3x3_p1'); "
             "bench_layer('x', s, {'NCHW': kernels.default_schedule(s, Target.host())}, Target.host(), "
             "repeats=1); print(L._STEADY)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -474,7 +474,7 @@ def test_filter_heavy_default_splits_cores_by_rows_in_nhwc_where_rows_share_out_
 def test_packed_weights_and_outputs_start_on_a_cache_line():
     """numpy promises 16 bytes; misaligned weight vectors straddle two cache lines and made the
     same kernel up to 9% slower in one process than in another."""
-    from maco.timing import steady_allocator
+    from maco.core.timing import steady_allocator
 
     steady_allocator()  # the timers' allocator state, where numpy's arrays land 16 bytes apart
     spec = ConvSpec.parse("n1_c8_h6_w7_k32_r3x3_p1")

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.layouts.latency import (LAYOUTS, ConversionModel, check_device, check_layout,
                                   conv_callable, measure_conv, measure_conversion,
                                   measure_layouts, pool_timings, predict_conversion)
-from maco.spec import ConvSpec
-from maco.timing import Timing
+from maco.core.spec import ConvSpec
+from maco.core.timing import Timing
 
 SMALL = ConvSpec.parse("n1_c8_h12_w12_k16_r3_s2_p1")
 
@@ -112,7 +112,7 @@ def test_steady_allocator_keeps_big_tensors_on_the_heap():
     import ctypes
     import ctypes.util
 
-    from maco.timing import steady_allocator
+    from maco.core.timing import steady_allocator
 
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     if not hasattr(libc, "mallinfo2"):
@@ -134,7 +134,7 @@ def test_steady_allocator_keeps_big_tensors_on_the_heap():
 def test_write_atomic_replaces_whole_and_honours_the_umask(tmp_path):
     import os
 
-    from maco.files import write_atomic
+    from maco.core.files import write_atomic
 
     path = tmp_path / "sub" / "result.csv"
     write_atomic(path, b"a,b\n")

@@ -23,9 +23,9 @@ def test_fig13_re_times_only_labels_of_this_cpu(tmp_path):
     """Re-timing test convs bounds a predictor only where the labels were timed: a ratio to the
     FMA loop is still its machine's (oneDNN is relatively faster on some CPUs than others)."""
     from maco.layouts.dataset import Dataset, Row
-    from maco.spec import ConvSpec
-    from maco.target import Target
-    from maco.timing import Timing, environment
+    from maco.core.spec import ConvSpec
+    from maco.core.target import Target
+    from maco.core.timing import Timing, environment
 
     fig13 = load("fig13_predictor_r2")
     spec, path = ConvSpec.parse("n1_c8_h8_w8_k8_r3"), tmp_path / "d.csv"
@@ -96,7 +96,7 @@ def test_fig18_without_records_leaves_the_maco_column_empty(tmp_path):
 
 def test_largest_nas_predictor_saves_under_5_mb(tmp_path):
     from maco.layouts.predictor import MAX_WIDTH, MLPConfig, LatencyPredictor, fit_predictor
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     specs = [ConvSpec(1, c, 14, 14, 32, 3, 3, 1, 1) for c in (8, 16, 32, 64)]
     config = MLPConfig(layers=5, width=MAX_WIDTH, epochs=1)

@@ -3,7 +3,7 @@ the tuner, and a short real tuning run end to end."""
 import pytest
 
 from maco import ConvSpec, MacoError, Target
-from maco.measure import MeasureConfig, Measurer
+from maco.tune.measure import MeasureConfig, Measurer
 
 TINY = ConvSpec.parse("n1_c8_h10_w10_k16_r3_p1")
 BIG = ConvSpec.parse("n8_c256_h56_w56_k256_r3_p1")  # ~60 GFLOP: seconds on 2 cores
@@ -19,7 +19,7 @@ def test_torch_baseline_in_both_layouts(measurer):
     for layout in ("NCHW", "NHWC"):
         timing, error = measurer.baseline(TINY, layout)
         assert error is None and timing.median > 0 and timing.repeats == 2 * 3  # per round x rounds
-        # beside the FMA loop doing the same flops, in the same rounds (maco.timing)
+        # beside the FMA loop doing the same flops, in the same rounds (maco.core.timing)
         assert timing.referenced and timing.reference > 0 and timing.ratio > 0
 
 

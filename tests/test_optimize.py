@@ -8,7 +8,7 @@ import torch
 from maco import MacoError
 from maco.cli import main
 from maco.layouts.networks import load_model
-from maco.tuning import BUDGETS
+from maco.tune.tuning import BUDGETS
 
 MODEL = '''
 import torch
@@ -90,7 +90,7 @@ def test_maco_conv_in_a_model_matches_torch(model_file):
 
 def test_in_process_check_keeps_fast_kernels_and_flags_slow_ones():
     from maco import ConvSpec, Target, kernels, space
-    from maco.kernel_choice import MIN_GAIN, confirm_in_process
+    from maco.deploy.kernel_choice import MIN_GAIN, confirm_in_process
 
     spec, target = ConvSpec.parse("n1_c32_h28_w28_k32_r3_p1"), Target.host()
     scalar = next(s for s in space.sample_many(spec, target, 200, 0)
@@ -103,8 +103,8 @@ def test_in_process_check_keeps_fast_kernels_and_flags_slow_ones():
 
 def test_a_close_call_in_process_is_timed_longer(monkeypatch):
     from maco import ConvSpec, Target, kernels
-    from maco import kernel_choice
-    from maco.timing import Timing
+    from maco.deploy import kernel_choice
+    from maco.core.timing import Timing
 
     calls = []
 
@@ -121,9 +121,9 @@ def test_a_close_call_in_process_is_timed_longer(monkeypatch):
 
 def test_a_recorded_gain_that_does_not_hold_in_process_is_not_used():
     from maco import ConvSpec, Schedule, Target
-    from maco.kernel_choice import faster_kernels
-    from maco.records import make_record
-    from maco.timing import Timing
+    from maco.deploy.kernel_choice import faster_kernels
+    from maco.tune.records import make_record
+    from maco.core.timing import Timing
 
     spec, target = ConvSpec.parse("n1_c32_h28_w28_k32_r3_p1"), Target.host()
     # one scalar accumulator on one thread: far slower than torch on any host (a random scalar
@@ -142,9 +142,9 @@ def test_a_recorded_gain_that_does_not_hold_in_process_is_not_used():
 
 def test_a_kernel_recorded_in_a_slow_spell_is_still_tried_and_timed_on_this_clock():
     from maco import ConvSpec, Target, kernels
-    from maco.kernel_choice import MIN_GAIN, faster_kernels
-    from maco.records import make_record
-    from maco.timing import Timing
+    from maco.deploy.kernel_choice import MIN_GAIN, faster_kernels
+    from maco.tune.records import make_record
+    from maco.core.timing import Timing
 
     spec, target = ConvSpec.parse("n1_c32_h28_w28_k32_r3_p1"), Target.host()
     fast = kernels.default_schedule(spec, target, "NHWC")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from maco.layouts import LayoutPlan
 from maco.layouts.end_to_end import ModelTimes
-from maco.optimize_report import OptimizeResult, end_to_end_rows, report_markdown
-from maco.target import Target
-from maco.timing import Timing
+from maco.deploy.optimize_report import OptimizeResult, end_to_end_rows, report_markdown
+from maco.core.target import Target
+from maco.core.timing import Timing
 
 
 def _rounds(ms: list[float]) -> list[Timing]:

@@ -46,7 +46,7 @@ def test_worker_that_dies_is_reported(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("halide") is None, reason="halide not installed")
 def test_halide_adams2019_matches_torch(tmp_path):
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     res = peers.run_halide(ConvSpec.parse(TINY), "Adams2019", 0, True, tmp_path)
     assert res["seconds"] > 0  # run_halide raises if the output differs from torch
@@ -63,7 +63,7 @@ def test_halide_hand_schedule_matches_torch(tmp_path, layer):
     import numpy as np
     import torch
 
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     spec = ConvSpec.parse(layer)
     res = peers.run_halide_hand(spec, 0, True, tmp_path, grid=[(1, 2), (1, 3)])
@@ -80,7 +80,7 @@ def test_halide_hand_schedule_matches_torch(tmp_path, layer):
 
 
 def test_hand_grid_keeps_the_tiles_that_fit():
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     grid = peers.hand_grid(ConvSpec.parse("n1_c192_h13_w13_k384_r3_p1"), 16, 32)
     assert (2, 13) in grid and (4, 7) in grid  # the width's divisor, the largest 4-wide tile
@@ -97,7 +97,7 @@ def test_runs_keep_the_fastest_and_list_every_run(tmp_path, monkeypatch):
     assert peers.main(["--layers", TINY, "--tuners", "torch-nchw", "--runs", "3", "--lock", "",
                        "--out", str(tmp_path)]) == 0
     (row,) = _rows(tmp_path)
-    from maco.spec import ConvSpec
+    from maco.core.spec import ConvSpec
 
     assert float(row["gflops"]) == pytest.approx(ConvSpec.parse(TINY).flops / 1e-3 / 1e9, rel=1e-2)
     assert row["note"].startswith("fastest of 3 runs (") and row["note"].count(" / ") == 2

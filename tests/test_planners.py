@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.layouts.planners import brute_force, solve
 from maco.layouts.problem import LayoutProblem, PlannerTimeout
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from maco import kernels
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels.pool import PoolPlan, Windows, adaptive, plan_for, sliding
 from maco.layouts.maco_modules import MacoPool2d
 

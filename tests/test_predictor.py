@@ -6,15 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.layouts.dataset import random_specs
 from maco.layouts.dataset import Row
 from maco.layouts.predictor import (FEATURES, LatencyPredictor, MLPConfig, ReferenceSpeed, TreeConfig,
                                     baseline_models,
                                     evaluate, features, fit_baseline, fit_predictor, r2_score, row_labels,
                                     search_config, split_by_spec)
-from maco.spec import ConvSpec
-from maco.timing import Timing
+from maco.core.spec import ConvSpec
+from maco.core.timing import Timing
 
 
 def _law(spec: ConvSpec, layout: str) -> float:
@@ -206,7 +206,7 @@ def test_load_refuses_foreign_tree_files(synthetic, tmp_path):
 
 
 def test_load_refuses_tree_files_xgboost_would_misread_or_crash_on(synthetic, tmp_path):
-    """Checked in Python before XGBoost sees them (maco.xgb_check): a NaN leaf XGBoost loads and
+    """Checked in Python before XGBoost sees them (maco.core.xgb_check): a NaN leaf XGBoost loads and
     predicts NaN from; a feature count other than FEATURES'; a split on a feature the model does not
     read. (Crashing ones run in child processes: tests/test_untrusted_files.py.)"""
     import gzip
@@ -337,7 +337,7 @@ def test_a_predictor_trained_on_another_cpu_warns_where_it_plans(synthetic, tmp_
     import warnings
 
     from maco.layouts.latency_sources import at_speed_now
-    from maco.target import Target
+    from maco.core.target import Target
 
     specs, lays, secs = synthetic
     here = Target.host().model

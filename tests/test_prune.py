@@ -8,14 +8,14 @@ from math import prod
 import pytest
 
 from tests.targets import AVX2
-from maco import geometry
-from maco import prune, space
-from maco.errors import MacoError
+from maco.core import geometry
+from maco.space import prune, schedules as space
+from maco.core.errors import MacoError
 from maco.kernels import default_schedule
-from maco.prune import LevelRule, PruneConfig, RegisterRule
-from maco.schedule import SPATIAL_AXES, Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.space.prune import LevelRule, PruneConfig, RegisterRule
+from maco.core.schedule import SPATIAL_AXES, Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 HOST = AVX2  # fixed, so that expectations do not move with the machine
 H100 = Target.h100()

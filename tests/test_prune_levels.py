@@ -1,4 +1,4 @@
-"""The level conditions of MACO pruning (maco.prune, derived in maco.bounds.hierarchy): exact counts
+"""The level conditions of MACO pruning (maco.space.prune, derived in maco.bounds.hierarchy): exact counts
 and uniform draws where they bite (against brute force), and that the bound-derived default
 schedules of every distinct conv of the five networks stay in the pruned space."""
 import math
@@ -8,10 +8,10 @@ from functools import lru_cache
 
 import pytest
 
-from maco import prune, space
+from maco.space import prune, schedules as space
 from maco.kernels import default_schedule
-from maco.spec import ConvSpec
-from maco.target import MemoryLevel, Target
+from maco.core.spec import ConvSpec
+from maco.core.target import MemoryLevel, Target
 from tests.targets import AVX2, GENERIC
 from tests.test_space import CPU_ANNOTATIONS, _chi2, _tiles, _valid_cpu, _with_parallel
 

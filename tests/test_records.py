@@ -4,8 +4,8 @@ import multiprocessing as mp
 import pytest
 
 from maco import ConvSpec, Schedule, Target
-from maco.records import RecordFile, make_record
-from maco.timing import Timing
+from maco.tune.records import RecordFile, make_record
+from maco.core.timing import Timing
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)
 

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from maco import ConvSpec, Target, kernels
-from maco.errors import MacoError
-from maco.files import MAX_LINE_BYTES
-from maco.records import (Baseline, RecordFile, baselines_in_files, best_in_files, latest_baselines,
+from maco.core.errors import MacoError
+from maco.core.files import MAX_LINE_BYTES
+from maco.tune.records import (Baseline, RecordFile, baselines_in_files, best_in_files, latest_baselines,
                           make_baseline, make_record, parse_line)
-from maco.timing import Timing, environment
-from maco.tuning import measure_baselines, tune_layers
+from maco.core.timing import Timing, environment
+from maco.tune.tuning import measure_baselines, tune_layers
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)
 HOST = Target.host()

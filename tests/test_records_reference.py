@@ -9,13 +9,13 @@ import warnings
 import pytest
 
 from maco.cli import main
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels import default_schedule
-from maco.records import Record, RecordFile, best_per_layout, make_record, normalized
-from maco.spec import ConvSpec
-from maco.target import Target
-from maco.timing import Timing
-from maco.tuning import retime
+from maco.tune.records import Record, RecordFile, best_per_layout, make_record, normalized
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.core.timing import Timing
+from maco.tune.tuning import retime
 
 SPEC = ConvSpec.parse("n1_c8_h10_w10_k16_r3_p1")
 

@@ -5,14 +5,14 @@ import json
 import pytest
 
 from maco import ConvSpec, Target, space
-from maco.cost_model import CostModel
-from maco.errors import MacoError
-from maco.files import MAX_LINE_BYTES
-from maco.records import best_in_files, Record, RecordFile, TransientError, make_record
-from maco.schedule import Schedule
-from maco.search import SearchConfig
-from maco.timing import Timing
-from maco.tuning import Task, tune
+from maco.tune.cost_model import CostModel
+from maco.core.errors import MacoError
+from maco.core.files import MAX_LINE_BYTES
+from maco.tune.records import best_in_files, Record, RecordFile, TransientError, make_record
+from maco.core.schedule import Schedule
+from maco.tune.search import SearchConfig
+from maco.core.timing import Timing
+from maco.tune.tuning import Task, tune
 from tests.targets import AVX2
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)
@@ -163,7 +163,7 @@ def test_deterministic_failures_stay_failures(tmp_path):
 
 
 def test_the_measurer_marks_timeouts_and_dead_workers_transient():
-    from maco.measure import MeasureConfig, Measurer
+    from maco.tune.measure import MeasureConfig, Measurer
 
     with pytest.raises(MacoError, match="timeout must be a positive"):
         MeasureConfig(timeout=-1)

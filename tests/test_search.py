@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from maco import ConvSpec, space
-from maco.cost_model import CostModel, analytic_score, analytic_seconds, features, register_intensity
-from maco.records import RecordFile, make_record
-from maco.search import SearchConfig, crossover, evolve, mutate_annotation, mutate_tile
-from maco.timing import Timing
-from maco.tuning import Task, tune
+from maco.tune.cost_model import CostModel, analytic_score, analytic_seconds, features, register_intensity
+from maco.tune.records import RecordFile, make_record
+from maco.tune.search import SearchConfig, crossover, evolve, mutate_annotation, mutate_tile
+from maco.core.timing import Timing
+from maco.tune.tuning import Task, tune
 from tests.targets import AVX2
 
 SPEC = ConvSpec.parse("n1_c32_h28_w28_k64_r3_p1")
@@ -60,7 +60,7 @@ def test_a_layout_change_keeps_a_pruned_schedule_in_the_pruned_space():
     leaves an order that never met the rule (unpruned search) as it was."""
     from dataclasses import replace
 
-    from maco.search import with_layout
+    from maco.tune.search import with_layout
 
     for s in space.sample_many(SPEC, AVX2, 20, 3, pruned=True):
         other = with_layout(s, "NHWC" if s.layout == "NCHW" else "NCHW")

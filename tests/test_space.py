@@ -10,12 +10,12 @@ import pytest
 from scipy.stats import chisquare
 
 from tests.targets import AVX2
-from maco import prune, space
-from maco.errors import MacoError
-from maco.schedule import (GPU_BUFFERS, LAYOUTS, REDUCTION_AXES, SPATIAL_AXES, UNROLL_STEPS,
+from maco.space import prune, schedules as space
+from maco.core.errors import MacoError
+from maco.core.schedule import (GPU_BUFFERS, LAYOUTS, REDUCTION_AXES, SPATIAL_AXES, UNROLL_STEPS,
                            WEIGHT_PACKINGS, Schedule, axis_extents)
-from maco.spec import ConvSpec
-from maco.target import MemoryLevel, Target
+from maco.core.spec import ConvSpec
+from maco.core.target import MemoryLevel, Target
 
 HOST = AVX2  # fixed, so that expectations do not move with the machine
 H100 = Target.h100()
@@ -30,7 +30,7 @@ TINY_GPU = Target("tinygpu", "cuda", (MemoryLevel("registers", 8 * 4), MemoryLev
 
 
 def _all_factors(n, parts):
-    """Ordered factorisations by trial division (independent of maco.space.factorizations)."""
+    """Ordered factorisations by trial division (independent of maco.space.schedules.factorizations)."""
     if parts == 1:
         return [(n,)]
     return [(d,) + rest for d in range(1, n + 1) if n % d == 0 for rest in _all_factors(n // d, parts - 1)]

@@ -1,4 +1,4 @@
-"""`maco space` and the Fig. 6 experiment: the printed sizes are the exact counts of maco.space."""
+"""`maco space` and the Fig. 6 experiment: the printed sizes are the exact counts of maco.space.schedules."""
 import csv
 import json
 import subprocess
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from maco import prune, space
+from maco.space import prune, schedules as space
 from maco.cli import main
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 
 def test_space_prints_both_sizes_and_samples(capsys):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from maco import timing
-from maco.timing import Timing, time_with_reference
+from maco.core import timing
+from maco.core.timing import Timing, time_with_reference
 
 
 def _t(seconds: float) -> Timing:

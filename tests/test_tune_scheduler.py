@@ -3,9 +3,9 @@ import math
 import random
 
 from maco import ConvSpec
-from maco.search import _move_factor, crossover, mutate_tile
-from maco.schedule import Schedule
-from maco.tuning import Task, TaskScheduler
+from maco.tune.search import _move_factor, crossover, mutate_tile
+from maco.core.schedule import Schedule
+from maco.tune.tuning import Task, TaskScheduler
 
 SPEC = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1)
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from maco import ConvSpec
-from maco.errors import MacoError
-from maco.files import MAX_JSON_DEPTH, json_depth, load_json, load_json_file, read_bytes, read_text
-from maco.xgb_check import CHECKSUM_ATTR, check_booster, content_sha256
+from maco.core.errors import MacoError
+from maco.core.files import MAX_JSON_DEPTH, json_depth, load_json, load_json_file, read_bytes, read_text
+from maco.core.xgb_check import CHECKSUM_ATTR, check_booster, content_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEP = 300_000  # nesting levels that overflow XGBoost's recursive JSON parser
@@ -37,7 +37,7 @@ def _limit_memory() -> None:  # a regression that reads /dev/zero stops at 4 GiB
 
 def _run(code: str, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter; a MacoError it lets out is printed as one line, exit 2."""
-    wrapped = ("import sys\nfrom maco.errors import MacoError\ntry:\n" + textwrap.indent(textwrap.dedent(code), "    ")
+    wrapped = ("import sys\nfrom maco.core.errors import MacoError\ntry:\n" + textwrap.indent(textwrap.dedent(code), "    ")
                + "\nexcept MacoError as exc:\n    print(exc, file=sys.stderr)\n    sys.exit(2)\n")
     try:
         return subprocess.run([sys.executable, "-c", wrapped, *args], capture_output=True, text=True,
@@ -196,7 +196,7 @@ def test_a_deeply_nested_model_list_or_predictor_json_is_one_line(tree_predictor
 
 def test_the_checks_take_the_shipped_models_and_name_each_flaw(tree_predictor):
     """In-process: every shipped booster passes; each mutation is refused before XGBoost is asked."""
-    from maco.cost_model import PRIOR_FILE
+    from maco.tune.cost_model import PRIOR_FILE
 
     for folder in sorted((ROOT / "results").glob("predictor_cpu*")):
         for text in json.loads(gzip.decompress((folder / "model.json.gz").read_bytes())):
@@ -239,7 +239,7 @@ def test_a_pickle_where_a_predictor_keeps_its_weights_is_one_line(tmp_path):
 # -- the cost model's prior ------------------------------------------------------------------------
 LOAD_PRIOR = """
 from pathlib import Path
-import maco.cost_model as cm
+import maco.tune.cost_model as cm
 cm.PRIOR_FILE = Path(sys.argv[1])  # the shipped prior's path, pointed at a damaged copy
 import numpy as np
 prior = cm.shipped_prior()  # XGBoost loads a crafted tree without a word; it reads out of bounds predicting
@@ -248,7 +248,7 @@ print(prior.inplace_predict(np.random.default_rng(0).random((64, 79)) * 8).mean(
 
 
 def _prior_doc() -> dict:
-    from maco.cost_model import PRIOR_FILE
+    from maco.tune.cost_model import PRIOR_FILE
 
     return json.loads(PRIOR_FILE.read_text())
 
@@ -299,7 +299,7 @@ def test_a_crafted_prior_is_one_line_not_a_crash(tmp_path, name):
 def test_save_prior_writes_a_checksum_load_prior_accepts(tmp_path):
     import xgboost as xgb
 
-    from maco.cost_model import load_prior, save_prior
+    from maco.tune.cost_model import load_prior, save_prior
 
     rng = np.random.default_rng(0)
     booster = xgb.train({"max_depth": 2, "nthread": 1, "verbosity": 0},
@@ -326,7 +326,7 @@ def test_a_saved_model_linked_to_dev_zero_is_refused_before_it_is_read(tmp_path)
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
     fifo = tmp_path / "schedule.json"
     os.mkfifo(fifo)
-    _one_line(_run("from maco.files import load_json_file\nload_json_file(sys.argv[1], 'schedule file')",
+    _one_line(_run("from maco.core.files import load_json_file\nload_json_file(sys.argv[1], 'schedule file')",
                    str(fifo), timeout=30), "named pipe (FIFO), not a regular file")
     proc = subprocess.run([sys.executable, "-m", "maco.cli", "bench", "n1_c8_h10_w10_k16_r3_p1", "--schedule",
                            str(fifo)], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -371,8 +371,8 @@ def test_an_integer_of_more_than_4300_digits_is_one_line_and_one_skipped_record(
     with pytest.raises(MacoError, match="integer of more than"):
         ConvSpec.from_json('{"n": 1, "c": 1' + "0" * 5000 + ', "h": 8, "w": 8, "k": 8, "kh": 3, "kw": 3}')
     from maco import Target, kernels
-    from maco.records import RecordFile, make_record
-    from maco.timing import Timing
+    from maco.tune.records import RecordFile, make_record
+    from maco.core.timing import Timing
 
     spec, target = ConvSpec(1, 8, 10, 10, 16, 3, 3, padding=1), Target.host()
     good = make_record(spec, target, kernels.default_schedule(spec, target, "NHWC"),

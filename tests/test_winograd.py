@@ -12,9 +12,9 @@ from torch import nn
 
 import maco
 from maco import kernels
-from maco.deployment import describe
-from maco.errors import MacoError
-from maco.kernel_choice import MIN_GAIN, faster_winograd
+from maco.deploy.deployment import describe
+from maco.core.errors import MacoError
+from maco.deploy.kernel_choice import MIN_GAIN, faster_winograd
 from maco.kernels.winograd import (TILE_SIZES, TILES, Split, WinogradKernel, WinogradPlan, filter_vectors,
                                    transforms, winograd_can_run)
 from maco.layouts import fuse
@@ -22,7 +22,7 @@ from maco.layouts.deploy import plan
 from maco.layouts.fusion import FusedConv2d
 from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d, swap_module, winograd_module_can_run
 from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
-from maco.spec import ConvSpec
+from maco.core.spec import ConvSpec
 
 HOST = kernels.host_target()
 ACT = {"none": lambda y: y, "relu": torch.relu, "relu6": lambda y: y.clamp(0, 6)}
@@ -165,7 +165,7 @@ def test_every_split_computes_the_same_conv(tiles, parts, m):
 def test_the_planner_sees_winograd_where_it_beats_torch(monkeypatch):
     """with_winograd puts Winograd's time into the NHWC entries of the 3x3 stride-1 convs it beats
     torch on (not NCHW, not other convs, not where it loses), so that the plan keeps them NHWC."""
-    from maco import kernel_choice
+    from maco.deploy import kernel_choice
 
     ratio = {"value": 2.0}
     monkeypatch.setattr(kernel_choice, "_round_ratios", lambda runs, rounds, before=None: [ratio["value"]] * rounds)

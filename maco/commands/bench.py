@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from maco.commands.common import positive_int, print_table, resolve_layers
-from maco.files import load_json_file
-from maco.schedule import Schedule
-from maco.target import require_memory
+from maco.core.files import load_json_file
+from maco.core.schedule import Schedule
+from maco.core.target import require_memory
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from maco import kernels
-    from maco.benchmark import bench_layer
+    from maco.tune.benchmark import bench_layer
 
     target = kernels.host_target()
     layers = resolve_layers(args.layer, args.batch)

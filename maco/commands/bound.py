@@ -7,9 +7,9 @@ import json
 import re
 
 from maco.commands.common import positive_int, print_table, resolve_layers
-from maco.errors import MacoError
-from maco.spec import ConvSpec
-from maco.target import MemoryLevel, Target
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
+from maco.core.target import MemoryLevel, Target
 
 SHAPE_FLAGS = ("c", "h", "w", "k")
 

@@ -6,8 +6,8 @@ import argparse
 import json
 
 from maco.commands.common import positive_int, print_table, resolve_layers
-from maco.files import check_writable, write_atomic
-from maco.target import CIM_FIELDS, CimArch, Target
+from maco.core.files import check_writable, write_atomic
+from maco.core.target import CIM_FIELDS, CimArch, Target
 
 
 def register(sub: argparse._SubParsersAction) -> None:

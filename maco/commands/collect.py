@@ -6,8 +6,8 @@ import argparse
 
 from maco.commands.common import (add_cluster_argument, nonnegative_float, nonnegative_int,
                                   positive_float, positive_int, print_table)
-from maco.errors import MacoError
-from maco.files import check_writable
+from maco.core.errors import MacoError
+from maco.core.files import check_writable
 
 
 def register(sub: argparse._SubParsersAction) -> None:

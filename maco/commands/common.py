@@ -5,9 +5,9 @@ import argparse
 import math
 from typing import Any, Callable, Iterable
 
-from maco.errors import MacoError
-from maco.files import short
-from maco.spec import ConvSpec
+from maco.core.errors import MacoError
+from maco.core.files import short
+from maco.core.spec import ConvSpec
 
 
 def _number(kind: type, low: float, low_ok: bool, high: float = math.inf) -> Callable[[str], Any]:
@@ -43,9 +43,9 @@ def add_cluster_argument(p: argparse.ArgumentParser) -> None:
 
 
 def cluster_address(text: str) -> str:
-    """--cluster, checked where it is parsed, before any work (maco.cluster.check_address; Ray
+    """--cluster, checked where it is parsed, before any work (maco.tune.cluster.check_address; Ray
     is imported only when --cluster is given)."""
-    from maco.cluster import check_address
+    from maco.tune.cluster import check_address
 
     try:
         return check_address(text)

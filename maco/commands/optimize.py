@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import argparse
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from maco.commands.common import add_cluster_argument, positive_int
-    from maco.engines import ENGINES
-    from maco.tuning import BUDGETS
+    from maco.deploy.engines import ENGINES
+    from maco.tune.tuning import BUDGETS
 
     p = sub.add_parser(
         "optimize", help="tune a model's convs, plan its layouts and measure it end to end (the main job)",
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from maco.optimize import optimize
+    from maco.deploy.optimize import optimize
 
     shape = None
     if args.input_shape:
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                                     f"{e['engine_ms']:.2f} ms vs {e['eager_ms']:.2f} ms)" if "speedup" in e
                                     else f"not timed: {e.get('note', '')}"))
     if result.engines:
-        from maco.optimize_report import engine_summary
+        from maco.deploy.optimize_report import engine_summary
 
         print(engine_summary(result.engines))
     print(f"report: {result.out / 'report.md'}  ({result.seconds:.0f} s)")
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
 def engines_to_time(text: str) -> list[str]:
     """--engines: auto (ONNX Runtime and OpenVINO where installed), none, or a list."""
-    from maco.engines import installed
+    from maco.deploy.engines import installed
 
     if text == "auto":
         return [e for e in ("onnxruntime", "openvino") if installed(e)]

@@ -7,8 +7,8 @@ import argparse
 from typing import Any
 
 from maco.commands.common import nonnegative_int, positive_float, positive_int, print_table
-from maco.errors import MacoError
-from maco.files import check_writable
+from maco.core.errors import MacoError
+from maco.core.files import check_writable
 
 
 def register(sub: argparse._SubParsersAction) -> None:

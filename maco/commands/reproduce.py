@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from maco.errors import MacoError
-from maco.files import check_writable
+from maco.core.errors import MacoError
+from maco.core.files import check_writable
 from maco.reproduce import names, run_figures, select, write_report
 
 

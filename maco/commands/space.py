@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from maco import prune, space
-    from maco.target import Target
+    from maco.space import prune, schedules as space
+    from maco.core.target import Target
 
     target = Target.named(args.target)
     config = prune.PruneConfig(tolerance=args.tolerance)

@@ -7,10 +7,10 @@ import math
 
 from maco.commands.common import (add_cluster_argument, nonnegative_int, positive_float,
                                   positive_int, print_table, resolve_layers)
-from maco.errors import MacoError
-from maco.files import check_writable
-from maco.target import Target
-from maco.tuning import LayerResult, tune_layers
+from maco.core.errors import MacoError
+from maco.core.files import check_writable
+from maco.core.target import Target
+from maco.tune.tuning import LayerResult, tune_layers
 
 DEFAULT_RECORDS = "maco_records.jsonl"
 
@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_retime(args: argparse.Namespace) -> int:
     from maco.kernels import resolve_target
-    from maco.measure import MeasureConfig
-    from maco.tuning import retime
+    from maco.tune.measure import MeasureConfig
+    from maco.tune.tuning import retime
 
     if args.layer:
         raise MacoError("--retime re-times the records of --records; it takes no layer")

@@ -9,15 +9,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from maco import kernels
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels.baselines import torch_conv
 from maco.kernels.cpu_codegen import ISA
 from maco.kernels.cpu_peak import flops_runner
 from maco.kernels.winograd import TILE_SIZES, WinogradKernel, WinogradPlan, winograd_can_run
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
-from maco.timing import interleaved_rounds, steady_allocator
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.core.timing import interleaved_rounds, steady_allocator
 
 CHECK_RTOL = 1e-4
 

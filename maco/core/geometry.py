@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maco.spec import ConvSpec
+from maco.core.spec import ConvSpec
 
 
 def input_extent(outputs: Any, taps: Any, stride: int, dilation: int) -> Any:

@@ -41,15 +41,15 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.nn import functional as F
 
 from maco import kernels
-from maco.errors import MacoError
-from maco.files import short
-from maco.kernel_choice import MIN_GAIN
+from maco.core.errors import MacoError
+from maco.core.files import short
+from maco.deploy.kernel_choice import MIN_GAIN
 from maco.layouts.latency import measure_layouts
 from maco.layouts.networks import conv_layers, distinct_convs
-from maco.pipeline import build_variants, fastest
-from maco.records import Baseline, baselines_in_files, best_in_files
-from maco.spec import ConvSpec
-from maco.tuning import BUDGETS, measure_baselines, tune_layers
+from maco.deploy.pipeline import build_variants, fastest
+from maco.tune.records import Baseline, baselines_in_files, best_in_files
+from maco.core.spec import ConvSpec
+from maco.tune.tuning import BUDGETS, measure_baselines, tune_layers
 
 log = logging.getLogger("maco")
 TUNES = ("none", "quick", "normal")

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from maco.schedule import WEIGHT_AXES, Schedule, cim_crossbars
-from maco.factors import divisors
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.schedule import WEIGHT_AXES, Schedule, cim_crossbars
+from maco.core.factors import divisors
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 STREAM_AXES = ("n", "oh", "ow")  # spatial axes that only stream pixels past a weight block
 OUTPUT_BLOCK_AXES = ("g", "k")  # spatial axes a weight block depends on

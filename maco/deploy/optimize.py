@@ -11,20 +11,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from maco import deployment
-from maco.engines import ENGINES, Job, compare
-from maco.errors import MacoError
-from maco.files import check_writable
-from maco.kernel_choice import MIN_GAIN
+from maco.deploy import deployment
+from maco.deploy.engines import ENGINES, Job, compare
+from maco.core.errors import MacoError
+from maco.core.files import check_writable
+from maco.deploy.kernel_choice import MIN_GAIN
 from maco.layouts.end_to_end import conv_share
 from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input, load_model
-from maco.optimize_report import (LayerRow, OptimizeResult, end_to_end_rows, hold_output_folder,
+from maco.deploy.optimize_report import (LayerRow, OptimizeResult, end_to_end_rows, hold_output_folder,
                                   one_run_per_output_folder, save_output, write_outputs)
-from maco.pipeline import build_variants, fastest
-from maco.records import best_in_files
+from maco.deploy.pipeline import build_variants, fastest
+from maco.tune.records import best_in_files
 from maco.kernels import resolve_target
-from maco.target import require_memory
-from maco.tuning import BUDGETS, tune_layers
+from maco.core.target import require_memory
+from maco.tune.tuning import BUDGETS, tune_layers
 
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
 
@@ -37,16 +37,16 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
              cluster: str | None = None, engines: Sequence[str] = (), exact: bool = False) -> OptimizeResult:
     """The main job (module docstring). Kernels are tuned for `batch` images (default: the input
     shape's first size, else 1) and torch's thread count; `save` writes the model it hands back to
-    one file (maco.deployment: reload it with maco.load, no tuning). `cluster` (a Ray address)
+    one file (maco.deploy.deployment: reload it with maco.load, no tuning). `cluster` (a Ray address)
     tunes on that cluster's machines of this one's kind; the rest runs here. `engines` (of
-    maco.engines.ENGINES but maco) are timed beside the model handed back, each in its own process
+    maco.deploy.engines.ENGINES but maco) are timed beside the model handed back, each in its own process
     (CPU only), and the report compares them. `exact` leaves Winograd out (docs/exactness.md)."""
     start = time.perf_counter()
     unknown = [e for e in engines if e not in ENGINES or e == "maco"]
     if unknown:
         raise MacoError(f"unknown engine {unknown[0]!r}; choose from {', '.join(e for e in ENGINES if e != 'maco')}")
     if cluster is not None:
-        from maco.cluster import check_address
+        from maco.tune.cluster import check_address
 
         cluster = check_address(cluster)
     if budget not in BUDGETS:
@@ -131,7 +131,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
 def beside_engines(result: OptimizeResult, model_text: str, model: Any, saved: str | Path | None,
                    engines: list[str], log: Callable[[str], Any]) -> list[dict[str, Any]]:
     """The handed-back model (from `saved`, or a temporary file) and `engines`, each in its own
-    process beside torch eager NCHW (maco.engines): a row each, MACO's last."""
+    process beside torch eager NCHW (maco.deploy.engines): a row each, MACO's last."""
     with tempfile.TemporaryDirectory(prefix="maco_engines_") as tmp:
         if not saved:
             saved = Path(tmp) / "model.maco"

@@ -2,7 +2,7 @@
 handed back, the layout plan, each MACO kernel's schedule, the fusion it rests on, the input shape
 and the machine it was tuned on.
 
-    maco.save(result, "resnet18.maco")             # result = maco.optimize.optimize(...), or a loaded model
+    maco.save(result, "resnet18.maco")             # result = maco.deploy.optimize.optimize(...), or a loaded model
     fast = maco.load("resnet18.maco", model)       # the same model class with its weights
 
 The file is JSON and holds no code: a model is rebuilt from the caller's own module by the same
@@ -21,21 +21,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from maco.errors import MacoError
-from maco.files import check_writable, load_json_file, short, write_atomic
+from maco.core.errors import MacoError
+from maco.core.files import check_writable, load_json_file, short, write_atomic
 from maco.kernels import default_schedule, host_target
 from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
 from maco.layouts.layout_plan import LayoutPlan
-from maco.kernel_choice import POOLS
+from maco.deploy.kernel_choice import POOLS
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
                                        call_sites, depthwise_can_run, escapes, kernel_can_run, swap_module,
                                        winograd_module_can_run)
-from maco.optimize_report import OptimizeResult
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target, require_memory
+from maco.deploy.optimize_report import OptimizeResult
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target, require_memory
 
 FORMAT = "maco-optimized-model"
 VERSION = 1
@@ -130,7 +130,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     elif isinstance(getattr(obj, "meta", None), dict) and isinstance(obj.meta.get("maco"), Deployment):
         dep = obj.meta["maco"]
     else:
-        raise MacoError(f"save takes what maco.optimize returned or a model maco.load built, got {type(obj).__name__}")
+        raise MacoError(f"save takes what maco.deploy.optimize returned or a model maco.load built, got {type(obj).__name__}")
     check_writable(path, "saved model")
     write_atomic(path, json.dumps(dep.to_dict(), indent=1))
 

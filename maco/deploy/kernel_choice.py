@@ -17,11 +17,11 @@ from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
                                        call_sites, depthwise_can_run, escapes, swap_module,
                                        winograd_module_can_run)
-from maco.records import Record
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
-from maco.timing import CacheEvictor, interleaved_rounds, steady_allocator
+from maco.tune.records import Record
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.core.timing import CacheEvictor, interleaved_rounds, steady_allocator
 
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
 Chosen = dict[ConvSpec, dict[str, Schedule]]  # spec -> layout -> schedule

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from maco.errors import MacoError
-from maco.files import MAX_LINE_BYTES, load_json, short, write_atomic
-from maco.schedule import LAYOUTS, Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
-from maco.timing import Timing, environment
+from maco.core.errors import MacoError
+from maco.core.files import MAX_LINE_BYTES, load_json, short, write_atomic
+from maco.core.schedule import LAYOUTS, Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.core.timing import Timing, environment
 
 TIMING_FIELDS = {"median", "min", "max", "stdev", "repeats", "number"}
 REFERENCE_FIELDS = {"reference", "ratio"}  # both or neither: records from before them have neither

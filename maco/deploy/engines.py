@@ -13,9 +13,9 @@ Engines (torch eager NCHW is the baseline every other one is divided by):
   maco            the model `maco optimize` handed back, from the file `maco.save` wrote
                   (Job.saved), loaded with maco.load
 
-Protocol: each (model, engine) runs in its own subprocess (`python -m maco.engines`), which builds
+Protocol: each (model, engine) runs in its own subprocess (`python -m maco.deploy.engines`), which builds
 torch eager NCHW beside the engine and times the two alternately, round by round
-(maco.timing.interleaved_rounds, glibc's steady allocator, torch threads = cores, under
+(maco.core.timing.interleaved_rounds, glibc's steady allocator, torch threads = cores, under
 torch.inference_mode): engines that keep their own spinning thread pools never share a process.
 speedup = median of the per-round ratios eager / engine; eager_ms and engine_ms are the medians
 of the round medians. Compilation, export and loading are off the clock (compile_s). The engine's
@@ -78,7 +78,7 @@ def version(dist: str) -> str | None:
 
 
 def _cores() -> int:
-    from maco.target import Target
+    from maco.core.target import Target
 
     return Target.host().cores
 
@@ -200,7 +200,7 @@ def setup_openvino(job: Job, x: Any, tmp: Path) -> tuple[Run, float, str]:
 
 
 def setup_maco(job: Job, x: Any, tmp: Path) -> tuple[Run, float, str]:
-    from maco.deployment import load
+    from maco.deploy.deployment import load
 
     if not job.saved:
         raise RuntimeError("the maco engine runs a model maco.save wrote: give the job a saved file")
@@ -233,7 +233,7 @@ def measure(engine: str, job: Job) -> dict[str, Any]:
     import torch
 
     from maco.layouts.dataset import Canary
-    from maco.timing import interleaved_rounds, steady_allocator
+    from maco.core.timing import interleaved_rounds, steady_allocator
 
     if engine not in SETUP:
         raise ValueError(f"unknown engine {engine!r} (known: {', '.join(SETUP)})")
@@ -270,7 +270,7 @@ def run_engine(engine: str, job: Job, *, lock: str | None = None, timeout: float
     with tempfile.TemporaryDirectory(prefix="maco_engines_") as tmp:
         job_file, result, log = Path(tmp) / "job.json", Path(tmp) / "row.json", Path(tmp) / "log.txt"
         job_file.write_text(json.dumps(asdict(job)))
-        cmd = [sys.executable, "-m", "maco.engines", "--engine", engine, "--job", str(job_file), "--json", str(result)]
+        cmd = [sys.executable, "-m", "maco.deploy.engines", "--engine", engine, "--job", str(job_file), "--json", str(result)]
         if lock and shutil.which("flock"):
             cmd = ["flock", lock, *cmd]
         try:
@@ -301,7 +301,7 @@ def compare(job: Job, engines: Sequence[str], *, lock: str | None = None, timeou
 
 def main(argv: list[str] | None = None) -> int:
     """The worker: `--engine E --job JOB.json --json OUT.json` writes one row (or why it failed)."""
-    ap = argparse.ArgumentParser(prog="python -m maco.engines", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m maco.deploy.engines", description=main.__doc__)
     ap.add_argument("--engine", required=True, choices=list(SETUP))
     ap.add_argument("--job", required=True)
     ap.add_argument("--json", required=True)

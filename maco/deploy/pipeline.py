@@ -9,17 +9,17 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from maco.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears,
+from maco.deploy.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears,
                                 faster_pools, faster_winograd, with_winograd)
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d, MacoWinograd2d, use_maco_kernels
-from maco.records import Record
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.tune.records import Record
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 OUTPUT_RTOL = 1e-4  # a variant is handed back only if its output equals the model's to this
 

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maco.errors import MacoError
-from maco.spec import DTYPE_BYTES
+from maco.core.errors import MacoError
+from maco.core.spec import DTYPE_BYTES
 
 
 TARGET_KINDS = ("cpu", "cuda", "cim")

@@ -16,7 +16,7 @@ Valid: <= 1024 threads per block, the thread tile within half the per-thread reg
 memory within the block limit (Schedule.problems).
 
 The compute-in-memory sketch "PSB" (cores, outer loops in any order, block) is counted and drawn
-by maco.space_cim; its pruning is maco.prune_cim.
+by maco.space.cim; its pruning is maco.space.prune_cim.
 
 Counting is exact and never enumerates schedules. A CPU tiling of an axis is a chain of
 divisors t3 | t2 | t1 | extent (t_l = product of the factors from level l inwards); the
@@ -40,14 +40,14 @@ from typing import Sequence
 
 import numpy as np
 
-from maco import prune, space_cim
-from maco.factors import divisors, factorizations, n_factorizations
-from maco.errors import MacoError
-from maco.schedule import (GPU_BUFFERS, GPU_MAX_THREADS, LAYOUTS, REDUCTION_AXES, REGISTER_RESERVE,
+from maco.space import cim as space_cim, prune
+from maco.core.factors import divisors, factorizations, n_factorizations
+from maco.core.errors import MacoError
+from maco.core.schedule import (GPU_BUFFERS, GPU_MAX_THREADS, LAYOUTS, REDUCTION_AXES, REGISTER_RESERVE,
                            SPATIAL_AXES, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule, axis_extents,
                            gpu_max_accumulators, gpu_max_shared_bytes, gpu_shared_bytes)
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 CPU_VECTOR_AXES = ("k", "ow")
 CPU_PARALLEL = tuple(range(len(SPATIAL_AXES) + 1))
@@ -101,7 +101,7 @@ def _grid(values: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 def _level_mask(rules, tile: str, spec: ConvSpec, axes: list[np.ndarray], chunk: int,
                 window: tuple = (None, None)) -> np.ndarray | bool:
-    """Where the level rules on this tile level hold (maco.prune.LevelRule), for one pass: `chunk`
+    """Where the level rules on this tile level hold (maco.space.prune.LevelRule), for one pass: `chunk`
     channels by `window` (kh1, kw1) taps (None: the whole window)."""
     if rules is None:
         return True
@@ -154,7 +154,7 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
     outputs = g[0] * g[1] * g[2] * g[3] * g[4]
     free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
     # with a register share rule the vector axis, the layout and the weight packing decide the
-    # loads of a step (maco.prune.cpu_share): the tables then run over those triples, weighted by
+    # loads of a step (maco.space.prune.cpu_share): the tables then run over those triples, weighted by
     # the inner orders each layout allows; else over the vector axis alone
     shares = rules is not None and rules.registers is not None and bool(rules.registers.share_min)
     combos = tuple((a, lay, pk) for a in CPU_VECTOR_AXES for lay in LAYOUTS for pk in WEIGHT_PACKINGS) if shares else ()
@@ -196,7 +196,7 @@ def _cpu(spec: ConvSpec, target: Target, rules) -> _Cpu:
 
 def _parallel_ok(spec: ConvSpec, grid: list[np.ndarray], cores: int) -> np.ndarray:
     """(len(CPU_PARALLEL), grid): whether `parallel` = p fuses loops of at least `cores` iterations
-    over an S1 tile of this size (the S0 factors are the extents over the S1 tile; maco.prune)."""
+    over an S1 tile of this size (the S0 factors are the extents over the S1 tile; maco.space.prune)."""
     ext = axis_extents(spec)
     iterations = np.ones([1] * len(grid), dtype=np.int64)
     out = []
@@ -265,7 +265,7 @@ class _Gpu:
     weight: np.ndarray  # joint entry multiplicity: prod over axes of tau3(thread tile)
     threads: np.ndarray  # joint entry threads per block (without the channel split)
     acc: np.ndarray  # joint entry accumulators per thread
-    thread_ok: np.ndarray  # joint entry meets the thread tile's level rule (maco.prune)
+    thread_ok: np.ndarray  # joint entry meets the thread tile's level rule (maco.space.prune)
     block_dims: list[np.ndarray]
     combos: list[tuple]  # (cc, split, khc, kwc, layout, buffers, stage_out, multiplicity)
     combo_w: list[int]
@@ -388,7 +388,7 @@ def _sample_gpu(spec: ConvSpec, target: Target, t: _Gpu, rules, rng: random.Rand
 # -- public API --------------------------------------------------------------------------------
 @lru_cache(maxsize=512)
 def prune_plan(spec: ConvSpec, target: Target, config: prune.PruneConfig | None = None) -> prune.PrunePlan:
-    """MACO's pruning conditions for `spec` on `target` (maco.prune), relaxed until the pruned
+    """MACO's pruning conditions for `spec` on `target` (maco.space.prune), relaxed until the pruned
     space is not empty."""
     config = config or prune.PruneConfig()
     names = [name for name, _ in prune.levels(spec, target)]

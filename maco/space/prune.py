@@ -71,10 +71,10 @@ alpha = 1 drops about a third of the top-5% schedules of a uniform sample and cu
 8x; experiments/pruning_recall.py reports both).
 
 Every condition looks at one tile level and the pass (chunk c1, taps kh1 x kw1), or at the register
-tile with its vector axis, layout and weight packing, so maco.space still counts the pruned space
+tile with its vector axis, layout and weight packing, so maco.space.schedules still counts the pruned space
 exactly and samples it uniformly (per pass and annotation combination, over the divisor grids).
 
-Relaxation (maco.space.prune_plan, which counts the space under each try), so that a valid conv
+Relaxation (maco.space.schedules.prune_plan, which counts the space under each try), so that a valid conv
 never gets an empty pruned space: if the conditions of one level alone leave nothing, that level
 is relaxed step by step (its need /2, register lower bounds /2, the warp rule dropped); after
 `max_relax` steps the level is dropped. If all levels together still leave nothing, levels are
@@ -91,11 +91,11 @@ import numpy as np
 from maco.bounds.conv import best_lower_bound
 from maco.bounds.hierarchy import (FMA_LATENCY, accumulators_needed, best_tile_intensity, chunk_intensity, intensity,
                                    nominal_balance, register_share, tile_footprint)
-from maco.errors import MacoError
-from maco.factors import divisors
-from maco.schedule import GPU_MAX_THREADS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, gpu_max_accumulators
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.errors import MacoError
+from maco.core.factors import divisors
+from maco.core.schedule import GPU_MAX_THREADS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, gpu_max_accumulators
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 WARP = 32
 
@@ -340,7 +340,7 @@ def alpha_order_ok(order: tuple[str, ...], kind: str, layout: str) -> bool:
 
 
 def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) -> list[str]:
-    """Why the conditions of `p` (maco.space.prune_plan) drop `schedule` (empty if they keep it).
+    """Why the conditions of `p` (maco.space.schedules.prune_plan) drop `schedule` (empty if they keep it).
     Assumes a valid schedule."""
     out = []
     if p.alpha_one:

@@ -18,20 +18,20 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from maco.errors import MacoError
-from maco.files import load_json, read_bytes, write_atomic
-from maco.geometry import footprint
+from maco.core.errors import MacoError
+from maco.core.files import load_json, read_bytes, write_atomic
+from maco.core.geometry import footprint
 from maco.kernels import default_schedule
 from maco.kernels.cpu_codegen import intrinsics_isa
-from maco.records import Record, normalized
-from maco.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
+from maco.tune.records import Record, normalized
+from maco.core.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
                            axis_extents)
-from maco.spec import ConvSpec
-from maco.target import CPU_ISAS, Target
-from maco.xgb_check import CHECKSUM_ATTR, booster_from_doc, check_checksum, content_sha256
+from maco.core.spec import ConvSpec
+from maco.core.target import CPU_ISAS, Target
+from maco.core.xgb_check import CHECKSUM_ATTR, booster_from_doc, check_checksum, content_sha256
 
 MIN_TRAINING_RECORDS = 8  # below this, the prior or the analytic estimate ranks better than a tiny model
-PRIOR_FILE = Path(__file__).with_name("cost_prior_cpu.json")  # rebuilt by `python -m maco.cost_model`
+PRIOR_FILE = Path(__file__).with_name("cost_prior_cpu.json")  # rebuilt by `python -m maco.tune.cost_model`
 
 
 def level_tiles(schedule: Schedule, spec: ConvSpec) -> list[tuple[int, int, int, int]]:
@@ -193,12 +193,12 @@ MAX_PRIOR_BYTES = 64 << 20  # ~1 MB shipped
 
 def load_prior(path: str | os.PathLike[str] = PRIOR_FILE):
     """A prior booster from its file, checked before XGBoost reads it: its sha256 (the learner
-    attribute `sha256`, which `python -m maco.cost_model` writes) must match its content, so a
-    damaged file is named, and its trees must be proper trees (maco.xgb_check), so a crafted
+    attribute `sha256`, which `python -m maco.tune.cost_model` writes) must match its content, so a
+    damaged file is named, and its trees must be proper trees (maco.core.xgb_check), so a crafted
     one is refused with one line rather than crashing XGBoost's native code."""
     what = f"cost-model prior {str(path)!r}"
     doc = load_json(read_bytes(path, "cost-model prior", MAX_PRIOR_BYTES), what, MAX_PRIOR_BYTES)
-    check_checksum(doc, f"{what} (rebuild it with `python -m maco.cost_model`)")
+    check_checksum(doc, f"{what} (rebuild it with `python -m maco.tune.cost_model`)")
     return booster_from_doc(doc, what)  # one thread, as the fitted model: no OpenMP pool in the tuner
 
 
@@ -273,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     """Rebuild the shipped prior from measured records (results/pruning_data*.jsonl.gz)."""
     import argparse
 
-    from maco.records import RecordFile
+    from maco.tune.records import RecordFile
 
-    ap = argparse.ArgumentParser(prog="python -m maco.cost_model", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m maco.tune.cost_model", description=main.__doc__)
     ap.add_argument("records", nargs="+", type=Path, help="record files (.jsonl or .jsonl.gz)")
     ap.add_argument("--out", type=Path, default=PRIOR_FILE)
     args = ap.parse_args(argv)

@@ -3,7 +3,7 @@
 Each round: retrain the cost model on everything measured so far, evolve a population that
 starts from fresh samples of the (pruned or full) space plus the best measured schedules,
 pick the top candidates by predicted fitness with epsilon-greedy exploration, and measure
-them for real. Measuring goes through a `MeasureFunction` (maco.measure.Measurer in practice), so the search never times anything itself.
+them for real. Measuring goes through a `MeasureFunction` (maco.tune.measure.Measurer in practice), so the search never times anything itself.
 """
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
-from maco import space
-from maco.errors import MacoError
-from maco.prune import alpha_c_index, alpha_order_ok
-from maco.records import Claims, Interrupted, Record, RecordFile, make_record, normalized
-from maco.schedule import SPATIAL_AXES, UNROLL_STEPS, Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
-from maco.timing import Timing
+from maco.space import schedules as space
+from maco.core.errors import MacoError
+from maco.space.prune import alpha_c_index, alpha_order_ok
+from maco.tune.records import Claims, Interrupted, Record, RecordFile, make_record, normalized
+from maco.core.schedule import SPATIAL_AXES, UNROLL_STEPS, Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.core.timing import Timing
 
 
 class MeasureFunction(Protocol):

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from maco.errors import MacoError
-from maco.records import Interrupted
-from maco.timing import environment
+from maco.core.errors import MacoError
+from maco.tune.records import Interrupted
+from maco.core.timing import environment
 
 try:
     import ray

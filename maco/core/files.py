@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 
 MAX_JSON_BYTES = 64 << 20  # a plan, schedule or predictor file; records are capped per line
 MAX_LINE_BYTES = 1 << 20  # one record (a few kB in practice)

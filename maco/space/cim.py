@@ -1,4 +1,4 @@
-"""The compute-in-memory schedule space: exact size and uniform draws (maco.space dispatches here).
+"""The compute-in-memory schedule space: exact size and uniform draws (maco.space.schedules dispatches here).
 
 A point: per spatial axis an ordered factorisation (cores, outer trips, tile), per reduction axis
 (outer trips, block), a permutation of the 8 outer loops, and the layout. Valid (Schedule
@@ -10,7 +10,7 @@ orders are counted by their active part, times 8! / a! placements of the inactiv
 rule depends on the order only through B, the active spatial loops inside the outermost active
 reduction loop: with A the active spatial loops and r > 0 active reduction loops, the active orders
 with a given B number |A - B|! * r * (|B| + r - 1)! (A - B in any order, then the first reduction
-loop, then the rest). The pruned space (maco.prune_cim) adds the sweep rule: the active image and
+loop, then the rest). The pruned space (maco.space.prune_cim) adds the sweep rule: the active image and
 pixel loops S split into S_b outside every active weight loop and S_a inside all of them, so its
 orders are |S_b|! * |S_a|! * (orders of the weight loops), with X the output-channel loops (g, k)
 inside the first reduction loop and B = X + S_a. The sums run over subsets on numpy arrays of all
@@ -26,13 +26,13 @@ from math import factorial, prod
 
 import numpy as np
 
-from maco import prune_cim
-from maco.errors import MacoError
-from maco.factors import factorizations
-from maco.geometry import max_input_span
-from maco.schedule import ALL_AXES, LAYOUTS, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents, cim_crossbars
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.space import prune_cim
+from maco.core.errors import MacoError
+from maco.core.factors import factorizations
+from maco.core.geometry import max_input_span
+from maco.core.schedule import ALL_AXES, LAYOUTS, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents, cim_crossbars
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 STREAM, OUTPUT_BLOCK = prune_cim.STREAM_AXES, prune_cim.OUTPUT_BLOCK_AXES
 FACT = np.array([factorial(i) for i in range(len(ALL_AXES) + 1)], dtype=np.int64)
@@ -249,7 +249,7 @@ def sample(spec: ConvSpec, target: Target, rng: random.Random, pruned: bool) -> 
 
 
 def why_not(schedule: Schedule, spec: ConvSpec, target: Target, pruned: bool) -> list[str]:
-    """Schedule.problems already covers the full space; pruned adds maco.prune_cim's rules."""
+    """Schedule.problems already covers the full space; pruned adds maco.space.prune_cim's rules."""
     if not pruned:
         return []
     return prune_cim.cim_reasons(schedule, prune_cim.cim_rules(spec, target))

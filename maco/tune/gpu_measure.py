@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from maco.errors import MacoError
-from maco.spec import ConvSpec
-from maco.timing import Timing
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
+from maco.core.timing import Timing
 
 _SPIN = r"""
 extern "C" __global__ void maco_spin(long long cycles) {

@@ -17,8 +17,8 @@ import json
 import math
 from typing import Any
 
-from maco.errors import MacoError
-from maco.files import MAX_JSON_BYTES, load_json, short
+from maco.core.errors import MacoError
+from maco.core.files import MAX_JSON_BYTES, load_json, short
 
 MAX_TREES = 1 << 16
 MAX_NODES = 1 << 22  # all trees together: the shipped predictors hold ~200k nodes

@@ -10,7 +10,7 @@ reduction axes into 3, nested as
 
     S0 (blockIdx)  S1 (vthread)  S2 (threadIdx)  R0  R1  S3  R2  S4
 
-On a compute-in-memory chip (kind "cim", see maco.target.CimArch), "PSB": spatial axes into 3
+On a compute-in-memory chip (kind "cim", see maco.core.target.CimArch), "PSB": spatial axes into 3
 levels (core, outer loop, tile), reduction axes into 2 (outer loop, block):
 
     P (cores)   S (outer loops, all 8 axes in `loop_order`)   B (the block)
@@ -41,11 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from maco.errors import MacoError
-from maco.files import load_json, short
-from maco.geometry import input_window, max_input_span
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.core.errors import MacoError
+from maco.core.files import load_json, short
+from maco.core.geometry import input_window, max_input_span
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 
 SPATIAL_AXES = ("n", "g", "k", "oh", "ow")
 REDUCTION_AXES = ("c", "kh", "kw")

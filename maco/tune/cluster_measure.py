@@ -1,6 +1,6 @@
-"""The tuner's measurements on a Ray cluster (maco.cluster): a batch's kernels compile as Ray
+"""The tuner's measurements on a Ray cluster (maco.tune.cluster): a batch's kernels compile as Ray
 tasks on every node's cores, each object shipped back with its cache key, then one measuring
-actor per machine of the batch's target times them by the worker protocol of maco.measure, one
+actor per machine of the batch's target times them by the worker protocol of maco.tune.measure, one
 kernel at a time, as a local run does.
 
 The two phases do not overlap, so no machine compiles while it measures. A builder compiles for
@@ -17,16 +17,16 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from maco.cluster import Cluster, MachinePool, local_threads
-from maco.errors import MacoError
+from maco.tune.cluster import Cluster, MachinePool, local_threads
+from maco.core.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.cpu_codegen import CpuPlan
-from maco.measure import MeasureConfig, Measurer
-from maco.records import Interrupted, TransientError
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
-from maco.timing import Timing
+from maco.tune.measure import MeasureConfig, Measurer
+from maco.tune.records import Interrupted, TransientError
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.core.timing import Timing
 
 Result = tuple  # (Timing | None, error | None, env of the measuring machine)
 
@@ -97,7 +97,7 @@ def _measurer(state: dict[str, Any], target_dict: dict[str, Any], config: Measur
 
 
 class ClusterMeasurer:
-    """A maco.search.MeasureFunction on a Ray cluster; close() (or `with`) stops its actors.
+    """A maco.tune.search.MeasureFunction on a Ray cluster; close() (or `with`) stops its actors.
     `on_result(index, result)` sees each trial of a batch as it finishes (tests, progress)."""
 
     def __init__(self, cluster: Cluster, target: Target, config: MeasureConfig | None = None,

@@ -21,7 +21,7 @@ from functools import lru_cache
 from importlib import metadata
 from typing import Any, Callable, Iterable, Mapping
 
-from maco.target import Target
+from maco.core.target import Target
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from maco.errors import MacoError
-from maco.files import load_json, short
+from maco.core.errors import MacoError
+from maco.core.files import load_json, short
 
 Pair = tuple[int, int]
 DTYPE_BYTES = 4  # fp32 everywhere

@@ -3,9 +3,9 @@ a wrong result becomes a recorded error and never a dead tuner.
 
 The parent builds a batch of kernels first (gcc processes in parallel, cached on disk), then
 hands them to the worker one at a time; the worker loads each from the cache, checks it against
-torch's conv2d on the same data and times it by the protocol in maco.timing: on the CPU in rounds
+torch's conv2d on the same data and times it by the protocol in maco.core.timing: on the CPU in rounds
 beside the FMA loop doing the same flops (time_with_reference: the record keeps its ratio to it,
-which repeats across spells), on a GPU with CUDA events (maco.gpu_measure). torch baselines are
+which repeats across spells), on a GPU with CUDA events (maco.tune.gpu_measure). torch baselines are
 timed by the same worker, the same way, beside the kernels.
 """
 from __future__ import annotations
@@ -17,15 +17,15 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 from maco import kernels
-from maco.errors import MacoError
+from maco.core.errors import MacoError
 from maco.kernels.baselines import torch_conv
 from maco.kernels.cpu_build import NoSpaceError
-from maco.records import TransientError
-from maco.schedule import Schedule
-from maco.spec import ConvSpec
-from maco.target import Target
+from maco.tune.records import TransientError
+from maco.core.schedule import Schedule
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
 from maco.kernels.cpu_peak import fma_reference
-from maco.timing import Timing, steady_allocator, time_with_reference
+from maco.core.timing import Timing, steady_allocator, time_with_reference
 
 CHECK_RTOL = 1e-3  # max |y - ref| over max |ref|: fp32 sums of up to ~10^4 terms in another order
 
@@ -51,7 +51,7 @@ class MeasureConfig:
 
 
 class Measurer:
-    """A maco.search.MeasureFunction: `(spec, schedules, target) -> [(Timing|None, error|None)]`.
+    """A maco.tune.search.MeasureFunction: `(spec, schedules, target) -> [(Timing|None, error|None)]`.
     Use as a context manager (or call close()) to stop the worker."""
 
     def __init__(self, target: Target, config: MeasureConfig | None = None):
@@ -192,7 +192,7 @@ def _conv_data(spec: ConvSpec, device: str, cache: dict[tuple[ConvSpec, str], An
 
 @lru_cache(maxsize=1)
 def _gpu_timer() -> Any:
-    from maco.gpu_measure import GpuTimer
+    from maco.tune.gpu_measure import GpuTimer
 
     return GpuTimer()
 
@@ -210,7 +210,7 @@ def _run_job(job: dict[str, Any], target: Target, cache: dict) -> dict[str, Any]
     x, w, ref = _conv_data(spec, "cuda" if cuda else "cpu", cache)
     if job["op"] == "torch":
         if cuda:
-            from maco.gpu_measure import CudnnConv
+            from maco.tune.gpu_measure import CudnnConv
 
             fmt = torch.channels_last if job["layout"] == "NHWC" else torch.contiguous_format
             xl, wl = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)

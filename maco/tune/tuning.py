@@ -1,5 +1,5 @@
 """Tuning one conv or a whole network: the task scheduler (Ansor section 6) hands rounds of the
-evolutionary search (maco.search) to the layers that matter most for end-to-end time, and
+evolutionary search (maco.tune.search) to the layers that matter most for end-to-end time, and
 `tune_layers` wires it to the measuring worker, the default seeds and a progress bar."""
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from maco import kernels
-from maco.cost_model import CostModel
-from maco.errors import MacoError
-from maco.measure import MeasureConfig, Measurer
-from maco.records import Record, RecordFile, latest_baselines, make_baseline, normalized
-from maco.schedule import LAYOUTS
-from maco.search import MeasureFunction, SearchConfig, TaskState, follow, search_round
-from maco.spec import ConvSpec
-from maco.target import Target, require_memory
-from maco.timing import environment
+from maco.tune.cost_model import CostModel
+from maco.core.errors import MacoError
+from maco.tune.measure import MeasureConfig, Measurer
+from maco.tune.records import Record, RecordFile, latest_baselines, make_baseline, normalized
+from maco.core.schedule import LAYOUTS
+from maco.tune.search import MeasureFunction, SearchConfig, TaskState, follow, search_round
+from maco.core.spec import ConvSpec
+from maco.core.target import Target, require_memory
+from maco.core.timing import environment
 
 # Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
 BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
@@ -165,7 +165,7 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
                 baselines: bool = True, weights: list[int] | None = None,
                 cluster: str | None = None) -> list[LayerResult]:
     """Tune `layers` with a shared budget of `trials` measurements; returns one result per layer.
-    `cluster` (a Ray address, maco.cluster.ADDRESSES) builds on every node of that cluster and
+    `cluster` (a Ray address, maco.tune.cluster.ADDRESSES) builds on every node of that cluster and
     measures on its machines of `target`; without it nothing imports Ray."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -228,8 +228,8 @@ def _measurer(target: Target, config: MeasureConfig, cluster: str | None, stack:
     """This machine's measuring worker, or the cluster's (its connection closed with `stack`)."""
     if cluster is None:
         return Measurer(target, config)
-    from maco.cluster import Cluster
-    from maco.cluster_measure import ClusterMeasurer
+    from maco.tune.cluster import Cluster
+    from maco.tune.cluster_measure import ClusterMeasurer
 
     return ClusterMeasurer(stack.enter_context(Cluster(cluster)), target, config)
 
@@ -255,7 +255,7 @@ class RetimeSummary:
 def retime(records: str | Path, target: Target, top: int = 3, config: MeasureConfig | None = None,
            progress: bool = True) -> RetimeSummary:
     """Measure the `top` best records per (spec, layout) of `records` made on `target` again,
-    beside the reference (maco.timing), and rewrite them in place, atomically: each keeps its
+    beside the reference (maco.core.timing), and rewrite them in place, atomically: each keeps its
     earlier timing in `history`; every other line stays as it was. A record from before the
     reference gets one, so records of different days rank on one scale afterwards."""
     from rich.progress import Progress

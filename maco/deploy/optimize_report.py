@@ -19,14 +19,14 @@ from typing import Any, Callable
 import numpy as np
 from torch import nn
 
-from maco.errors import MacoError
-from maco.files import write_atomic
-from maco.kernel_choice import MIN_GAIN
+from maco.core.errors import MacoError
+from maco.core.files import write_atomic
+from maco.deploy.kernel_choice import MIN_GAIN
 from maco.layouts import LayoutPlan
 from maco.layouts.end_to_end import ConvShare, ModelTimes
-from maco.spec import ConvSpec
-from maco.target import Target
-from maco.timing import environment
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.core.timing import environment
 
 
 @dataclass
@@ -57,7 +57,7 @@ class OptimizeResult:
     example: Any = None  # the input it was planned and timed on
     share: ConvShare | None = None  # the chosen model's time beside its conv kernels'
     target: Target | None = None
-    engines: list[dict[str, Any]] = field(default_factory=list)  # maco.engines rows, MACO's last
+    engines: list[dict[str, Any]] = field(default_factory=list)  # maco.deploy.engines rows, MACO's last
 
 
 LOCK_NAME = ".maco-optimize.lock"  # in the output folder: held (flock) by the run writing there
@@ -261,7 +261,7 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
     if result.engines:
         lines += ["", "## Beside other engines", "",
                   "Each engine in its own process, alternating round by round with torch eager NCHW there "
-                  "(maco.engines): speedup = the median of the per-round ratios eager / engine; the times are "
+                  "(maco.deploy.engines): speedup = the median of the per-round ratios eager / engine; the times are "
                   "the medians of the rounds. *maco* is the model handed back, loaded from its saved file.", "",
                   "| engine | eager ms | engine ms | speedup over eager | build s | max rel. error | note |",
                   "|---|---|---|---|---|---|---|"]
