@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import io
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable, Mapping, Sequence
@@ -36,6 +37,12 @@ class Figure:
     quick: bool = True  # the script takes --quick
     in_all: bool = True  # `all` runs it (peers needs the optional extra and an hour)
     records: bool = False  # gets --records OUT/records_cpu.jsonl when that file exists
+    # the .env.json that names the machine of a CSV (path relative to its folder) whose script
+    # writes it under another name than NAME.env.json / NAME.csv.env.json beside it
+    env: Mapping[str, str] = field(default_factory=dict, compare=False)
+    # the machine of a committed CSV whose run wrote no .env.json: (sha256 prefix of that file, host);
+    # it names the host only while the file is the one committed
+    hosts: Mapping[str, tuple[str, str]] = field(default_factory=dict, compare=False)
 
 
 # -- the report: each experiment's summarise(rows) reads its own CSV ----------------------------
@@ -68,18 +75,75 @@ def find(folders: Sequence[Path], patterns: Sequence[str]) -> Path | None:
     return None
 
 
+def _cpu(name: Any) -> str:
+    """A CPU model as people say it: "Intel(R) Xeon(R) Processor" -> "Intel Xeon"."""
+    text = str(name).replace("(R)", "").replace("(TM)", "").replace(" Processor", "")
+    return " ".join(text.split())
+
+
+def host_label(env: Mapping[str, Any]) -> str | None:
+    """The machine an .env.json names: CPU model (ISA, cores), the GPU first where there is one;
+    a data set's sidecar (fingerprint -> environment) names each of its machines."""
+    if "cpu" not in env and "gpu" not in env:
+        inner = sorted({label for v in env.values() if isinstance(v, dict) and (label := host_label(v))})
+        return " and ".join(inner) or None
+    details = [str(env["isa"])] if env.get("isa") else []
+    details += [f"{env['cores']} cores"] if env.get("cores") else []
+    label = _cpu(env.get("cpu") or "unknown CPU") + (f" ({', '.join(details)})" if details else "")
+    if env.get("measured_on") and _cpu(env["measured_on"]) != _cpu(env.get("cpu")):  # re-analysed elsewhere
+        label = f"{_cpu(env['measured_on'])}, analysed on {label}"
+    return f"{env['gpu']}, host {label}" if env.get("gpu") else label
+
+
+def host_of(fig: Figure, path: Path, folder: Path) -> str | None:
+    """The machine that measured `path`: its .env.json (beside it, or the one FIGURE.env names),
+    else FIGURE.hosts while the file is the committed one; None when nothing records it."""
+    rel = path.relative_to(folder).as_posix()
+    sidecars = ([folder / fig.env[rel]] if rel in fig.env else []) + [
+        path.with_suffix(".env.json"), path.with_name(path.name + ".env.json")]
+    for sidecar in sidecars:
+        try:
+            label = host_label(json.loads(sidecar.read_text()))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if label:
+            return label
+    if rel in fig.hosts:
+        digest, host = fig.hosts[rel]
+        if hashlib.sha256(path.read_bytes()).hexdigest().startswith(digest):
+            return host
+    return None
+
+
+def summaries(experiment: ModuleType, out: Path) -> list[tuple[str | None, str, str]]:
+    """(host, what was measured, from which file), one per machine, for one experiment module:
+    the CSVs in `out`, else those kept in the checkout's results/. Per host the first file of
+    FIGURE.csv's patterns counts; a file that cannot be read says so."""
+    fig = experiment.FIGURE
+    for folder in (out, RESULTS):
+        hits = [p for pattern in fig.csv for p in (sorted(folder.glob(pattern)) if folder.is_dir() else [])]
+        if hits:
+            break
+    else:
+        return []
+    found: dict[str | None, tuple[str, str]] = {}
+    for path in dict.fromkeys(hits):
+        host = host_of(fig, path, folder)
+        if host in found:
+            continue
+        where = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.relative_to(folder))
+        try:
+            rows = read_rows(path)
+            found[host] = ((experiment.summarise(rows) if rows else "the file is empty"), where)
+        except (KeyError, ValueError, IndexError, ZeroDivisionError) as exc:
+            found[host] = (f"unreadable ({type(exc).__name__}: {exc})", where)
+    return [(host, measured, where) for host, (measured, where) in found.items()]
+
+
 def summary(experiment: ModuleType, out: Path) -> tuple[str, str]:
-    """(what was measured, from which file) for one experiment module: its CSV in `out`, else the
-    one kept in the checkout's results/; a file that cannot be read says so."""
-    path = find([out, RESULTS], experiment.FIGURE.csv)
-    if path is None:
-        return "not measured yet", ""
-    where = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
-    try:
-        rows = read_rows(path)
-        return (experiment.summarise(rows) if rows else "the file is empty"), where
-    except (KeyError, ValueError, IndexError, ZeroDivisionError) as exc:
-        return f"unreadable ({type(exc).__name__}: {exc})", where
+    """(what was measured, from which file) for one experiment module: the first of summaries()."""
+    found = summaries(experiment, out)
+    return found[0][1:] if found else ("not measured yet", "")
 
 
 # -- running a script ---------------------------------------------------------------------------

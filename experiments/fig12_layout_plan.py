@@ -21,7 +21,8 @@ from maco.experiments.common import (Figure, num, out_dir, outputs_equal, parser
 FIGURE = Figure(
     "fig12", "planned hybrid layouts 1.28x / 1.32x / 1.29x over the default (ResNet-18 / AlexNet / VGG-11)",
     "oneDNN's NHWC convs win almost every layer here, so the plan is nearly all-NHWC with conversions "
-    "at the ends; the paper's GPU made more layers prefer NCHW", csv=("fig12_layout_plan.csv",))
+    "at the ends; the paper's GPU made more layers prefer NCHW", csv=("fig12_layout_plan.csv",),
+    hosts={"fig12_layout_plan.csv": ("08c650afa886913f", "Intel Xeon (avx512, 2 cores)")})
 
 NETWORKS = "resnet18,alexnet,vgg11"
 COLUMNS = ["network", "latency", "convs", "nhwc_convs", "conversions", "predicted_default_ms",

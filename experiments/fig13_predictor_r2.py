@@ -42,7 +42,9 @@ FIGURE = Figure(
     "fig13", "NAS predictor R2 = 0.998 on latency (GBRT 0.90, linear 0.31, SVR 0.16)",
     "the labels come from a shared 2-core VM: re-timing the same convs reproduces them only to the R2 "
     "of the re-measure row, and no predictor can beat the noise of its own labels",
-    csv=("fig13_predictor_r2.csv",))
+    csv=("fig13_predictor_r2.csv", "fig13_amd/fig13_predictor_r2.csv"),
+    hosts={"fig13_predictor_r2.csv": ("29bf9f67d5a0d320", "Intel Xeon (avx512, 2 cores)"),  # the labels' machine
+           "fig13_amd/fig13_predictor_r2.csv": ("e2bfa4f6d00c5575", "AMD EPYC (avx512, 2 cores)")})
 
 COLUMNS = ["model", "target", "label", "r2", "r2_log", "median_rel_error", "within_10pct", "wrong_picks",
            "wrong_picks_5pct", "wrong_clear", "clear_pairs", "pick_cost", "pairs", "test_rows", "train_rows",

@@ -49,7 +49,8 @@ FIGURE = Figure(
     "both MACO searches use MACO's own generator, cost model and evolution here (the paper compared "
     "with Ansor in TVM), so the difference is the space alone; TVM MetaSchedule, Ansor's successor, "
     "runs beside them at the same trial count; the best-so-far is the fastest single measurement, "
-    "so a lucky timing can lift any curve", csv=("fig16_summary.csv",))
+    "so a lucky timing can lift any curve", csv=("fig16_summary.csv", "fig16_summary_amd.csv"),
+    env={"fig16_summary.csv": "fig16_search.env.json", "fig16_summary_amd.csv": "fig16_search_amd.env.json"})
 
 LAYERS = {"resnet18.layer1.conv": "n1_c64_h56_w56_k64_r3_p1",
           "resnet18.layer2.conv": "n1_c128_h28_w28_k128_r3_p1",

@@ -25,7 +25,7 @@ FIGURE = Figure(
     "fig17", "MACO kernels hit L1 more often than cuDNN's", "MACO's CUDA kernels stage tiles through "
     "shared memory with cp.async, which bypasses L1: their reuse happens in shared memory and never "
     "counts as an L1 hit, while cuDNN's kernels read through L1", csv=("fig17_cache_*.csv",), gpu=True,
-    quick=False)
+    quick=False, hosts={"fig17_cache_h100.csv": ("695ee26923c691e6", "NVIDIA H100 80GB HBM3")})
 
 LAYERS = ["n1_c64_h56_w56_k64_r3x3_p1", "n1_c128_h28_w28_k128_r3x3_p1", "n1_c256_h14_w14_k256_r3x3_p1",
           "n1_c512_h7_w7_k512_r3x3_p1", "n1_c256_h13_w13_k256_r3x3_p1", "n1_c3_h224_w224_k64_r3x3_p1",

@@ -26,7 +26,8 @@ from maco.experiments.common import (Figure, num, out_dir, outputs_equal, parser
 
 FIGURE = Figure(
     "fig18", "end to end 1.07x / 1.62x / 1.34x (ResNet-18 / AlexNet / VGG-11)", "batch 1 on a 2-core CPU "
-    "with oneDNN as the baseline; the paper ran its GPU kernels", csv=("fig18_end_to_end.csv",), records=True)
+    "with oneDNN as the baseline; the paper ran its GPU kernels", csv=("fig18_end_to_end.csv",), records=True,
+    hosts={"fig18_end_to_end.csv": ("9d1cde157a1cd613", "Intel Xeon (avx512, 2 cores)")})
 
 NETWORKS = "resnet18,alexnet,vgg11"
 PAPER = {"resnet18": 1.07, "alexnet": 1.62, "vgg11": 1.34}

@@ -30,7 +30,8 @@ FIGURE = Figure(
     "register-tile ceiling are timed on each layer's flops in the same rounds as the kernels, and "
     "fractions and speedups are medians of per-round ratios (the best peak ever seen here is kept "
     "beside them); the 1x1 stride-2 layers, where oneDNN is slow at batch 1, lift the mean",
-    csv=("kernels_cpu_tuned.csv", "kernels_cpu_tuned_quick.csv", "kernels_cpu.csv", "kernels_cpu_quick.csv"),
+    csv=("kernels_cpu_tuned.csv", "kernels_cpu_tuned_quick.csv", "kernels_cpu.csv", "kernels_cpu_quick.csv",
+         "kernels_cpu_amd.csv"),
     records=True)
 
 QUICK_LAYERS = {"resnet18": 3, "alexnet": 1, "vgg11": 1}  # --quick: the first layers of each

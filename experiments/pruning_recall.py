@@ -71,7 +71,7 @@ FIGURE = Figure(
     "pruning", "(not in the paper: it reports the pruned search, not what the conditions remove)",
     "each pruning rule's recall of the measured top-5% schedules and its space reduction, on a uniform "
     "sample of the full space plus the defaults and the searches' best, measured in interleaved rounds",
-    csv=("pruning_recall.csv",), records=True)
+    csv=("pruning_recall.csv", "pruning_recall_amd.csv"), records=True)
 
 NETWORKS = "resnet18,alexnet,vgg11"
 LAYOUTS = ("NCHW", "NHWC")

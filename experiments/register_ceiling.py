@@ -25,8 +25,8 @@ from maco.kernels.cpu_peak import best_gflops, flops_runner
 FIGURE = Figure(
     "ceiling", "(not in the paper) how close a direct-conv register tile's loads and FMAs get to the FMA "
     "peak on this CPU, the ceiling of every fraction-of-peak number", "each weight-vector load and input "
-    "broadcast adds ~0.15 cycles beyond the FMAs on this Intel core; DESIGN.md's 93-98% were measured on "
-    "an AMD Zen 5", csv=("register_ceiling.csv",), quick=False)
+    "broadcast adds ~0.15 cycles beyond the FMAs on the Intel Xeon measured here; the ceiling is a "
+    "property of a host (93-98% on an AMD Zen 5)", csv=("register_ceiling.csv",), quick=False)
 
 # (weight vectors, input points): 24-28 accumulators; 4x7 needs 33 vector registers (gcc spills one)
 SHAPES = [(1, 28), (2, 14), (2, 12), (3, 8), (4, 6), (6, 4), (4, 7)]

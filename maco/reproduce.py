@@ -5,7 +5,8 @@ The experiments are the package maco.experiments (experiments/ in a checkout), w
 never imports: this module finds them at run time, by name. The package's FIGURES maps each figure
 to its module, in the report's order; each module declares FIGURE (the paper's number, why ours
 differs, how to run it) and summarise(rows), its line of the report from the CSV it writes. So
-changing an experiment never touches this file.
+changing an experiment never touches this file. Each summary names the machine that measured it
+(the CSV's .env.json); a figure with CSVs from several machines gets one summary per machine.
 
 Each runs as `python -m maco.experiments.<module>` in a subprocess (one failing figure does not
 stop the others; each one's output goes to a log beside its CSV). GPU figures run only where a
@@ -117,21 +118,23 @@ def write_report(out: Path, status: dict[str, str], path: Path | None = None) ->
     """REPORT.md in `out` (or `path`): per figure, the paper's number, ours, why they differ."""
     from maco.core.timing import environment
 
-    summary = _import(f"{PACKAGE}.common").summary
+    summaries = _import(f"{PACKAGE}.common").summaries
     env = environment()
     lines = ["# MACO: reproduced figures", "",
-             f"Written by `maco reproduce` on {time.strftime('%Y-%m-%d %H:%M')}: {env.get('cpu')} "
-             f"({env.get('isa')}, {env.get('cores')} cores), torch {env.get('torch')}, gcc "
-             f"{env.get('gcc')}, MACO {env.get('maco')}" + (f", GPU {env['gpu']}" if env.get("gpu") else
-                                                           ", no GPU") + ".", "",
-             "Each row summarises the CSV named under it: this run's when it wrote one, else the "
-             "one kept in results/ (its `.env.json` sidecar or the figure's log names the machine; "
-             "GPU files carry the GPU in their name).", "",
+             f"Written by `maco reproduce` on {time.strftime('%Y-%m-%d %H:%M')} (on {env.get('cpu')}, "
+             f"{env.get('isa')}, {env.get('cores')} cores, torch {env.get('torch')}, gcc {env.get('gcc')}, "
+             f"MACO {env.get('maco')}" + (f", GPU {env['gpu']}" if env.get("gpu") else ", no GPU") + ").", "",
+             "Each row summarises the CSV named under it: this run's when it wrote one, else the one kept "
+             "in results/. Each summary names the machine that measured it (from the `.env.json` written "
+             "beside the CSV); where several machines have a result for a figure, each gets its own "
+             "summary (absolute GFLOP/s and milliseconds differ between machines; compare ratios).", "",
              "| figure | the paper | measured | why it differs | run now |", "|---|---|---|---|---|"]
     for name, module in experiments().items():
         fig = module.FIGURE
-        measured, where = summary(module, out)
-        cell = f"{measured}<br>`{where}`" if where else measured
+        found = summaries(module, out)
+        cell = "<br><br>".join(
+            f"{'**' + host + '**' if host else '**host not recorded** (no .env.json)'}: {measured}<br>`{where}`"
+            for host, measured, where in found) or "not measured yet"
         lines.append(f"| {name} | {fig.paper} | {cell} | {fig.why} | {status.get(name, 'not run now')} |")
     lines.append("")
     path = path or out / "REPORT.md"

@@ -105,7 +105,44 @@ def test_a_discovered_experiment_lands_in_the_report(tmp_path, monkeypatch):
     monkeypatch.setattr(maco.reproduce, "experiments", lambda: {"fig99": fake})
     (tmp_path / "fig99_gpu.csv").write_text("layer,speedup\na,1.5\nb,3.25\n")
     text = write_report(tmp_path, {"fig99": "ok"}).read_text()
-    assert "| fig99 | the paper's 9.9x | 2 rows, best 3.2x<br>`fig99_gpu.csv` | a made-up figure | ok |" in text
+    assert ("| fig99 | the paper's 9.9x | **host not recorded** (no .env.json): 2 rows, best 3.2x<br>`fig99_gpu.csv` "
+            "| a made-up figure | ok |") in text
+
+
+def test_a_figure_measured_on_two_hosts_gets_a_summary_per_host(tmp_path, monkeypatch):
+    """Each CSV's .env.json names its machine; a second file from the same machine adds nothing."""
+    fake = types.ModuleType("maco.experiments.fake_hosts")
+    fake.FIGURE = Figure("fig98", "paper", "why", csv=("fig98.csv", "fig98_again.csv", "fig98_*.csv"),
+                         env={"fig98_b.csv": "fig98_run_b.env.json"})
+    fake.summarise = lambda rows: f"speedup {rows[0]['speedup']}x"
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(maco.reproduce, "experiments", lambda: {"fig98": fake})
+    xeon = '{"cpu": "Intel(R) Xeon(R) Processor", "isa": "avx512", "cores": 2}'
+    for name, speedup in [("fig98", 1.5), ("fig98_again", 9.9), ("fig98_b", 1.2)]:
+        (tmp_path / f"{name}.csv").write_text(f"speedup\n{speedup}\n")
+    (tmp_path / "fig98.env.json").write_text(xeon)
+    (tmp_path / "fig98_again.env.json").write_text(xeon)  # the same host: the first file counts
+    (tmp_path / "fig98_run_b.env.json").write_text('{"cpu": "AMD EPYC", "isa": "avx512", "cores": 2}')
+    row = next(line for line in write_report(tmp_path, {}).read_text().splitlines() if line.startswith("| fig98 |"))
+    assert ("**Intel Xeon (avx512, 2 cores)**: speedup 1.5x<br>`fig98.csv`<br><br>"
+            "**AMD EPYC (avx512, 2 cores)**: speedup 1.2x<br>`fig98_b.csv`") in row
+    assert "9.9" not in row
+
+
+def test_a_committed_csv_without_env_names_its_host_only_while_unchanged(tmp_path, monkeypatch):
+    import hashlib
+
+    fake = types.ModuleType("maco.experiments.fake_pinned")
+    csv = tmp_path / "fig97.csv"
+    csv.write_text("speedup\n2.0\n")
+    digest = hashlib.sha256(csv.read_bytes()).hexdigest()[:16]
+    fake.FIGURE = Figure("fig97", "paper", "why", csv=("fig97.csv",), hosts={"fig97.csv": (digest, "Some GPU")})
+    fake.summarise = lambda rows: f"speedup {rows[0]['speedup']}x"
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(maco.reproduce, "experiments", lambda: {"fig97": fake})
+    assert "**Some GPU**: speedup 2.0x" in write_report(tmp_path, {}).read_text()
+    csv.write_text("speedup\n3.0\n")  # re-run elsewhere without a sidecar: no longer that host
+    assert "**host not recorded** (no .env.json): speedup 3.0x" in write_report(tmp_path, {}).read_text()
 
 
 def test_fig06_summary_from_a_hand_made_csv(tmp_path):
