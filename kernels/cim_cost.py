@@ -49,6 +49,23 @@ class CimCost:
 
 
 def _loads(order: tuple[str, ...], trips: dict[str, int], axes: tuple[str, ...]) -> int:
+MAX_SIDE = 16_384  # input rows or columns of a layer the CIM model counts (maco cim: < 1 s at the cap)
+MAX_PIXELS = 1 << 22  # input rows x columns: the DMA count holds an array of every window's pair
+
+
+def check_size(spec: ConvSpec) -> None:
+    """MacoError, one line naming the value and the cap, for a layer too large to count: the
+    schedules' checks and the closed forms walk every output row and column window (a layer of
+    h = 1e9 took hours, and h x w arrays of windows outgrow memory long before)."""
+    for axis, size in (("h", spec.h), ("w", spec.w)):
+        if size > MAX_SIDE:
+            raise MacoError(f"{spec}: {axis} = {size} is over the CIM model's cap of {MAX_SIDE} input "
+                            f"{'rows' if axis == 'h' else 'columns'} (counting walks every window along it)")
+    if spec.h * spec.w > MAX_PIXELS:
+        raise MacoError(f"{spec}: h x w = {spec.h * spec.w} is over the CIM model's cap of {MAX_PIXELS} input "
+                        "pixels per channel (counting holds every pair of row and column windows)")
+
+
     """Iterations at which the indices of `axes` change: the trips of every loop down to the
     innermost of `axes` with more than one trip (1 when none has)."""
     inner = max((i for i, a in enumerate(order) if a in axes and trips[a] > 1), default=-1)
@@ -101,6 +118,7 @@ def cim_cost(spec: ConvSpec, schedule: Schedule, target: Target) -> CimCost:
     if target.kind != "cim":
         raise MacoError(f"cim_cost needs a cim target, got {target.kind!r}")
     schedule.validate(spec, target)
+    check_size(spec)
     arch: CimArch = target.cim_arch
     order, trips, b = schedule.loop_order, schedule.cim_trips(), schedule.cim_block()
     cores = schedule.cim_cores

@@ -59,16 +59,19 @@ def _schedule(spec: ConvSpec, cores: dict[str, int], tile: dict[str, int],
     return Schedule(kind="cim", spatial=spatial, reduction=reduction, layout="NCHW", loop_order=order)
 
 
-def _check(target: Target) -> CimArch:
+def _check(spec: ConvSpec, target: Target) -> CimArch:
+    from maco.kernels.cim_cost import check_size
+
     if target.kind != "cim":
         raise MacoError(f"a CIM schedule needs a cim target, got {target.kind!r}")
     return target.cim_arch
+    check_size(spec)
 
 
 def template_schedule(spec: ConvSpec, target: Target) -> Schedule:
     """The chip compiler's default: output channels in blocks of the MVM unit bound across the
     cores, each output pixel finished (every channel block) before the next."""
-    arch = _check(target)
+    arch = _check(spec, target)
     kt = _largest(spec.k_per_group, lambda k: k <= arch.rows
                   and cim_crossbars(arch, 1, k) <= arch.crossbars)
     cores_k = _largest(spec.k_per_group // kt, lambda p: p <= arch.cores)
@@ -79,7 +82,7 @@ def template_schedule(spec: ConvSpec, target: Target) -> Schedule:
 
 def default_schedule(spec: ConvSpec, target: Target) -> Schedule:
     """MACO's bound-derived default (see the module docstring)."""
-    arch = _check(target)
+    arch = _check(spec, target)
     cores_k = _largest(spec.k_per_group, lambda p: p <= arch.cores)
     cores_g = _largest(spec.groups, lambda p: p <= arch.cores // cores_k)
     k_core = spec.k_per_group // cores_k

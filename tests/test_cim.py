@@ -311,3 +311,39 @@ def test_the_mapped_bound_lies_between_the_bound_and_every_schedule_of_the_space
     best = min(cim_cost(spec, s, target).weight_cells for s, _ in canonical_schedules(spec)
                if s.layout == "NCHW" and not s.problems(spec, target))
     assert mapped <= best
+
+
+def test_a_layer_too_large_to_count_is_one_line_naming_the_value_and_the_cap(capsys) -> None:
+    """h = 1e9 walked every output row in the schedules' checks and the closed forms (hours); now it
+    is refused at once, and a layer at the cap still counts within seconds."""
+    import signal
+
+    from maco.cli import main
+    from maco.kernels.cim_cost import MAX_PIXELS, MAX_SIDE
+
+    def too_slow(*_):
+        raise TimeoutError("maco cim took over 60 s")
+
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(60)
+    try:
+        assert main(["cim", "n1_c64_h1000000000_w56_k64_r3x3_p1"]) == 2
+        err = capsys.readouterr().err
+        assert f"h = 1000000000 is over the CIM model's cap of {MAX_SIDE} input rows" in err
+        assert len(err.strip().splitlines()) == 1
+        assert main(["cim", "n1_c64_h56_w100000_k64_r3x3_p1"]) == 2
+        assert f"w = 100000 is over the CIM model's cap of {MAX_SIDE} input columns" in capsys.readouterr().err
+        side = MAX_SIDE // 2
+        assert main(["cim", f"n1_c64_h{side}_w{side}_k64_r3x3_p1"]) == 2
+        assert f"h x w = {side * side} is over the CIM model's cap of {MAX_PIXELS}" in capsys.readouterr().err
+        assert main(["cim", f"n1_c64_h{MAX_SIDE}_w{MAX_PIXELS // MAX_SIDE}_k64_r3x3_p1"]) == 0  # at the cap
+        assert "total: template" in capsys.readouterr().out
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    big = ConvSpec.parse("n1_c64_h1000000000_w56_k64_r3x3_p1")
+    for count in (template_schedule, default_schedule):
+        with pytest.raises(MacoError, match="over the CIM model's cap"):
+            count(big, Target.cim())
+    with pytest.raises(MacoError, match="over the CIM model's cap"):
+        cim_cost(big, template_schedule(ConvSpec.parse("n1_c64_h56_w56_k64_r3x3_p1"), Target.cim()), Target.cim())
