@@ -48,7 +48,6 @@ class CimCost:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _loads(order: tuple[str, ...], trips: dict[str, int], axes: tuple[str, ...]) -> int:
 MAX_SIDE = 16_384  # input rows or columns of a layer the CIM model counts (maco cim: < 1 s at the cap)
 MAX_PIXELS = 1 << 22  # input rows x columns: the DMA count holds an array of every window's pair
 
@@ -66,6 +65,7 @@ def check_size(spec: ConvSpec) -> None:
                         "pixels per channel (counting holds every pair of row and column windows)")
 
 
+def _loads(order: tuple[str, ...], trips: dict[str, int], axes: tuple[str, ...]) -> int:
     """Iterations at which the indices of `axes` change: the trips of every loop down to the
     innermost of `axes` with more than one trip (1 when none has)."""
     inner = max((i for i, a in enumerate(order) if a in axes and trips[a] > 1), default=-1)
@@ -117,8 +117,8 @@ def cim_cost(spec: ConvSpec, schedule: Schedule, target: Target) -> CimCost:
     (names the buffer that overflows)."""
     if target.kind != "cim":
         raise MacoError(f"cim_cost needs a cim target, got {target.kind!r}")
-    schedule.validate(spec, target)
     check_size(spec)
+    schedule.validate(spec, target)
     arch: CimArch = target.cim_arch
     order, trips, b = schedule.loop_order, schedule.cim_trips(), schedule.cim_block()
     cores = schedule.cim_cores

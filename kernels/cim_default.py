@@ -64,8 +64,8 @@ def _check(spec: ConvSpec, target: Target) -> CimArch:
 
     if target.kind != "cim":
         raise MacoError(f"a CIM schedule needs a cim target, got {target.kind!r}")
-    return target.cim_arch
     check_size(spec)
+    return target.cim_arch
 
 
 def template_schedule(spec: ConvSpec, target: Target) -> Schedule:
