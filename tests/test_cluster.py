@@ -176,23 +176,29 @@ def test_records_through_the_cluster_are_a_local_runs(cluster: LocalCluster, tmp
 def test_cluster_times_agree_with_local_times(cluster: LocalCluster) -> None:
     """The default schedules timed by a local worker and through the cluster, interleaved, on one
     thread: two threads on this 2-core VM meet at every barrier, and a busy neighbour (another
-    test run) makes each barrier wait a scheduler tick, 10-1000x the kernel's time."""
+    test run) makes each barrier wait a scheduler tick, 10-1000x the kernel's time. Tried again
+    where they disagree; skipped, naming why, only where the FMA loop says the host is busy."""
     from maco import Target
     from maco.tune.measure import Measurer
+    from tests.busy import holds_unless_busy
 
     target = Target.host(1)
-    best: dict[str, dict] = {"local": {}, "cluster": {}}
     with Measurer(target) as local, Cluster(cluster.address) as conn, ClusterMeasurer(conn, target) as remote:
-        for _ in range(3):
-            for name, measurer in (("local", local), ("cluster", remote)):
-                for _, spec in SPECS:
-                    schedules = [default_schedule(spec, target, lay) for lay in ("NCHW", "NHWC")]
-                    for s, (timing, error, *_) in zip(schedules, measurer(spec, schedules, target)):
-                        assert error is None, error
-                        key = (spec, s.layout)
-                        best[name][key] = min(best[name].get(key, 1.0), timing.median)
-    ratios = {key: best["cluster"][key] / best["local"][key] for key in best["local"]}
-    assert all(0.67 < r < 1.5 for r in ratios.values()), ratios
+        def check() -> str:
+            best: dict[str, dict] = {"local": {}, "cluster": {}}
+            for _ in range(3):
+                for name, measurer in (("local", local), ("cluster", remote)):
+                    for _, spec in SPECS:
+                        schedules = [default_schedule(spec, target, lay) for lay in ("NCHW", "NHWC")]
+                        for s, (timing, error, *_) in zip(schedules, measurer(spec, schedules, target)):
+                            assert error is None, error
+                            key = (spec, s.layout)
+                            best[name][key] = min(best[name].get(key, 1.0), timing.median)
+            ratios = {key: best["cluster"][key] / best["local"][key] for key in best["local"]}
+            off = {f"{spec} {lay}": round(r, 2) for (spec, lay), r in ratios.items() if not 0.67 < r < 1.5}
+            return f"cluster / local times outside 0.67..1.5: {off}" if off else ""
+
+        holds_unless_busy(check)
 
 
 def _keys(records, target) -> set[str]:
