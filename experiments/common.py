@@ -166,7 +166,7 @@ def out_dir(args: argparse.Namespace) -> Path:
 
 def quiet(patience: float = 30.0) -> float:
     """Wait (up to `patience` s) for the shared cores to be quiet; the canary's load before timing."""
-    from maco.layouts.dataset import Canary
+    from maco.layouts.canary import Canary
 
     global _CANARY
     if _CANARY is None:

@@ -3,7 +3,7 @@ NCHW and NHWC (torch channels_last), with the cost of converting each layer's in
 them: no single layout is best for every layer once conversions are priced in.
 
 Each layer's layouts are timed in interleaved rounds (maco.layouts.latency.measure_layouts),
-after a canary says the shared cores are quiet (maco.layouts.dataset.Canary); the canary's load
+after a canary says the shared cores are quiet (maco.layouts.canary.Canary); the canary's load
 is kept in the CSV. Writes fig03_layouts_per_layer.csv / .png under --out.
 
     python experiments/fig03_layouts_per_layer.py [--quick] [--networks alexnet] [--out results]
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv
-from maco.layouts.dataset import Canary
+from maco.layouts.canary import Canary
 from maco.layouts.latency import measure_conversion, measure_layouts
 from maco.layouts.networks import network_convs
 from maco.core.timing import environment

@@ -31,7 +31,8 @@ import torch
 
 from maco.experiments.common import (Figure, num, out_dir, parser, pyplot, save_plot, write_csv,
                                      write_table)
-from maco.layouts.dataset import QUIET_LOAD, Canary, cpus_of, load_rows
+from maco.layouts.canary import QUIET_LOAD, Canary
+from maco.layouts.dataset import cpus_of, load_rows
 from maco.layouts.latency import ConversionModel, measure_layouts
 from maco.kernels.cpu_peak import fma_reference
 from maco.layouts.predictor import (LABELS, baseline_models, evaluate, fit_baseline, fit_predictor,

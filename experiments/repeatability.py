@@ -37,7 +37,9 @@ from maco import kernels
 from maco.space import schedules as space
 from maco.core.errors import MacoError
 from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv, write_env
-from maco.layouts.dataset import SETTLED_LOAD, Dataset, collect, load_rows, reference_of
+from maco.layouts.canary import SETTLED_LOAD
+from maco.layouts.collection import collect
+from maco.layouts.dataset import Dataset, load_rows, reference_of
 from maco.layouts.predictor import split_by_spec
 from maco.tune.measure import Measurer
 from maco.tune.records import RecordFile, make_record

@@ -36,7 +36,7 @@ def test_without_a_cluster_ray_is_not_imported(tmp_path: Path) -> None:
         assert main(["tune", "n1_c4_h6_w6_k8_r3x3_p1", "--trials", "2", "--no-baseline",
                      "--records", {str(tmp_path / "r.jsonl")!r}]) == 0
         from maco.deploy.optimize import optimize
-        from maco.layouts.dataset import collect
+        from maco.layouts.collection import collect
         import maco.tune.tuning, maco.commands.collect, maco.commands.optimize
         print("ray" in sys.modules, any(m.startswith("maco.tune.cluster") for m in sys.modules))
     """)

@@ -6,8 +6,10 @@ import pytest
 
 from maco.cli import main
 from maco.core.errors import MacoError
-from maco.layouts.dataset import (COLUMNS, REFERENCE, Canary, Dataset, Row, best_rows, collect, load_rows,
-                                  network_specs, random_specs, reference_of)
+from maco.layouts.canary import Canary
+from maco.layouts.collection import collect
+from maco.layouts.dataset import COLUMNS, REFERENCE, Dataset, Row, best_rows, load_rows, reference_of
+from maco.layouts.random_convs import network_specs, random_specs
 from maco.core.spec import ConvSpec
 from maco.core.timing import Timing
 
@@ -70,15 +72,15 @@ def test_best_rows_keep_one_measurement_for_all_layouts_of_a_spec():
 
 
 def test_a_spec_timed_in_a_spell_is_timed_again_at_the_end(tmp_path, monkeypatch):
-    from maco.layouts import dataset
+    from maco.layouts import collection
 
-    real, calls = dataset._time_spec, []
+    real, calls = collection.time_spec, []
 
     def spell_on_first(canary, spec, lays, dev, **kw):  # the first spec's first timing reads a spell
         timings, _ = real(canary, spec, lays, dev, **kw)
         calls.append(spec)
         return timings, 1.4 if calls == [TINY[0][1]] else 1.0
-    monkeypatch.setattr(dataset, "_time_spec", spell_on_first)
+    monkeypatch.setattr(collection, "time_spec", spell_on_first)
     summary = collect(tmp_path / "d.csv", TINY, rounds=1, repeats=2, min_run_time=1e-4, patience=0,
                       attempts=1, progress=False)
     assert summary.deferred == 1 and calls == [s for _, s in TINY] + [TINY[0][1]]  # last, after the rest
@@ -88,7 +90,7 @@ def test_a_spec_timed_in_a_spell_is_timed_again_at_the_end(tmp_path, monkeypatch
 
 
 def test_a_spell_that_outlasts_patience_ends_each_pass_at_its_first_spec(tmp_path, monkeypatch):
-    from maco.layouts import dataset
+    from maco.layouts import collection
 
     calls = []
 
@@ -96,11 +98,11 @@ def test_a_spell_that_outlasts_patience_ends_each_pass_at_its_first_spec(tmp_pat
         calls.append((spec, kw.get("settle", False)))
         timing = Timing(median=1e-4, min=1e-4, max=1e-4, stdev=0.0, repeats=2, number=1)
         return {lay: timing for lay in lays}, 1.3
-    monkeypatch.setattr(dataset, "_time_spec", always_a_spell)
+    monkeypatch.setattr(collection, "time_spec", always_a_spell)
     summary = collect(tmp_path / "d.csv", TINY, rounds=1, repeats=2, min_run_time=1e-4, patience=0,
                       attempts=1, progress=False)
     first = TINY[0][1]
-    assert calls == [(s, False) for _, s in TINY] + [(first, True)] * dataset.SETTLE_PASSES
+    assert calls == [(s, False) for _, s in TINY] + [(first, True)] * collection.SETTLE_PASSES
     assert summary.deferred == 1 and summary.unsettled == len(TINY)
 
 
@@ -176,10 +178,10 @@ def test_rows_carry_the_reference_timed_in_the_same_rounds(tmp_path):
 
 
 def test_rows_name_their_reference_and_older_rows_read_as_the_fma_loop(tmp_path):
-    from maco.layouts import dataset
+    from maco.layouts import conv_timing
 
     spec = TINY[0][1]
-    assert dataset._reference(spec, "cuda") is None and callable(dataset._reference(spec, "cpu"))
+    assert conv_timing._reference(spec, "cuda") is None and callable(conv_timing._reference(spec, "cpu"))
     old = Row(spec, "NHWC", "cpu", "t", Timing(1e-3, 1e-3, 1e-3, 0.0, 1, 1), env_id="before")
     assert reference_of({}, old) == "fma" == REFERENCE  # rows from before name no reference
     assert reference_of({"before": {"reference": "fma+copy"}}, old) == "fma+copy"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from maco.core.errors import MacoError
-from maco.layouts.dataset import random_specs
+from maco.layouts.random_convs import random_specs
 from maco.layouts.dataset import Row
 from maco.layouts.predictor import (FEATURES, LatencyPredictor, MLPConfig, ReferenceSpeed, TreeConfig,
                                     baseline_models,

@@ -123,7 +123,7 @@ def _mutated_text(doc: dict, change) -> str:
 @pytest.fixture(scope="module")
 def tree_predictor(tmp_path_factory):
     """A small boosted-tree predictor saved to a folder, and its booster as parsed JSON."""
-    from maco.layouts.dataset import random_specs
+    from maco.layouts.random_convs import random_specs
     from maco.layouts.predictor import TreeConfig, fit_predictor
 
     specs = [s for s in random_specs(30, seed=1, max_flops=1e8) for _ in (0, 1)]
@@ -221,7 +221,7 @@ def test_a_pickle_where_a_predictor_keeps_its_weights_is_one_line(tmp_path):
     function) whose sha256 predictor.json names is refused in one line, not an UnpicklingError."""
     import pickle
 
-    from maco.layouts.dataset import random_specs
+    from maco.layouts.random_convs import random_specs
     from maco.layouts.predictor import LatencyPredictor, MLPConfig, fit_predictor
 
     specs = [s for s in random_specs(10, seed=2, max_flops=1e8) for _ in (0, 1)]

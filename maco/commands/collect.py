@@ -54,7 +54,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from maco.layouts.dataset import collect, network_specs, random_specs
+    from maco.layouts.collection import collect
+    from maco.layouts.random_convs import network_specs, random_specs
     from maco.layouts.latency import check_device
 
     device = check_device(args.device).type

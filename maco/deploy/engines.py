@@ -232,7 +232,7 @@ def measure(engine: str, job: Job) -> dict[str, Any]:
     """Time `engine` against torch eager NCHW on the job's model, alternating round by round."""
     import torch
 
-    from maco.layouts.dataset import Canary
+    from maco.layouts.canary import Canary
     from maco.core.timing import interleaved_rounds, steady_allocator
 
     if engine not in SETUP:
