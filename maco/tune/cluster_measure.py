@@ -97,7 +97,7 @@ def _measurer(state: dict[str, Any], target_dict: dict[str, Any], config: Measur
 
 
 class ClusterMeasurer:
-    """A maco.tune.search.MeasureFunction on a Ray cluster; close() (or `with`) stops its actors.
+    """A maco.tune.measure.Runner on a Ray cluster; close() (or `with`) stops its actors.
     `on_result(index, result)` sees each trial of a batch as it finishes (tests, progress)."""
 
     def __init__(self, cluster: Cluster, target: Target, config: MeasureConfig | None = None,

@@ -14,7 +14,7 @@ import multiprocessing as mp
 import traceback
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from maco import kernels
 from maco.core.errors import MacoError
@@ -50,8 +50,28 @@ class MeasureConfig:
                             f"got {self.repeats}, {self.rounds} and {self.warmup}")
 
 
+class Runner(Protocol):
+    """What the tuner times schedules and torch's conv with: this machine's worker (Measurer) or a
+    Ray cluster's machines (maco.tune.cluster_measure.ClusterMeasurer). Results are (timing, error)
+    pairs, or (timing, error, env) where another machine measured (env: its environment)."""
+
+    target: Target
+    config: MeasureConfig
+
+    def __call__(self, spec: ConvSpec, schedules: Sequence[Schedule],
+                 target: Target | None = None) -> Sequence[tuple[Any, ...]]: ...
+
+    def baseline(self, spec: ConvSpec, layout: str = "NCHW") -> tuple[Any, ...]: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Runner": ...
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+
 class Measurer:
-    """A maco.tune.search.MeasureFunction: `(spec, schedules, target) -> [(Timing|None, error|None)]`.
+    """The Runner on this machine: `(spec, schedules, target) -> [(Timing|None, error|None)]`.
     Use as a context manager (or call close()) to stop the worker."""
 
     def __init__(self, target: Target, config: MeasureConfig | None = None):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from maco import kernels
 from maco.tune.cost_model import CostModel
 from maco.core.errors import MacoError
-from maco.tune.measure import MeasureConfig, Measurer
+from maco.tune.measure import MeasureConfig, Measurer, Runner
 from maco.tune.records import Record, RecordFile, latest_baselines, make_baseline, normalized
 from maco.core.schedule import LAYOUTS
 from maco.tune.search import MeasureFunction, SearchConfig, TaskState, follow, search_round
@@ -224,7 +224,7 @@ def measure_baselines(specs: Sequence[ConvSpec], target: Target, records: str | 
     return seconds | {(b.spec, b.layout): b.seconds for b in new}
 
 
-def _measurer(target: Target, config: MeasureConfig, cluster: str | None, stack: ExitStack) -> Any:
+def _measurer(target: Target, config: MeasureConfig, cluster: str | None, stack: ExitStack) -> Runner:
     """This machine's measuring worker, or the cluster's (its connection closed with `stack`)."""
     if cluster is None:
         return Measurer(target, config)
