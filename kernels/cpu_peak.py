@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 from maco.core.errors import MacoError
@@ -137,6 +138,30 @@ def fma_reference(flops: float, target: Target) -> Callable[[], None]:
     its seconds is the inverse of the fraction of the FMA peak, comparable across spells and days."""
     run = _fma_runner(target)
     return lambda: run(flops)
+
+
+BUSY_SPREAD = 1.3  # slowest over fastest of the reference's rounds beside a figure: above, the machine was busy
+PEAK_NOISE = 0.1  # a share of the FMA peak timed in the same rounds may read this far over 100%; beyond: impossible
+
+
+def spread(seconds: Sequence[float]) -> float:
+    """Slowest over fastest of a timer's rounds (1.0 when they agree; inf when one took no time)."""
+    fastest = min(seconds, default=0.0)
+    return max(seconds) / fastest if fastest > 0 else math.inf
+
+
+def peak_share_note(share: float | None, reference_spread: float | None = None, *,
+                    spread_of: str = "reference") -> str:
+    """What to print beside a fraction of the FMA peak: "" where the figure can stand bare, else why
+    it cannot, in brackets with a leading space: a share over 100% (plus PEAK_NOISE) is impossible,
+    and the rounds it came from were busy where the reference's times (or, with `spread_of`, what
+    spread instead) lay more than BUSY_SPREAD apart."""
+    why = []
+    if share is not None and share > 1 + PEAK_NOISE:
+        why.append(f"impossible: over {1 + PEAK_NOISE:.0%} of the peak")
+    if reference_spread is not None and reference_spread > BUSY_SPREAD:
+        why.append(f"the machine was busy: {spread_of} spread {reference_spread:.1f}x")
+    return f" ({'; '.join(why)}; figure unreliable)" if why else ""
 
 
 @lru_cache(maxsize=4)

@@ -137,3 +137,32 @@ def test_auto_engines_are_the_installed_ones():
     with pytest.raises(MacoError, match="unknown engine 'maco'"):
         from maco.deploy.optimize import optimize
         optimize("resnet18", engines=["maco"])
+
+
+class _Opens:  # unpickled, it creates a file: what a weights file from elsewhere could do
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_jobs_weights_load_as_tensors_only(tmp_path):
+    """Job.weights comes from `maco optimize` (a state_dict it saved) or from the JSON a worker is
+    given: it is read with torch.load(weights_only=True), so a pickle that runs code is refused
+    before it runs, and a state_dict loads."""
+    import pickle
+
+    (tmp_path / "tiny.py").write_text(MODEL)
+    model = f"{tmp_path / 'tiny.py'}:Tiny"
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"conv.weight": _Opens(str(marker))}, evil)
+    with pytest.raises(pickle.UnpicklingError):
+        engines.build(engines.Job(model, weights=str(evil)))
+    assert not marker.exists()
+    good = tmp_path / "good.pt"
+    state = {k: torch.full_like(v, 0.5) for k, v in engines.build(engines.Job(model)).state_dict().items()}
+    torch.save(state, good)
+    built = engines.build(engines.Job(model, weights=str(good)))
+    assert torch.equal(built.conv.weight, state["conv.weight"]) and not built.training

@@ -72,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
                   f"(medians {e['planned_s'] * 1e3:.2f} ms vs {e['default_s'] * 1e3:.2f} ms)"
                   + ("  <- handed back" if e["chosen"] else ""))
     if result.share is not None:
+        from maco.deploy.optimize_report import outside_note
         share = result.share
-        print(f"the handed-back model spends {100 * share.outside:.0f}% of its time outside its conv "
+        print(f"the handed-back model spends {100 * share.outside:.0f}%{outside_note(share)} of its time outside its conv "
               f"kernels ({share.model_s * 1e3:.2f} ms vs {share.convs_s * 1e3:.2f} ms"
               + (f"; {share.convs_cold_s * 1e3:.2f} ms with their weights in memory, as in the model)"
                  if share.per_conv_cold else ")"))

@@ -10,6 +10,7 @@ from maco.commands.common import (add_cluster_argument, nonnegative_int, positiv
 from maco.core.errors import MacoError
 from maco.core.files import check_writable
 from maco.core.target import Target
+from maco.kernels.cpu_peak import peak_share_note
 from maco.tune.tuning import LayerResult, tune_layers
 
 DEFAULT_RECORDS = "maco_records.jsonl"
@@ -90,7 +91,8 @@ def run_retime(args: argparse.Namespace) -> int:
 def print_results(results: list[LayerResult], target: Target, title: str) -> None:
     """The table of a tuning run. "of peak" is the FMA loop's speed on the layer's flops timed in
     the same rounds as the kernel (its record's reference), so it holds in any spell of the machine;
-    a record from before the reference (or a GPU's) gets the nominal peak, marked with a "~"."""
+    a record from before the reference (or a GPU's) gets the nominal peak, marked with a "~". A
+    figure that cannot be believed says why beside it (peak_column)."""
     rows, speedups = [], []
     for r in results:
         gf = lambda s: r.spec.flops / s / 1e9 if s else None  # noqa: E731
@@ -99,12 +101,7 @@ def print_results(results: list[LayerResult], target: Target, title: str) -> Non
         speedup = torch_best / best_s if best_s and torch_best else None
         if speedup:
             speedups.append(speedup)
-        if r.best and r.best.referenced:
-            of_peak = f"{100 / r.best.timing.ratio:.0f}%"
-        elif best_s and target.peak_gflops:
-            of_peak = f"~{100 * gf(best_s) / target.peak_gflops:.0f}%"
-        else:
-            of_peak = "-"
+        of_peak = peak_column(r, target)
         rows.append((r.name, r.best.schedule.layout if r.best else "-", gf(best_s) or "-", of_peak,
                      gf(r.torch_nchw) or "-",
                      gf(r.torch_nhwc) or "-", f"{speedup:.2f}x" if speedup else "-", r.trials))
@@ -113,3 +110,23 @@ def print_results(results: list[LayerResult], target: Target, title: str) -> Non
     if speedups:
         geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
         print(f"geometric-mean speedup over torch's faster layout: {geo:.2f}x ({len(speedups)} layers)")
+
+
+def peak_column(r: LayerResult, target: Target) -> str:
+    """The "of peak" cell of a layer: the best record's fraction of the FMA peak timed in the same
+    rounds (1 / its ratio to the reference), else "~" and its fraction of the nominal peak, with a
+    note beside it where it is over 100% (impossible: the FMA loop read slow in those rounds and the
+    kernel did not, a busy machine) or where the kernel's own times in those rounds lay more than
+    BUSY_SPREAD apart (the record keeps only the reference's median, so its times stand for it)."""
+    best = r.best
+    if best is None or not best.ok:
+        return "-"
+    if best.referenced:
+        share, mark = 1 / best.timing.ratio, ""
+    elif target.peak_gflops:
+        share, mark = best.gflops / target.peak_gflops, "~"
+    else:
+        return "-"
+    t = best.timing
+    busy = t.max / t.min if t.min > 0 and t.repeats > 1 else None
+    return f"{mark}{100 * share:.0f}%" + peak_share_note(share, busy, spread_of="its times")

@@ -248,8 +248,8 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
         s = result.share
         lines += ["", "## Where the time goes (the handed-back model, its convs timed alone in the same rounds)", "",
                   f"Model {s.model_s * 1e3:.2f} ms; its {len(s.per_conv)} conv kernels alone add up to "
-                  f"{s.convs_s * 1e3:.2f} ms, so **{100 * s.outside:.0f}%** of the model's time is spent "
-                  f"outside them (model / kernels = {s.ratio:.2f}). With its MACO kernels skipped the model "
+                  f"{s.convs_s * 1e3:.2f} ms, so **{100 * s.outside:.0f}%**{outside_note(s)} of the model's time "
+                  f"is spent outside them (model / kernels = {s.ratio:.2f}). With its MACO kernels skipped the model "
                   f"takes {s.rest_s * 1e3:.2f} ms (pooling, the classifier, unfused ops, conversions, "
                   "Python); the rest of the difference is the kernels running slower in the model than "
                   "alone (weights and activations no longer in cache)."]
@@ -274,6 +274,18 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
               "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
               f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`; records: `{records}`.", ""]
     return "\n".join(lines)
+
+
+def outside_note(share: ConvShare) -> str:
+    """What to print beside the share of a model's time outside its conv kernels: "" where it can
+    stand bare; where it is negative (the kernels alone added up to more than the whole model, which
+    runs them all and more), that it is impossible and why it came about. The model and its kernels
+    are timed in the same rounds with no reference beside them, so a busy spell that hit some
+    rounds' kernels and not the model shows only here."""
+    if share.outside >= 0:
+        return ""
+    return (f" (impossible: the kernels alone took {share.convs_s / share.model_s:.2f}x the whole model, which "
+            "runs them all; the machine was busy or the timing noisy; figure unreliable)")
 
 
 def engine_summary(rows: list[dict[str, Any]]) -> str:

@@ -12,7 +12,7 @@ from maco import kernels
 from maco.core.errors import MacoError
 from maco.kernels.baselines import torch_conv
 from maco.kernels.cpu_codegen import ISA
-from maco.kernels.cpu_peak import flops_runner
+from maco.kernels.cpu_peak import flops_runner, peak_share_note, spread
 from maco.kernels.winograd import TILE_SIZES, WinogradKernel, WinogradPlan, winograd_can_run
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
@@ -43,6 +43,14 @@ class BenchRow:
         the spell, so this ratio spreads far less than a ratio of medians."""
         return statistics.median(min(self.rounds[o][i] for o in over) / t
                                  for i, t in enumerate(self.rounds[which]))
+
+    def peak_note(self, which: str) -> str:
+        """What to print beside `which`'s fraction of the FMA peak (bench_layer with ceilings):
+        "" where it can stand bare, else why not (kernels.cpu_peak.peak_share_note: over 100% of
+        the peak, or the FMA loop's times spread over the rounds by more than BUSY_SPREAD)."""
+        fma = self.rounds["FMA peak"]
+        return peak_share_note(self.speedup(which, over=("FMA peak",)), spread(fma) if len(fma) > 1 else None,
+                               spread_of="the FMA loop's rounds")
 
 
 def bench_layer(name: str, spec: ConvSpec, schedules: dict[str, Schedule], target: Target,
