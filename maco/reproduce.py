@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from types import ModuleType
 from typing import Callable, Protocol
 
 from maco.core.errors import MacoError
-from maco.core.files import write_atomic
+from maco.core.files import read_text, write_atomic
 
 PACKAGE = "maco.experiments"
 RECORDS = "records_cpu.jsonl"  # tuning records in --out, passed to the figures that take them
@@ -114,20 +115,35 @@ def run_figures(figures: list[Figure], out: Path, quick: bool, log: Callable[[st
     return status
 
 
+NOTES = "<!-- notes: maco reproduce keeps everything from this line on as it is -->"
+
+
+def _kept_notes(path: Path) -> list[str]:
+    """The hand-written notes of an existing report: from the NOTES line to the end (a report that
+    exists but cannot be read is an error, not notes lost)."""
+    if not os.path.lexists(path):
+        return []
+    text = read_text(path, "the report", 16 << 20)
+    at = text.find(NOTES)
+    return text[at:].rstrip("\n").split("\n") + [""] if at >= 0 else []
+
+
 def write_report(out: Path, status: dict[str, str], path: Path | None = None) -> Path:
-    """REPORT.md in `out` (or `path`): per figure, the paper's number, ours, why they differ."""
+    """REPORT.md in `out` (or `path`): per figure, the paper's number, ours, why they differ;
+    the notes below the NOTES line of the report already there are kept."""
     from maco.core.timing import environment
 
     summaries = _import(f"{PACKAGE}.common").summaries
     env = environment()
     lines = ["# MACO: reproduced figures", "",
-             f"Written by `maco reproduce` on {time.strftime('%Y-%m-%d %H:%M')} (on {env.get('cpu')}, "
-             f"{env.get('isa')}, {env.get('cores')} cores, torch {env.get('torch')}, gcc {env.get('gcc')}, "
-             f"MACO {env.get('maco')}" + (f", GPU {env['gpu']}" if env.get("gpu") else ", no GPU") + ").", "",
+             f"Written by `maco reproduce` on {time.strftime('%Y-%m-%d %H:%M')} on {env.get('cpu')} "
+             f"({env.get('isa')}, {env.get('cores')} cores, torch {env.get('torch')}, gcc {env.get('gcc')}, "
+             f"MACO {env.get('maco')}" + (f", GPU {env['gpu']}" if env.get("gpu") else ", no GPU") + "), "
+             "which measured only the figures marked ok under \"run now\".", "",
              "Each row summarises the CSV named under it: this run's when it wrote one, else the one kept "
-             "in results/. Each summary names the machine that measured it (from the `.env.json` written "
-             "beside the CSV); where several machines have a result for a figure, each gets its own "
-             "summary (absolute GFLOP/s and milliseconds differ between machines; compare ratios).", "",
+             "in results/. Each summary starts with the machine that measured it (from the `.env.json` "
+             "written beside the CSV); where several machines have a result for a figure, each gets its "
+             "own summary (absolute GFLOP/s and milliseconds differ between machines; compare ratios).", "",
              "| figure | the paper | measured | why it differs | run now |", "|---|---|---|---|---|"]
     for name, module in experiments().items():
         fig = module.FIGURE
@@ -138,5 +154,6 @@ def write_report(out: Path, status: dict[str, str], path: Path | None = None) ->
         lines.append(f"| {name} | {fig.paper} | {cell} | {fig.why} | {status.get(name, 'not run now')} |")
     lines.append("")
     path = path or out / "REPORT.md"
+    lines += _kept_notes(path)
     write_atomic(path, "\n".join(lines))
     return path

@@ -32,3 +32,24 @@ def test_the_cim_example_runs_and_its_chip_computes_the_conv(tmp_path):
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[-1] == "exact" and "CimCost(weight_loads=" in run.stdout
+
+
+def test_the_setup_commands_are_the_ones_ci_runs():
+    text = README.read_text()
+    base = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+    assert f"```bash\n{base}pip install -e . && maco optimize\n```" in text
+    test_command = "pip install torch==2.13.0 && pip install -e '.[test,nas,cluster]' && python -m pytest -q"
+    assert f"```bash\n{base}pip install -e '.[test,nas,cluster]' && python -m pytest -q\n```" in text
+    assert test_command in (README.parent / ".ci" / "run").read_text()
+
+
+def test_the_readme_stays_a_guide():
+    """Short, with short table cells, and every relative link names a file the repository has."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 220
+    cells = [c for line in text.splitlines() if line.startswith("|") for c in line.strip("|").split(" | ")]
+    assert max(map(len, cells)) <= 300
+    for doc in [README, *sorted((README.parent / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.name} links {target}, which the repository lacks"
+        assert "DESIGN.md" not in doc.read_text()

@@ -154,3 +154,12 @@ def test_fig06_summary_from_a_hand_made_csv(tmp_path):
     assert ("host: geomean reduction 1,000x over 2 layers; largest space 1e+06 (alexnet features.0) -> 100"
             "<br>`fig06_space_size.csv`") in text
     assert "| fig06 |" in text and "| not run now |" in text
+
+
+def test_the_notes_below_the_marker_survive_a_rewrite(tmp_path):
+    report = tmp_path / "REPORT.md"
+    report.write_text(f"# old table\n| fig06 | stale |\n\n{maco.reproduce.NOTES}\n\n## Per host\nkept by hand\n")
+    text = write_report(tmp_path, {}).read_text()
+    assert "stale" not in text and "| fig06 |" in text
+    assert text.endswith(f"{maco.reproduce.NOTES}\n\n## Per host\nkept by hand\n")
+    assert write_report(tmp_path, {}).read_text().count(maco.reproduce.NOTES) == 1
