@@ -36,7 +36,7 @@ from maco.experiments.common import (RESULTS, Figure, num, out_dir, parser, prin
 
 FIGURE = Figure(
     "engines", "(not in the paper: it compares MACO with cuDNN/oneDNN kernels, not with inference engines)",
-    "whole networks at batch 1 on this CPU against torch.compile, ONNX Runtime and OpenVINO "
+    "whole networks at batch 1 on one CPU against torch.compile, ONNX Runtime and OpenVINO "
     "(`pip install -e .[engines]`; a missing engine is a row with a note)",
     csv=("engines_cpu.csv",), records=True)
 

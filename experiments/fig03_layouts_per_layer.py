@@ -20,9 +20,10 @@ from maco.core.timing import environment
 
 FIGURE = Figure(
     "fig03", "AlexNet: the faster layout differs from layer to layer (no single layout is best)",
-    "the paper timed GPU kernels; on this CPU oneDNN's channels_last path is the faster one on most "
+    "the paper timed GPU kernels; on the CPU named in the row oneDNN's channels_last path is the faster one on most "
     "layers, so the per-layer choice matters less than on the paper's GPU",
-    csv=("fig03_layouts_per_layer.csv",), hosts={"fig03_layouts_per_layer.csv": ("7b4d78f60a4e8a17", "Intel Xeon (avx512, 2 cores)")})
+    csv=("fig03_layouts_per_layer.csv",),
+    hosts={"fig03_layouts_per_layer.csv": ("7b4d78f60a4e8a17", "Intel Xeon (avx512, 2 cores)")})
 
 COLUMNS = ["network", "layer", "spec", "gflop", "nchw_ms", "nhwc_ms", "nchw_gflops", "nhwc_gflops",
            "faster", "nchw_over_nhwc", "convert_in_to_nhwc_ms", "convert_out_to_nchw_ms",

@@ -23,7 +23,7 @@ from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_p
 
 FIGURE = Figure(
     "fig14", "few wrong-layout picks, at small cost", "pairs whose layouts differ by under 5% are coin "
-    "flips under this machine's noise; the columns by gap show the picks that matter",
+    "flips under the VM's noise; the columns by gap show the picks that matter",
     csv=("fig14_error_threshold.csv",),
     hosts={"fig14_error_threshold.csv": ("83751245a491065b", "Intel Xeon (avx512, 2 cores)")})
 
