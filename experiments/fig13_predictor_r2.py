@@ -35,8 +35,12 @@ from maco.layouts.canary import QUIET_LOAD, Canary
 from maco.layouts.dataset import cpus_of, load_rows
 from maco.layouts.latency import ConversionModel, measure_layouts
 from maco.kernels.cpu_peak import fma_reference
-from maco.layouts.predictor import (LABELS, baseline_models, evaluate, fit_baseline, fit_predictor,
-                                    row_labels, search_config, split_by_spec)
+from maco.layouts.predictor import LABELS
+from maco.layouts.predictor_baselines import baseline_models, fit_baseline
+from maco.layouts.predictor_fit import fit_predictor
+from maco.layouts.predictor_metrics import evaluate, split_by_spec
+from maco.layouts.predictor_search import search_config
+from maco.layouts.predictor_training import row_labels
 from maco.core.target import Target
 
 FIGURE = Figure(

@@ -40,7 +40,7 @@ from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_p
 from maco.layouts.canary import SETTLED_LOAD
 from maco.layouts.collection import collect
 from maco.layouts.dataset import Dataset, load_rows, reference_of
-from maco.layouts.predictor import split_by_spec
+from maco.layouts.predictor_metrics import split_by_spec
 from maco.tune.measure import Measurer
 from maco.tune.records import RecordFile, make_record
 from maco.core.spec import ConvSpec

@@ -141,7 +141,7 @@ def load_predictor(predictor: LatencyPredictor | str | os.PathLike[str] | None =
     path = predictor or os.environ.get("MACO_PREDICTOR") or shipped_predictor()
     if not (Path(path) / "predictor.json").exists():
         raise MacoError(f"no trained latency predictor at {str(path)!r}; train one with "
-                        "`python -m maco.layouts.predictor results/dataset_cpu.csv results/predictor_cpu` "
+                        "`python -m maco.layouts.predictor_cli results/dataset_cpu.csv results/predictor_cpu` "
                         "and pass predictor=PATH or set $MACO_PREDICTOR")
     return LatencyPredictor.load(path)
 

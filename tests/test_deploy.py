@@ -216,7 +216,8 @@ def test_latency_sources_tables_records_and_errors() -> None:
 
 def test_measured_and_predicted_latency_on_a_small_model() -> None:
     from maco.layouts.latency import ConversionModel
-    from maco.layouts.predictor import MLPConfig, fit_predictor
+    from maco.layouts.predictor_fit import fit_predictor
+    from maco.layouts.predictor_models import MLPConfig
     from maco.core.spec import ConvSpec
 
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),

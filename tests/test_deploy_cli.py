@@ -39,7 +39,8 @@ def test_plan_with_a_saved_predictor_shows_both_columns(tmp_path, capsys) -> Non
     import numpy as np
 
     from maco.layouts.latency import ConversionModel
-    from maco.layouts.predictor import MLPConfig, fit_predictor
+    from maco.layouts.predictor_fit import fit_predictor
+    from maco.layouts.predictor_models import MLPConfig
     from maco.core.spec import ConvSpec
 
     specs = [ConvSpec(1, c, s, s, k, 3, 3, padding=1) for c, s, k in

@@ -95,7 +95,10 @@ def test_fig18_without_records_leaves_the_maco_column_empty(tmp_path):
 
 
 def test_largest_nas_predictor_saves_under_5_mb(tmp_path):
-    from maco.layouts.predictor import MAX_WIDTH, MLPConfig, LatencyPredictor, fit_predictor
+    from maco.layouts.predictor import LatencyPredictor
+    from maco.layouts.predictor_fit import fit_predictor
+    from maco.layouts.predictor_models import MLPConfig
+    from maco.layouts.predictor_search import MAX_WIDTH
     from maco.core.spec import ConvSpec
 
     specs = [ConvSpec(1, c, 14, 14, 32, 3, 3, 1, 1) for c in (8, 16, 32, 64)]

@@ -9,10 +9,14 @@ import pytest
 from maco.core.errors import MacoError
 from maco.layouts.random_convs import random_specs
 from maco.layouts.dataset import Row
-from maco.layouts.predictor import (FEATURES, LatencyPredictor, MLPConfig, ReferenceSpeed, TreeConfig,
-                                    baseline_models,
-                                    evaluate, features, fit_baseline, fit_predictor, r2_score, row_labels,
-                                    search_config, split_by_spec)
+from maco.layouts.predictor import LatencyPredictor, ReferenceSpeed
+from maco.layouts.predictor_baselines import baseline_models, fit_baseline
+from maco.layouts.predictor_features import FEATURES, features
+from maco.layouts.predictor_fit import fit_predictor
+from maco.layouts.predictor_metrics import evaluate, r2_score, split_by_spec
+from maco.layouts.predictor_models import MLPConfig, TreeConfig
+from maco.layouts.predictor_search import search_config
+from maco.layouts.predictor_training import row_labels
 from maco.core.spec import ConvSpec
 from maco.core.timing import Timing
 

@@ -124,7 +124,8 @@ def _mutated_text(doc: dict, change) -> str:
 def tree_predictor(tmp_path_factory):
     """A small boosted-tree predictor saved to a folder, and its booster as parsed JSON."""
     from maco.layouts.random_convs import random_specs
-    from maco.layouts.predictor import TreeConfig, fit_predictor
+    from maco.layouts.predictor_fit import fit_predictor
+    from maco.layouts.predictor_models import TreeConfig
 
     specs = [s for s in random_specs(30, seed=1, max_flops=1e8) for _ in (0, 1)]
     lays = ["NCHW", "NHWC"] * 30
@@ -222,7 +223,9 @@ def test_a_pickle_where_a_predictor_keeps_its_weights_is_one_line(tmp_path):
     import pickle
 
     from maco.layouts.random_convs import random_specs
-    from maco.layouts.predictor import LatencyPredictor, MLPConfig, fit_predictor
+    from maco.layouts.predictor import LatencyPredictor
+    from maco.layouts.predictor_fit import fit_predictor
+    from maco.layouts.predictor_models import MLPConfig
 
     specs = [s for s in random_specs(10, seed=2, max_flops=1e8) for _ in (0, 1)]
     pred = fit_predictor(specs, ["NCHW", "NHWC"] * 10, np.full(20, 1e-3), MLPConfig(layers=1, width=4, epochs=1))
@@ -415,7 +418,7 @@ def test_predicting_a_conv_torch_cannot_allocate_is_one_line():
     """The predictor asks torch which conv it runs, on untouched tensors of the conv's shapes; a
     conv whose input is larger than any address space (2^80 bytes) is a MacoError, not torch's
     RuntimeError, and so is h = 1e9 where the machine cannot reserve its 14 TB."""
-    from maco.layouts.predictor import features
+    from maco.layouts.predictor_features import features
 
     with pytest.raises(MacoError, match="cannot predict n1_c65536_h2147483647_w2147483647"):
         features([ConvSpec.parse("n1_c65536_h2147483647_w2147483647_k1_r1")], ["NHWC"])
