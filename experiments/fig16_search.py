@@ -4,7 +4,7 @@ to TVM MetaSchedule at the same trial count and the bound-derived default (zero 
 
 Both MACO searches start from nothing (no bound-derived seed schedule), so the curves compare the
 spaces, not the default; they take turns seed by seed, so the VM's drift hits both. Before a conv
-has records of its own, both rank it by the cost model's prior (maco.tune.cost_model.train_prior),
+has records of its own, both rank it by the cost model's prior (maco.tune.cost_prior_train.train_prior),
 trained here on --prior-records with the conv itself held out: the shipped prior has measured
 every layer of this figure, and a search must not be scored on what its model has seen. Reported per
 layer, in the issue's form: the trials the pruned search needs to reach the full search's final
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from maco import ConvSpec, Target
-from maco.tune.cost_model import train_prior
+from maco.tune.cost_prior_train import train_prior
 from maco.experiments.common import (RESULTS, Figure, num, out_dir, parser, pyplot, read_rows, save_plot,
                                      write_csv, write_env)
 from maco.kernels import default_schedule

@@ -8,7 +8,8 @@ import pytest
 
 from maco import ConvSpec, MacoError, Target, space
 from maco.tune.cost_model import (MIN_TRAINING_RECORDS, PRIOR_FILE, CostModel, analytic_score, analytic_seconds,
-                             prior_fits, shipped_prior, train_prior)
+                                  prior_fits, shipped_prior)
+from maco.tune.cost_prior_train import train_prior
 from maco.tune.records import RecordFile, make_record
 from tests.test_search import synthetic
 from tests.targets import AVX2
@@ -66,7 +67,7 @@ def test_a_prior_is_not_used_on_another_isa_nor_with_another_feature_vector():
 
 
 def test_the_shipped_prior_loads_and_fits_todays_features_on_avx512():
-    """A change to the feature vector must come with a rebuilt prior (python -m maco.tune.cost_model)."""
+    """A change to the feature vector must come with a rebuilt prior (python -m maco.tune.cost_prior_train)."""
     assert PRIOR_FILE.is_file()
     prior = shipped_prior()
     avx512 = replace(AVX2, isa="avx512", simd_width=16,
@@ -97,7 +98,7 @@ def test_records_are_read_from_a_gzip_file_and_a_cut_one_is_named(tmp_path):
 
 def test_the_shipped_prior_is_checked_against_its_checksum_before_xgboost_reads_it(tmp_path):
     """The prior holds the sha256 of its content (learner attribute `sha256`, written by
-    `python -m maco.tune.cost_model`): an edited leaf, which XGBoost would load and use without a word,
+    `python -m maco.tune.cost_prior_train`): an edited leaf, which XGBoost would load and use without a word,
     is named as damage; a copy loads and predicts as the shipped one does."""
     import json
 

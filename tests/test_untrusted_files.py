@@ -302,7 +302,8 @@ def test_a_crafted_prior_is_one_line_not_a_crash(tmp_path, name):
 def test_save_prior_writes_a_checksum_load_prior_accepts(tmp_path):
     import xgboost as xgb
 
-    from maco.tune.cost_model import load_prior, save_prior
+    from maco.tune.cost_model import load_prior
+    from maco.tune.cost_prior_train import save_prior
 
     rng = np.random.default_rng(0)
     booster = xgb.train({"max_depth": 2, "nthread": 1, "verbosity": 0},

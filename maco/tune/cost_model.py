@@ -4,22 +4,21 @@ Features describe what MACO's bounds say matters: tile sizes per level, footprin
 memory level, the dataflow I/O each level's tile implies and its ratio to the lower bound,
 register accumulators, vector use, arithmetic intensity and parallel work per core. Before a
 conv has measurements of its own, a prior ranks it: the same regression trained on other convs'
-measured schedules (shipped for AVX-512 CPUs). Without one, an analytic estimate from the same I/O
-numbers does, its ties broken by the register tile's reuse per pass.
+measured schedules (shipped for AVX-512 CPUs; trained by maco.tune.cost_prior_train). Without
+one, an analytic estimate from the same I/O numbers does, its ties broken by the register tile's
+reuse per pass.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from maco.core.errors import MacoError
-from maco.core.files import load_json, read_bytes, write_atomic
+from maco.core.files import load_json, read_bytes
 from maco.core.geometry import footprint
 from maco.kernels import default_schedule
 from maco.kernels.cpu_codegen import intrinsics_isa
@@ -27,11 +26,11 @@ from maco.tune.records import Record, normalized
 from maco.core.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
                            axis_extents)
 from maco.core.spec import ConvSpec
-from maco.core.target import CPU_ISAS, Target
-from maco.core.xgb_check import CHECKSUM_ATTR, booster_from_doc, check_checksum, content_sha256
+from maco.core.target import Target
+from maco.core.xgb_check import booster_from_doc, check_checksum
 
 MIN_TRAINING_RECORDS = 8  # below this, the prior or the analytic estimate ranks better than a tiny model
-PRIOR_FILE = Path(__file__).with_name("cost_prior_cpu.json")  # rebuilt by `python -m maco.tune.cost_model`
+PRIOR_FILE = Path(__file__).with_name("cost_prior_cpu.json")  # rebuilt by `python -m maco.tune.cost_prior_train`
 
 
 def level_tiles(schedule: Schedule, spec: ConvSpec) -> list[tuple[int, int, int, int]]:
@@ -140,7 +139,7 @@ def analytic_score(spec: ConvSpec, target: Target, schedule: Schedule) -> float:
         spec, target, schedule)
 
 
-def _rows(groups: dict[tuple[ConvSpec, Target], list[Record]]) -> tuple[list[list[float]], list[float]]:
+def training_rows(groups: dict[tuple[ConvSpec, Target], list[Record]]) -> tuple[list[list[float]], list[float]]:
     """Features and speed over the best of the same conv on the same machine (errors: 0)."""
     rows, ys = [], []
     for (spec, target), recs in groups.items():
@@ -154,7 +153,7 @@ def _rows(groups: dict[tuple[ConvSpec, Target], list[Record]]) -> tuple[list[lis
     return rows, ys
 
 
-def _train(rows: list[list[float]], ys: list[float], seed: int, rounds: int):
+def train_booster(rows: list[list[float]], ys: list[float], seed: int, rounds: int):
     """Ansor's regression: weighted towards fast programs, which are the ones a search ranks."""
     import xgboost as xgb
 
@@ -165,40 +164,17 @@ def _train(rows: list[list[float]], ys: list[float], seed: int, rounds: int):
     return xgb.train(params, dtrain, num_boost_round=rounds)
 
 
-def train_prior(records: Iterable[Record], exclude: Iterable[ConvSpec] = (), seed: int = 0, rounds: int = 200):
-    """A booster for convs with no records of their own, trained on other convs' measured CPU
-    schedules, each on the machine it was measured on; `exclude` holds convs out (an experiment
-    that scores a search on a conv must not rank it with that conv's own measurements)."""
-    skip = set(exclude)
-    groups: dict[tuple[ConvSpec, Target], list[Record]] = {}
-    targets: dict[str, Target] = {}
-    for r in records:
-        if r.spec in skip or r.retryable or r.target.get("kind") != "cpu" or r.target.get("isa") not in CPU_ISAS:
-            continue
-        key = json.dumps(r.target, sort_keys=True)
-        if key not in targets:  # one Target per machine, not per record
-            targets[key] = Target.from_fingerprint(r.target)
-        groups.setdefault((r.spec, targets[key]), []).append(r)
-    rows, ys = _rows(groups)
-    if len(rows) < MIN_TRAINING_RECORDS:
-        raise MacoError(f"a prior needs at least {MIN_TRAINING_RECORDS} measured CPU schedules, got {len(rows)}")
-    booster = _train(rows, ys, seed, rounds)
-    booster.set_attr(isas=",".join(sorted({t.isa for _, t in groups})), convs=str(len({s for s, _ in groups})),
-                     schedules=str(len(rows)))
-    return booster
-
-
 MAX_PRIOR_BYTES = 64 << 20  # ~1 MB shipped
 
 
 def load_prior(path: str | os.PathLike[str] = PRIOR_FILE):
     """A prior booster from its file, checked before XGBoost reads it: its sha256 (the learner
-    attribute `sha256`, which `python -m maco.tune.cost_model` writes) must match its content, so a
-    damaged file is named, and its trees must be proper trees (maco.core.xgb_check), so a crafted
-    one is refused with one line rather than crashing XGBoost's native code."""
+    attribute `sha256`, which `python -m maco.tune.cost_prior_train` writes) must match its
+    content, so a damaged file is named, and its trees must be proper trees (maco.core.xgb_check),
+    so a crafted one is refused with one line rather than crashing XGBoost's native code."""
     what = f"cost-model prior {str(path)!r}"
     doc = load_json(read_bytes(path, "cost-model prior", MAX_PRIOR_BYTES), what, MAX_PRIOR_BYTES)
-    check_checksum(doc, f"{what} (rebuild it with `python -m maco.tune.cost_model`)")
+    check_checksum(doc, f"{what} (rebuild it with `python -m maco.tune.cost_prior_train`)")
     return booster_from_doc(doc, what)  # one thread, as the fitted model: no OpenMP pool in the tuner
 
 
@@ -208,15 +184,6 @@ def shipped_prior():
     if not PRIOR_FILE.is_file():
         return None
     return load_prior(PRIOR_FILE)
-
-
-def save_prior(booster, path: str | os.PathLike[str]) -> None:
-    """Write `booster` as XGBoost JSON, atomically, with its content's sha256 as the learner
-    attribute load_prior checks."""
-    booster.set_attr(**{CHECKSUM_ATTR: None})
-    booster.set_attr(**{CHECKSUM_ATTR: content_sha256(json.loads(bytes(booster.save_raw("json"))))})
-    write_atomic(path, bytes(booster.save_raw("json")))
-    check_checksum(json.loads(Path(path).read_bytes()), str(path))
 
 
 def prior_fits(booster, target: Target) -> bool:
@@ -249,12 +216,12 @@ class CostModel:
         for r in records:
             if r.target == fingerprint and not r.retryable:  # a timeout says nothing of speed
                 groups.setdefault((r.spec, self.target), []).append(r)
-        rows, ys = _rows(groups)
+        rows, ys = training_rows(groups)
         self.trained_on = {spec for (spec, _), recs in groups.items() if len(recs) >= MIN_TRAINING_RECORDS}
         if len(rows) < MIN_TRAINING_RECORDS or not self.trained_on:
             self.booster = None
             return self
-        self.booster = _train(rows, ys, self.seed, self.rounds)
+        self.booster = train_booster(rows, ys, self.seed, self.rounds)
         return self
 
     def predict(self, spec: ConvSpec, schedules: Sequence[Schedule]) -> np.ndarray:
@@ -268,24 +235,3 @@ class CostModel:
         x = np.asarray([features(spec, self.target, s) for s in schedules], dtype=np.float64)
         return booster.predict(xgb.DMatrix(x))
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Rebuild the shipped prior from measured records (results/pruning_data*.jsonl.gz)."""
-    import argparse
-
-    from maco.tune.records import RecordFile
-
-    ap = argparse.ArgumentParser(prog="python -m maco.tune.cost_model", description=main.__doc__)
-    ap.add_argument("records", nargs="+", type=Path, help="record files (.jsonl or .jsonl.gz)")
-    ap.add_argument("--out", type=Path, default=PRIOR_FILE)
-    args = ap.parse_args(argv)
-    records = [r for path in args.records for r in RecordFile(path).load()]
-    booster = train_prior(records)
-    save_prior(booster, args.out)
-    print(f"{args.out}: trained on {booster.attr('schedules')} schedules of {booster.attr('convs')} convs "
-          f"({booster.attr('isas')})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
