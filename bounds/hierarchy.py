@@ -55,7 +55,8 @@ from maco.bounds.simulate import schedule_loops
 from maco.core.errors import MacoError
 from maco.core.factors import divisors
 from maco.core.geometry import input_window
-from maco.core.schedule import INPUT_AXES, SPATIAL_AXES, WEIGHT_AXES, Schedule
+from maco.core.axes import INPUT_AXES, SPATIAL_AXES, WEIGHT_AXES
+from maco.core.schedule import Schedule
 from maco.core.spec import DTYPE_BYTES, ConvSpec
 from maco.core.target import Target
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from maco.bounds.tiles import Tile
 from maco.core.errors import MacoError
-from maco.core.schedule import LEVELS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, Schedule
+from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES
+from maco.core.schedule import LEVELS, SKETCHES, Schedule
 from maco.core.spec import ConvSpec
 
 DATAFLOW_ORDER = ("n", "g", "k", "oh", "ow", "c")  # tile loops, outermost first

@@ -20,7 +20,8 @@ from itertools import product
 from maco.core.errors import MacoError
 from maco.core.factors import divisors
 from maco.space.prune_cim import cim_rules, one_block_fits
-from maco.core.schedule import Schedule, cim_crossbars
+from maco.core.schedule import Schedule
+from maco.core.sketch_cim import cim_crossbars
 from maco.core.spec import ConvSpec
 from maco.core.target import CimArch, Target
 

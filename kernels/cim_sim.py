@@ -33,7 +33,8 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.core.geometry import input_span
-from maco.core.schedule import SPATIAL_AXES, Schedule
+from maco.core.axes import SPATIAL_AXES
+from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import CimArch, Target
 

@@ -34,7 +34,8 @@ from maco.core.errors import MacoError
 from maco.core.geometry import input_window
 from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.source_text import comment
-from maco.core.schedule import REDUCTION_AXES, SPATIAL_AXES, Schedule
+from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES
+from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 

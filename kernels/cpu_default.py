@@ -18,7 +18,9 @@ from math import prod
 
 from maco.bounds import optimal_tile
 from maco.core.errors import MacoError
-from maco.core.schedule import LAYOUTS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, axis_extents
+from maco.core.axes import SPATIAL_AXES, axis_extents
+from maco.core.schedule import LAYOUTS, Schedule
+from maco.core.sketch_cpu import REGISTER_RESERVE
 from maco.core.factors import divisors
 from maco.core.spec import ConvSpec
 from maco.core.target import Target

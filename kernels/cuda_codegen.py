@@ -32,8 +32,9 @@ from typing import Any
 
 from maco.core.errors import MacoError
 from maco.core.geometry import input_window
-from maco.core.schedule import (GPU_MAX_ACCUMULATORS, GPU_MAX_SMEM_BYTES, GPU_MAX_THREADS, REDUCTION_AXES,
-                           SPATIAL_AXES, Schedule)
+from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES
+from maco.core.schedule import Schedule
+from maco.core.sketch_cuda import GPU_MAX_ACCUMULATORS, GPU_MAX_SMEM_BYTES, GPU_MAX_THREADS
 from maco.kernels.source_text import comment
 from maco.core.spec import ConvSpec
 

@@ -17,7 +17,9 @@ import numpy as np
 from maco.core.errors import MacoError
 from maco.core.geometry import paper_reuse
 from maco.kernels.cuda_codegen import CudaPlan
-from maco.core.schedule import REDUCTION_AXES, UNROLL_STEPS, Schedule, axis_extents, gpu_max_shared_bytes
+from maco.core.axes import REDUCTION_AXES, axis_extents
+from maco.core.schedule import UNROLL_STEPS, Schedule
+from maco.core.sketch_cuda import gpu_max_shared_bytes
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 

@@ -21,7 +21,8 @@ from maco.kernels.cim_default import default_schedule, reduction_block, template
 from maco.kernels.cim_sim import simulate
 from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
 from maco.space.prune_cim import cim_reasons, cim_rules
-from maco.core.schedule import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents
+from maco.core.axes import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, axis_extents
+from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import CimArch, Target
 

@@ -9,7 +9,8 @@ import torch
 
 from maco.core.errors import MacoError
 from maco.kernels.cim_sim import cell_encoding, decode_cells, encode_cells, quantize, simulate
-from maco.core.schedule import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents
+from maco.core.axes import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, axis_extents
+from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import CimArch, Target
 

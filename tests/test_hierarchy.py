@@ -142,7 +142,7 @@ def test_a_levels_tile_traffic_follows_the_replayed_nest(spec):
     exact LRU replay of the whole nest: the model moves at most 2.5x (measured 2.2x), in 90% at most 1.2x what
     the replay moves, so a tile the model says starves a level starves it (up to that factor)."""
     from maco.bounds.hierarchy import chunk_intensity, tile_footprint
-    from maco.core.schedule import SPATIAL_AXES
+    from maco.core.axes import SPATIAL_AXES
 
     macs = spec.n * spec.k * spec.out_h * spec.out_w * spec.c_per_group * spec.kh * spec.kw
     ratios = []

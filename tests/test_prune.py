@@ -13,7 +13,8 @@ from maco.space import prune, schedules as space
 from maco.core.errors import MacoError
 from maco.kernels import default_schedule
 from maco.space.prune import LevelRule, PruneConfig, RegisterRule
-from maco.core.schedule import SPATIAL_AXES, Schedule
+from maco.core.axes import SPATIAL_AXES
+from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 

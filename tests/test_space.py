@@ -12,8 +12,9 @@ from scipy.stats import chisquare
 from tests.targets import AVX2
 from maco.space import prune, schedules as space
 from maco.core.errors import MacoError
-from maco.core.schedule import (GPU_BUFFERS, LAYOUTS, REDUCTION_AXES, SPATIAL_AXES, UNROLL_STEPS,
-                           WEIGHT_PACKINGS, Schedule, axis_extents)
+from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES, axis_extents
+from maco.core.schedule import LAYOUTS, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule
+from maco.core.sketch_cuda import GPU_BUFFERS
 from maco.core.spec import ConvSpec
 from maco.core.target import MemoryLevel, Target
 

@@ -2,7 +2,7 @@
 import pytest
 
 from maco import ConvSpec, MacoError, MemoryLevel, Schedule, Target
-from maco.core.schedule import axis_extents
+from maco.core.axes import axis_extents
 from tests.targets import AVX2
 
 

@@ -30,7 +30,9 @@ from maco.space import prune_cim
 from maco.core.errors import MacoError
 from maco.core.factors import factorizations
 from maco.core.geometry import max_input_span
-from maco.core.schedule import ALL_AXES, LAYOUTS, REDUCTION_AXES, SPATIAL_AXES, Schedule, axis_extents, cim_crossbars
+from maco.core.axes import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, axis_extents
+from maco.core.schedule import LAYOUTS, Schedule
+from maco.core.sketch_cim import cim_crossbars
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 

@@ -93,7 +93,10 @@ from maco.bounds.hierarchy import (FMA_LATENCY, accumulators_needed, best_tile_i
                                    nominal_balance, register_share, tile_footprint)
 from maco.core.errors import MacoError
 from maco.core.factors import divisors
-from maco.core.schedule import GPU_MAX_THREADS, REGISTER_RESERVE, SPATIAL_AXES, Schedule, gpu_max_accumulators
+from maco.core.axes import SPATIAL_AXES
+from maco.core.schedule import Schedule
+from maco.core.sketch_cpu import REGISTER_RESERVE
+from maco.core.sketch_cuda import GPU_MAX_THREADS, gpu_max_accumulators
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 

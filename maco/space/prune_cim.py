@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from maco.core.schedule import WEIGHT_AXES, Schedule, cim_crossbars
+from maco.core.axes import WEIGHT_AXES
+from maco.core.schedule import Schedule
+from maco.core.sketch_cim import cim_crossbars
 from maco.core.factors import divisors
 from maco.core.spec import ConvSpec
 from maco.core.target import Target

@@ -43,9 +43,11 @@ import numpy as np
 from maco.space import cim as space_cim, prune
 from maco.core.factors import divisors, factorizations, n_factorizations
 from maco.core.errors import MacoError
-from maco.core.schedule import (GPU_BUFFERS, GPU_MAX_THREADS, LAYOUTS, REDUCTION_AXES, REGISTER_RESERVE,
-                           SPATIAL_AXES, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule, axis_extents,
-                           gpu_max_accumulators, gpu_max_shared_bytes, gpu_shared_bytes)
+from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES, axis_extents
+from maco.core.schedule import LAYOUTS, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule
+from maco.core.sketch_cpu import REGISTER_RESERVE
+from maco.core.sketch_cuda import (GPU_BUFFERS, GPU_MAX_THREADS,
+                                   gpu_max_accumulators, gpu_max_shared_bytes, gpu_shared_bytes)
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 

@@ -23,8 +23,8 @@ from maco.core.geometry import footprint
 from maco.kernels import default_schedule
 from maco.kernels.cpu_codegen import intrinsics_isa
 from maco.tune.records import Record, normalized
-from maco.core.schedule import (LAYOUTS, REDUCTION_AXES, SKETCHES, SPATIAL_AXES, UNROLL_STEPS, Schedule,
-                           axis_extents)
+from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES, axis_extents
+from maco.core.schedule import LAYOUTS, SKETCHES, UNROLL_STEPS, Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.core.xgb_check import booster_from_doc, check_checksum

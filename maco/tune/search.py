@@ -16,7 +16,8 @@ from maco.space import schedules as space
 from maco.core.errors import MacoError
 from maco.space.prune import alpha_c_index, alpha_order_ok
 from maco.tune.records import Claims, Interrupted, Record, RecordFile, make_record, normalized
-from maco.core.schedule import SPATIAL_AXES, UNROLL_STEPS, Schedule
+from maco.core.axes import SPATIAL_AXES
+from maco.core.schedule import UNROLL_STEPS, Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.core.timing import Timing

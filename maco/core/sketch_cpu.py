@@ -1,0 +1,55 @@
+"""The CPU sketch "SSRSRS": the rules a CPU schedule's fields follow beyond the shared ones.
+
+Every spatial axis is split into 4 levels and every reduction axis into 2, nested as
+
+    S0 (fused, parallel)  S1  R0  S2  R1  S3 (register tile)
+
+`parallel` fuses that many outermost S0 loops (in SPATIAL_AXES order) into one parallel loop; the
+register tile is vectorised on `vector_axis` and must fit the vector registers left free.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from maco.core.axes import SPATIAL_AXES
+from maco.core.files import short
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+
+if TYPE_CHECKING:
+    from maco.core.schedule import Schedule
+
+NAME = "SSRSRS"
+LEVELS = (4, 2)  # (spatial levels, reduction levels)
+KNOBS: dict[str, type] = {}  # the CPU backend reads no `extra` knobs
+REGISTER_RESERVE = 4  # vector registers left for input broadcasts and weights
+
+
+def field_problems(schedule: Schedule) -> list[str]:
+    """Only cim schedules order their outer loops."""
+    if schedule.loop_order:
+        return [f"only cim schedules have a loop_order, got {short(schedule.loop_order)}"]
+    return []
+
+
+def problems(schedule: Schedule, spec: ConvSpec) -> list[str]:
+    if not 0 <= schedule.parallel <= len(SPATIAL_AXES):
+        return [f"parallel must be in 0..{len(SPATIAL_AXES)}, got {schedule.parallel}"]
+    return []
+
+
+def target_problems(schedule: Schedule, spec: ConvSpec, target: Target) -> list[str]:
+    """The vector width is the target's SIMD width (or scalar) and the accumulators fit."""
+    out = []
+    if schedule.vector_width not in (1, target.simd_width):
+        out.append(f"vector_width must be 1 or the target's SIMD width "
+                   f"{target.simd_width}, got {schedule.vector_width}")
+    regs = target.level("registers").elements // target.simd_width
+    if schedule.accumulators > regs - REGISTER_RESERVE:
+        out.append(f"register tile needs {schedule.accumulators} accumulators but only "
+                   f"{regs - REGISTER_RESERVE} of {regs} vector registers are free")
+    return out
+
+
+def describe(schedule: Schedule) -> str:
+    return schedule.loop_annotations()
