@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from maco.space import schedules as space
 from maco.core.errors import MacoError
@@ -30,6 +30,13 @@ class MeasureFunction(Protocol):
 
     def __call__(self, spec: ConvSpec, schedules: Sequence[Schedule],
                  target: Target) -> list[tuple[Timing | None, str | None]]: ...
+
+
+class ScheduleRanker(Protocol):
+    """What the search asks of a cost model (maco.tune.cost_model.CostModel in practice): a
+    predicted fitness per schedule, higher is better. Fitting it is the caller's job."""
+
+    def predict(self, spec: ConvSpec, schedules: Sequence[Schedule]) -> Iterable[float]: ...
 
 
 @dataclass
@@ -223,7 +230,7 @@ def evolve(spec: ConvSpec, target: Target, population: list[Schedule],
 
 
 # -- one task's tuning rounds ------------------------------------------------------------------
-def search_round(state: TaskState, target: Target, model, measurer: MeasureFunction, rng: random.Random,
+def search_round(state: TaskState, target: Target, model: ScheduleRanker, measurer: MeasureFunction, rng: random.Random,
                  config: SearchConfig, n: int | None = None,
                  records: RecordFile | None = None, seeds: Sequence[Schedule] = (),
                  refresh: Callable[[], object] | None = None) -> list[Record]:
