@@ -167,17 +167,17 @@ def _records_with_baselines(path, specs, baselines=True):
 
 def _spy_backend(monkeypatch):
     """Calls of the in-process torch timing, and the plans the backend builds."""
-    import maco.deploy.compile_backend as backend
+    import maco.deploy.pipeline as pipeline
 
     timed, plans = [], []
-    real = backend.build_variants
+    real = pipeline.build_variants
 
     def build(*args, **kw):
         built = real(*args, **kw)
         plans.append(built.plan)
         return built
-    monkeypatch.setattr(backend, "measure_layouts", lambda *a, **kw: timed.append(a) or pytest.fail("timed torch"))
-    monkeypatch.setattr(backend, "build_variants", build)
+    monkeypatch.setattr(pipeline, "measure_layouts", lambda *a, **kw: timed.append(a) or pytest.fail("timed torch"))
+    monkeypatch.setattr(pipeline, "build_variants", build)
     return timed, plans
 
 

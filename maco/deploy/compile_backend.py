@@ -44,12 +44,9 @@ from maco import kernels
 from maco.core.errors import MacoError
 from maco.core.files import short
 from maco.deploy.kernel_choice import MIN_GAIN
-from maco.layouts.latency import measure_layouts
-from maco.layouts.networks import conv_layers, distinct_convs
-from maco.deploy.pipeline import build_variants, fastest
-from maco.tune.records import Baseline, baselines_in_files, best_in_files
-from maco.core.spec import ConvSpec
-from maco.tune.tuning import BUDGETS, measure_baselines, tune_layers
+from maco.deploy.pipeline import Tuning, run_pipeline
+from maco.tune.records import RecordStore
+from maco.tune.tuning import BUDGETS
 
 log = logging.getLogger("maco")
 TUNES = ("none", "quick", "normal")
@@ -300,7 +297,7 @@ def _kind(node: fx.Node) -> str:
 
 
 def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str, Any]) -> nn.Module:
-    """build_variants on the lifted graph: candidates from the records (or the defaults, or a quick
+    """The pipeline on the lifted graph: candidates from the records (or the defaults, or a quick
     or normal tuning of the missing layers), torch's seconds from the records' baselines (timed
     here only where they have none), the fastest variant kept."""
     target = kernels.host_target()
@@ -310,33 +307,13 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
         inputs = [torch.randn(t.shape, generator=gen).to(memory_format=_format(t)) if t.is_floating_point() else t
                   for t in inputs]
     x = inputs[0] if len(inputs) == 1 else tuple(inputs)
-    specs = [spec for spec, _ in distinct_convs(conv_layers(model, x))]
-    layouts = opts["layouts"]
     files = opts.get("records") or []
-    if opts["tune"] != "none" and files:
-        missing = [spec for spec in specs if not any(key[0] == spec for key in best_in_files(files, target))]
-        if missing:  # their torch baselines are timed by the same worker, into the records
-            tune_layers([(str(s), s) for s in missing], target, BUDGETS[opts["tune"]] * len(missing),
-                        records=files[0], layouts=layouts)
-    stored = baselines_in_files(files, target)
-    unbased = [spec for spec in specs if any((spec, lay) not in stored for lay in layouts)]
-    if opts["tune"] != "none" and files and unbased:  # tuned before baselines were recorded: the
-        measure_baselines(unbased, target, files[0], layouts)  # worker times torch for them now
-        stored = baselines_in_files(files, target)
-    best = best_in_files(files, target)
-    candidates: dict[tuple, Any] = {}
-    torch_seconds = planning_seconds(specs, layouts, stored)
-    for spec in specs:
-        for layout in layouts:
-            try:
-                candidates[(spec, layout)] = best.get((spec, layout)) or kernels.default_schedule(spec, target, layout)
-            except MacoError:
-                pass  # no default for this layout: torch runs it
-    built = build_variants(model, x, target, torch_seconds, candidates, layouts=layouts, log=log.info,
-                           exact=opts["exact"])
-    pick, times = fastest(built.models, x)
+    tuning = Tuning(BUDGETS[opts["tune"]], files[0]) if opts["tune"] != "none" and files else None
+    run = run_pipeline(model, x, target, RecordStore(files, target), tuning=tuning, layouts=opts["layouts"],
+                       exact=opts["exact"], log=log.info)
+    built, pick = run.built, run.pick
     log.info("maco: %s, %.2fx the graph as torch runs it (%d MACO convs, %d MACO linear layers)", pick,
-             times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
+             run.times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
              sum(r >= MIN_GAIN for r in built.linears.values()) if pick == "planned_maco" else 0)
     return built.models[pick]
 
@@ -344,22 +321,3 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
 def _format(t: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(
         memory_format=torch.channels_last) else torch.contiguous_format
-
-
-def planning_seconds(specs: list[ConvSpec], layouts: tuple[str, ...],
-                     stored: dict[tuple[ConvSpec, str], Baseline]) -> dict[tuple[ConvSpec, str], float]:
-    """torch's seconds per (spec, layout) to plan with: the records' baseline seconds as stored,
-    exactly what `maco optimize` plans with from the same file (its tuner's worker timed them;
-    timing torch here, right after MACO kernels ran, read up to 1.5x slower and moved the plan).
-    Stored seconds, not rescaled by the reference: rescaling would need the reference timed in
-    this process, the very timing avoided. A spec without a baseline in every layout is timed
-    here in all of them, so its layouts are compared on one clock (the fastest of 9 runs: medians
-    of a few short runs at compile time strayed up to 2x)."""
-    seconds = {}
-    for spec in specs:
-        if all((spec, layout) in stored for layout in layouts):
-            seconds.update({(spec, layout): stored[(spec, layout)].seconds for layout in layouts})
-            continue
-        timed = measure_layouts(spec, layouts, "cpu", rounds=3, repeats=3, min_run_time=2e-3)
-        seconds.update({(spec, layout): timed[layout].min for layout in layouts})
-    return seconds

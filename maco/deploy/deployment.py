@@ -16,7 +16,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -132,7 +132,10 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     else:
         raise MacoError(f"save takes what maco.deploy.optimize returned or a model maco.load built, got {type(obj).__name__}")
     check_writable(path, "saved model")
-    write_atomic(path, json.dumps(dep.to_dict(), indent=1))
+    try:
+        write_atomic(path, json.dumps(dep.to_dict(), indent=1))
+    except OSError as exc:  # a full disk: write_atomic leaves the old file as it was, and no temp file
+        raise MacoError(f"cannot write saved model {str(path)!r}: {exc.strerror or exc}") from None
 
 
 def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str = "error",
@@ -148,6 +151,25 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
     dep = Deployment.from_dict(load_json_file(path, "saved MACO model", MAX_BYTES))
     require_memory(16 * 4 * math.prod(dep.input_shape), f"the saved input shape {short(dep.input_shape)}")
     host = host_target()
+    foreign = _tuned_elsewhere(path, dep, host, other_machine)
+    model = model.eval()
+    if dep.variant == "default":
+        return model
+    fused = fuse(model, torch.zeros(dep.input_shape))
+    if _fusion(fused) != dep.fusion:
+        raise MacoError(f"{str(path)!r} was saved for another model: its fused layers differ from this model's")
+    if dep.variant == "fused":
+        fused.meta["maco"] = dep
+        return fused
+    gm = LayoutPlan.from_dict(dep.plan).apply(fused)
+    _swap_in_kernels(gm, dep, path, host, foreign, exact)
+    gm.meta["maco"] = dep
+    return gm
+
+
+def _tuned_elsewhere(path: Any, dep: Deployment, host: Target, other_machine: str) -> bool:
+    """Whether the file was tuned on another machine; a MacoError saying what to do when its
+    convs' schedules cannot run here as saved and `other_machine` is "error"."""
     foreign = dep.target != host.fingerprint()
     if foreign and dep.convs and other_machine == "error" and dep.target == Target.host(dep.threads).fingerprint():
         raise MacoError(f"{str(path)!r} was tuned for {dep.threads} threads and torch now uses {host.cores}: call "
@@ -155,70 +177,89 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
     if foreign and dep.convs and other_machine == "error":
         raise MacoError(f"{str(path)!r} was tuned on {_machine(dep.target)}, this is {_machine(host.fingerprint())}; "
                         "pass other_machine='defaults' to run MACO's default schedules here, or tune again")
-    model = model.eval()
-    if dep.variant == "default":
-        return model
-    x = torch.zeros(dep.input_shape)
-    fused = fuse(model, x)
-    if _fusion(fused) != dep.fusion:
-        raise MacoError(f"{str(path)!r} was saved for another model: its fused layers differ from this model's")
-    if dep.variant == "fused":
-        fused.meta["maco"] = dep
-        return fused
-    plan = LayoutPlan.from_dict(dep.plan)
-    gm = plan.apply(fused)
+    return foreign
+
+
+def _swap_in_kernels(gm: nn.Module, dep: Deployment, path: Any, host: Target, foreign: bool, exact: bool) -> None:
+    """Every module the file names swapped for its MACO kernel, each checked against this model."""
     calls = call_sites(gm)
 
     def own_output(module_path: str) -> bool:  # as optimize decides it: called once, output stays inside
         sites = calls.get(module_path, [])
         return len(sites) == 1 and not escapes(gm, sites[0])
 
-    for conv_path, c in dep.convs.items():
-        conv = _submodule(gm, conv_path, nn.Conv2d)
-        spec = _saved_spec(path, "conv", conv_path, conv, c)
-        if not kernel_can_run(conv):
-            raise MacoError(f"{str(path)!r}: no generated kernel computes conv {short(conv_path)} with its epilogue")
-        schedule = Schedule.from_dict(c.get("schedule"))
-        schedule = default_schedule(spec, host, schedule.layout) if foreign else schedule.validate(spec, host)
-        swap_module(gm, conv_path, MacoConv2d(conv, spec, schedule, host, own_output(conv_path)))
-    for linear_path, lin in dep.linears.items():
-        linear = _submodule(gm, linear_path, nn.Linear)
-        batch = lin.get("batch") if isinstance(lin, dict) else None
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise MacoError(f"{str(path)!r}: linear {short(linear_path)} has no valid batch")
-        swap_module(gm, linear_path, MacoLinear(linear, batch, host, own_output(linear_path)))
-    for pool_path, p in dep.pools.items():
-        pool = _submodule(gm, pool_path, POOLS)
-        shape, layout = (p.get("shape"), p.get("layout")) if isinstance(p, dict) else (None, None)
-        if not (_positive_ints(shape) and len(shape) == 4):
-            raise MacoError(f"{str(path)!r}: pooling {short(pool_path)} has no valid input shape")
-        if layout not in ("NCHW", "NHWC") or plan_for(pool, tuple(shape), layout, host.cores) is None:
-            raise MacoError(f"{str(path)!r}: no generated kernel runs pooling {short(pool_path)} "
-                            f"on {short(shape)} in {short(layout)}")
-        swap_module(gm, pool_path, MacoPool2d(pool, tuple(shape), layout, host, own_output(pool_path)))
-    for conv_path, d in dep.depthwise.items():
-        conv = _submodule(gm, conv_path, nn.Conv2d)
-        spec = _saved_spec(path, "depthwise conv", conv_path, conv, d)
-        if d.get("layout") not in ("NCHW", "NHWC") or not depthwise_can_run(conv, spec):
-            raise MacoError(f"{str(path)!r}: no generated kernel runs depthwise conv {short(conv_path)} "
-                            f"({spec}) in {short(d.get('layout'))}")
-        swap_module(gm, conv_path, MacoDepthwise2d(conv, spec, d["layout"], host, own_output(conv_path)))
-    for conv_path, d in dep.winograd.items():
-        conv = _submodule(gm, conv_path, nn.Conv2d)
-        spec = _saved_spec(path, "Winograd conv", conv_path, conv, d)
-        tile = d.get("tile", 2)  # files from before F(4x4) hold no tile size
-        if type(tile) is not int or tile not in TILE_SIZES.get(spec.kh, ()):
-            raise MacoError(f"{str(path)!r}: Winograd conv {short(conv_path)} has output tiles of {short(tile)}; "
-                            f"the kernel knows {TILE_SIZES.get(spec.kh, ())} for {spec.kh}x{spec.kw} filters")
-        if exact:
-            continue  # torch's conv runs it
-        if not winograd_module_can_run(conv, spec, host):
-            if foreign:  # another machine's vectors: torch runs it here, as a default would
-                continue
-            raise MacoError(f"{str(path)!r}: no generated Winograd kernel runs conv {short(conv_path)} ({spec})")
-        swap_module(gm, conv_path, MacoWinograd2d(conv, spec, host, own_output(conv_path), tile))
-    gm.meta["maco"] = dep
-    return gm
+    for conv_path, entry in dep.convs.items():
+        _swap_conv(gm, path, conv_path, entry, host, foreign, own_output)
+    for linear_path, entry in dep.linears.items():
+        _swap_linear(gm, path, linear_path, entry, host, own_output)
+    for pool_path, entry in dep.pools.items():
+        _swap_pool(gm, path, pool_path, entry, host, own_output)
+    for conv_path, entry in dep.depthwise.items():
+        _swap_depthwise(gm, path, conv_path, entry, host, own_output)
+    for conv_path, entry in dep.winograd.items():
+        _swap_winograd(gm, path, conv_path, entry, host, foreign, exact, own_output)
+
+
+def _swap_conv(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Target, foreign: bool,
+               own_output: Callable[[str], bool]) -> None:
+    """A generated kernel on the saved schedule (checked), or on the default one for a foreign file."""
+    conv = _submodule(gm, conv_path, nn.Conv2d)
+    spec = _saved_spec(path, "conv", conv_path, conv, entry)
+    if not kernel_can_run(conv):
+        raise MacoError(f"{str(path)!r}: no generated kernel computes conv {short(conv_path)} with its epilogue")
+    schedule = Schedule.from_dict(entry.get("schedule"))
+    schedule = default_schedule(spec, host, schedule.layout) if foreign else schedule.validate(spec, host)
+    swap_module(gm, conv_path, MacoConv2d(conv, spec, schedule, host, own_output(conv_path)))
+
+
+def _swap_linear(gm: nn.Module, path: Any, linear_path: str, entry: Any, host: Target,
+                 own_output: Callable[[str], bool]) -> None:
+    linear = _submodule(gm, linear_path, nn.Linear)
+    batch = entry.get("batch") if isinstance(entry, dict) else None
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise MacoError(f"{str(path)!r}: linear {short(linear_path)} has no valid batch")
+    swap_module(gm, linear_path, MacoLinear(linear, batch, host, own_output(linear_path)))
+
+
+def _swap_pool(gm: nn.Module, path: Any, pool_path: str, entry: Any, host: Target,
+               own_output: Callable[[str], bool]) -> None:
+    pool = _submodule(gm, pool_path, POOLS)
+    shape, layout = (entry.get("shape"), entry.get("layout")) if isinstance(entry, dict) else (None, None)
+    if not (_positive_ints(shape) and len(shape) == 4):
+        raise MacoError(f"{str(path)!r}: pooling {short(pool_path)} has no valid input shape")
+    if layout not in ("NCHW", "NHWC") or plan_for(pool, tuple(shape), layout, host.cores) is None:
+        raise MacoError(f"{str(path)!r}: no generated kernel runs pooling {short(pool_path)} "
+                        f"on {short(shape)} in {short(layout)}")
+    swap_module(gm, pool_path, MacoPool2d(pool, tuple(shape), layout, host, own_output(pool_path)))
+
+
+def _swap_depthwise(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Target,
+                    own_output: Callable[[str], bool]) -> None:
+    conv = _submodule(gm, conv_path, nn.Conv2d)
+    spec = _saved_spec(path, "depthwise conv", conv_path, conv, entry)
+    if entry.get("layout") not in ("NCHW", "NHWC") or not depthwise_can_run(conv, spec):
+        raise MacoError(f"{str(path)!r}: no generated kernel runs depthwise conv {short(conv_path)} "
+                        f"({spec}) in {short(entry.get('layout'))}")
+    swap_module(gm, conv_path, MacoDepthwise2d(conv, spec, entry["layout"], host, own_output(conv_path)))
+
+
+def _swap_winograd(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Target, foreign: bool,
+                   exact: bool, own_output: Callable[[str], bool]) -> None:
+    """A Winograd kernel with the saved tile size; torch keeps the conv in exact mode, and on
+    another machine whose vectors the kernel does not fit (as a default would)."""
+    conv = _submodule(gm, conv_path, nn.Conv2d)
+    spec = _saved_spec(path, "Winograd conv", conv_path, conv, entry)
+    tile = entry.get("tile", 2)  # files from before F(4x4) hold no tile size
+    if type(tile) is not int or tile not in TILE_SIZES.get(spec.kh, ()):
+        raise MacoError(f"{str(path)!r}: Winograd conv {short(conv_path)} has output tiles of {short(tile)}; "
+                        f"the kernel knows {TILE_SIZES.get(spec.kh, ())} for {spec.kh}x{spec.kw} filters")
+    if exact:
+        return
+    if not winograd_module_can_run(conv, spec, host):
+        if foreign:
+            return
+        raise MacoError(f"{str(path)!r}: no generated Winograd kernel runs conv {short(conv_path)} ({spec})")
+    swap_module(gm, conv_path, MacoWinograd2d(conv, spec, host, own_output(conv_path), tile))
 
 
 def _fusion(model: nn.Module) -> list[str]:

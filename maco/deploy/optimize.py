@@ -17,14 +17,15 @@ from maco.core.errors import MacoError
 from maco.core.files import check_writable
 from maco.deploy.kernel_choice import MIN_GAIN
 from maco.layouts.end_to_end import conv_share
-from maco.layouts.networks import NETWORKS, conv_layers, distinct_convs, example_input, load_model
+from maco.layouts.networks import NETWORKS, example_input, load_model
 from maco.deploy.optimize_report import (LayerRow, OptimizeResult, end_to_end_rows, hold_output_folder,
                                   one_run_per_output_folder, save_output, write_outputs)
-from maco.deploy.pipeline import build_variants, fastest
-from maco.tune.records import best_in_files
+from maco.deploy.pipeline import PipelineRun, Tuning, Variants, distinct_layers, run_pipeline
+from maco.tune.records import Record, RecordStore
 from maco.kernels import resolve_target
+from maco.core.spec import ConvSpec
 from maco.core.target import require_memory
-from maco.tune.tuning import BUDGETS, tune_layers
+from maco.tune.tuning import BUDGETS
 
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
 
@@ -42,15 +43,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     maco.deploy.engines.ENGINES but maco) are timed beside the model handed back, each in its own process
     (CPU only), and the report compares them. `exact` leaves Winograd out (docs/exactness.md)."""
     start = time.perf_counter()
-    unknown = [e for e in engines if e not in ENGINES or e == "maco"]
-    if unknown:
-        raise MacoError(f"unknown engine {unknown[0]!r}; choose from {', '.join(e for e in ENGINES if e != 'maco')}")
-    if cluster is not None:
-        from maco.tune.cluster import check_address
-
-        cluster = check_address(cluster)
-    if budget not in BUDGETS:
-        raise MacoError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
+    cluster = _check_choices(engines, cluster, budget)
     tgt = resolve_target(target)
     if tgt.kind == "cuda":
         from maco.kernels.cuda import require_gpu
@@ -64,59 +57,27 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     name, model = load_model(model_text)
     model.eval()
     device = "cuda" if tgt.kind == "cuda" else "cpu"
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise MacoError(f"batch must be a positive int, got {batch!r}")
-    if input_shape or model_text not in NETWORKS:
-        shape = tuple(input_shape or DEFAULT_INPUT_SHAPE)
-        if not shape or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape):
-            raise MacoError(f"input_shape must be positive ints, got {input_shape!r}")
-        shape = (batch or shape[0], *shape[1:])
-        require_memory(16 * 4 * math.prod(shape), f"an input of shape {shape}")
-        x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-    else:
-        x = example_input(batch or 1)
+    x = _example_input(model_text, input_shape, batch)
     model, x = model.to(device), x.to(device)
-    groups = distinct_convs(conv_layers(model, x))
-    if not groups:
+    layers = distinct_layers(model, x)
+    if not layers:
         raise MacoError(f"{name} has no Conv2d layers to tune")
-    layers = [(names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})", spec)
-              for spec, names in groups]
-    trials = BUDGETS[budget] * len(layers)
     log(f"[1/4] tuning {len(layers)} distinct conv layers of {name} (batch {x.shape[0]}) on {tgt.name}"
         + (f" with {tgt.cores} threads" if tgt.kind == "cpu" else "")
-        + f": {trials} measurements ({budget} budget), records in {records}")
-    tuned = tune_layers(layers, tgt, trials, records=records, seed=seed,
-                        weights=[len(names) for _, names in groups], cluster=cluster)
-    best = best_in_files([records], tgt)
-    rows = [LayerRow(r.name, r.spec, r.weight, r.trials,
-                     maco={lay: best[(r.spec, lay)].seconds for lay in ("NCHW", "NHWC") if (r.spec, lay) in best},
-                     torch={k: v for k, v in (("NCHW", r.torch_nchw), ("NHWC", r.torch_nhwc)) if v})
-            for r in tuned]
-    # the records' torch baselines where present, else the tuner's fresh timings, which it appended
-    # there (tuning.measure_baselines): the torch.compile backend plans from the same file's numbers
-    torch_seconds = {(row.spec, lay): s for row in rows for lay, s in row.torch.items()}
-    log("[2/4] re-timing the kernels that beat torch in this process; folding BatchNorm, fusing "
-        "epilogues, planning layouts")
-    built = build_variants(model, x, tgt, torch_seconds, best, device=device, log=log, exact=exact)
-    plan, swapped, variants = built.plan, built.swapped, built.models
-    save_output(out, "plan.json", plan.to_json())
-    kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise,
-             "3x3/5x5 convs tried with Winograd": built.winograd}
-    others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
-                     for kind, ratios in kinds.items() if ratios)
-    log(f"[3/4] {len(swapped)} of {len(plan.convs)} convs{others} run MACO kernels")
-    maco_specs = {variants["planned_maco"].get_submodule(path).spec for path in swapped}
-    for row in rows:
-        row.in_process = built.ratios.get(row.spec, {})
-        layouts = {lp.layout for lp in plan.convs if lp.spec == str(row.spec)}
-        row.planned = "/".join(sorted(layouts))
-        row.uses_maco = row.spec in maco_specs
-    log(f"[4/4] timing {', '.join(variants)} end to end in the same rounds; the fastest is handed back")
-    pick, times = fastest(variants, x)
-    e2e = end_to_end_rows(times, pick)
-    share = conv_share(variants[pick], x, target=tgt if tgt.kind == "cpu" else None) if pick != "default" else None
-    result = OptimizeResult(name, out, rows, plan, e2e, time.perf_counter() - start, variants[pick], pick,
-                            x, share, tgt)
+        + f": {BUDGETS[budget] * len(layers)} measurements ({budget} budget), records in {records}")
+    # torch's seconds: the records' baselines where present, else the tuner's fresh timings, which
+    # it appends there (tuning.measure_baselines): the torch.compile backend plans from the same numbers
+    store = RecordStore([records], tgt)
+    run = run_pipeline(model, x, tgt, store, layers=layers, device=device, exact=exact, log=log,
+                       tuning=Tuning(BUDGETS[budget], records, every_layer=True, seed=seed, cluster=cluster),
+                       on_tuned=lambda: log("[2/4] re-timing the kernels that beat torch in this process; "
+                                            "folding BatchNorm, fusing epilogues, planning layouts"),
+                       on_variants=lambda built: _variants_built(built, out, log))
+    built, pick = run.built, run.pick
+    rows = _layer_rows(run, store.best)
+    share = conv_share(built.models[pick], x, target=tgt if tgt.kind == "cpu" else None) if pick != "default" else None
+    result = OptimizeResult(name, out, rows, built.plan, end_to_end_rows(run.times, pick),
+                            time.perf_counter() - start, built.models[pick], pick, x, share, tgt)
     if save:
         deployment.save(result, save)
         log(f"      saved the {pick} model to {save} (maco.load({str(save)!r}, model) rebuilds it)")
@@ -124,8 +85,64 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         result.engines = beside_engines(result, model_text, model, save, list(engines), log)
     elif engines:
         log("      the other engines run on the CPU: none timed beside a CUDA model")
-    write_outputs(result, tgt, records, swapped)
+    write_outputs(result, tgt, records, built.swapped)
     return result
+
+
+def _check_choices(engines: Sequence[str], cluster: str | None, budget: str) -> str | None:
+    """The named engines and budget exist; the cluster address, checked."""
+    unknown = [e for e in engines if e not in ENGINES or e == "maco"]
+    if unknown:
+        raise MacoError(f"unknown engine {unknown[0]!r}; choose from {', '.join(e for e in ENGINES if e != 'maco')}")
+    if cluster is not None:
+        from maco.tune.cluster import check_address
+
+        cluster = check_address(cluster)
+    if budget not in BUDGETS:
+        raise MacoError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
+    return cluster
+
+
+def _example_input(model_text: str, input_shape: tuple[int, ...] | None, batch: int | None) -> torch.Tensor:
+    """The input to tune and time on: `input_shape` (a custom model's default otherwise) with
+    `batch` images, or a named network's own example input."""
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise MacoError(f"batch must be a positive int, got {batch!r}")
+    if not input_shape and model_text in NETWORKS:
+        return example_input(batch or 1)
+    shape = tuple(input_shape or DEFAULT_INPUT_SHAPE)
+    if not shape or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape):
+        raise MacoError(f"input_shape must be positive ints, got {input_shape!r}")
+    shape = (batch or shape[0], *shape[1:])
+    require_memory(16 * 4 * math.prod(shape), f"an input of shape {shape}")
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def _variants_built(built: Variants, out: Path, log: Callable[[str], Any]) -> None:
+    """The plan written and the kernels counted, before the variants are timed end to end."""
+    save_output(out, "plan.json", built.plan.to_json())
+    kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise,
+             "3x3/5x5 convs tried with Winograd": built.winograd}
+    others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
+                     for kind, ratios in kinds.items() if ratios)
+    log(f"[3/4] {len(built.swapped)} of {len(built.plan.convs)} convs{others} run MACO kernels")
+    log(f"[4/4] timing {', '.join(built.models)} end to end in the same rounds; the fastest is handed back")
+
+
+def _layer_rows(run: PipelineRun, best: dict[tuple[ConvSpec, str], Record]) -> list[LayerRow]:
+    """A report row per tuned conv: its best records, torch's seconds, and what the plan made of it."""
+    built = run.built
+    maco_specs = {built.models["planned_maco"].get_submodule(path).spec for path in built.swapped}
+    rows = []
+    for r in run.tuned:
+        layouts = {lp.layout for lp in built.plan.convs if lp.spec == str(r.spec)}
+        rows.append(LayerRow(r.name, r.spec, r.weight, r.trials,
+                             maco={lay: best[(r.spec, lay)].seconds for lay in ("NCHW", "NHWC")
+                                   if (r.spec, lay) in best},
+                             torch={k: v for k, v in (("NCHW", r.torch_nchw), ("NHWC", r.torch_nhwc)) if v},
+                             in_process=built.ratios.get(r.spec, {}), planned="/".join(sorted(layouts)),
+                             uses_maco=r.spec in maco_specs))
+    return rows
 
 
 def beside_engines(result: OptimizeResult, model_text: str, model: Any, saved: str | Path | None,

@@ -1,22 +1,29 @@
-"""From per-layer latencies to the model handed back, shared by `maco optimize` and the
-torch.compile backend: fold and fuse, plan layouts, swap in the MACO kernels (convs, Winograd
-and depthwise convs, linear and pooling layers) that win in this process, then time every variant in the same
-rounds and keep the fastest whose output is right."""
+"""The one pipeline behind `maco optimize` and the torch.compile backend (`run_pipeline`): the
+distinct convs of a model, tuning what the records lack, torch's seconds and the candidate
+kernels per conv and layout, then fold and fuse, plan layouts, swap in the MACO kernels (convs,
+Winograd and depthwise convs, linear and pooling layers) that win in this process, time every
+variant in the same rounds and keep the fastest whose output is right."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from torch import nn
 
+from maco import kernels
+from maco.core.errors import MacoError
 from maco.deploy.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears,
                                 faster_pools, faster_winograd, with_winograd)
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
+from maco.layouts.latency import measure_layouts
 from maco.layouts.layout_plan import LayoutPlan
 from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d, MacoWinograd2d, use_maco_kernels
-from maco.tune.records import Record
+from maco.layouts.networks import conv_layers, distinct_convs
+from maco.tune.records import Baseline, Record, RecordStore
+from maco.tune.tuning import LayerResult, measure_baselines, tune_layers
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -77,3 +84,134 @@ def fastest(models: Mapping[str, Any], example_input: Any, rounds: int = 3) -> t
     """The label of the fastest model whose output equals the first's, timed in the same rounds."""
     times = time_models(models, example_input, rounds=rounds)
     return times.fastest(OUTPUT_RTOL), times
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A distinct conv of a model: a name for it and how many of the model's convs it stands for."""
+
+    name: str
+    spec: ConvSpec
+    weight: int
+
+
+def distinct_layers(model: nn.Module, example_input: Any) -> list[Layer]:
+    """The distinct convs of `model` on `example_input`, each named after its first conv."""
+    return [Layer(names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})", spec, len(names))
+            for spec, names in distinct_convs(conv_layers(model, example_input))]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the pipeline tunes into `records` (one of the store's files) before it plans.
+    every_layer (`maco optimize`): each distinct conv gets `per_layer` measurements (records
+    already there count), and the plan uses what the tuner recorded: its kernels and its torch
+    baselines. Otherwise (the backend): only convs without a kernel in the records are tuned,
+    each weighing 1, and torch baselines the records lack are timed by the tuner's worker."""
+
+    per_layer: int
+    records: Path
+    every_layer: bool = False
+    seed: int = 0
+    cluster: str | None = None
+
+
+@dataclass
+class PipelineRun:
+    """What one pipeline run hands its front door."""
+
+    layers: list[Layer]
+    tuned: list[LayerResult]  # one per tuned layer (every_layer), else those the backend tuned
+    built: Variants
+    pick: str  # the fastest variant whose output is right
+    times: ModelTimes
+
+
+def run_pipeline(model: nn.Module, example_input: Any, target: Target, store: RecordStore, *,
+                 tuning: Tuning | None = None, layers: list[Layer] | None = None,
+                 layouts: tuple[str, ...] = ("NCHW", "NHWC"), device: str = "cpu", exact: bool = False,
+                 log: Callable[[str], Any] = print, on_tuned: Callable[[], Any] | None = None,
+                 on_variants: Callable[[Variants], Any] | None = None) -> PipelineRun:
+    """From a model to its fastest right variant (module docstring). `layers`: its distinct convs,
+    when the caller has them already. Without `tuning`, or tuning only the missing convs, a conv
+    the records have no kernel for runs its default schedule, and torch's seconds are
+    `planning_seconds`. `on_tuned` runs before the variants are built, `on_variants` before they
+    are timed end to end (a front door's progress lines and files)."""
+    layers = distinct_layers(model, example_input) if layers is None else layers
+    if tuning is not None and tuning.every_layer:
+        tuned = _tune_every_layer(layers, target, store, tuning)
+        torch_seconds = {(r.spec, lay): s for r in tuned
+                         for lay, s in (("NCHW", r.torch_nchw), ("NHWC", r.torch_nhwc)) if s}
+        candidates: Mapping[tuple[ConvSpec, str], Record | Schedule] = store.best
+    else:
+        specs = [layer.spec for layer in layers]
+        tuned = _tune_missing(specs, target, store, tuning, layouts) if tuning is not None else []
+        torch_seconds = planning_seconds(specs, layouts, store.baselines)
+        candidates = _with_defaults(specs, layouts, store.best, target)
+    if on_tuned is not None:
+        on_tuned()
+    built = build_variants(model, example_input, target, torch_seconds, candidates, layouts=layouts,
+                           device=device, log=log, exact=exact)
+    if on_variants is not None:
+        on_variants(built)
+    pick, times = fastest(built.models, example_input)
+    return PipelineRun(layers, tuned, built, pick, times)
+
+
+def _tune_every_layer(layers: list[Layer], target: Target, store: RecordStore, tuning: Tuning) -> list[LayerResult]:
+    """Each layer's budget, its torch baselines from the records or the tuner's worker."""
+    tuned = tune_layers([(layer.name, layer.spec) for layer in layers], target, tuning.per_layer * len(layers),
+                        records=tuning.records, seed=tuning.seed, weights=[layer.weight for layer in layers],
+                        cluster=tuning.cluster, store=store)
+    store.refresh()
+    return tuned
+
+
+def _tune_missing(specs: list[ConvSpec], target: Target, store: RecordStore, tuning: Tuning,
+                  layouts: tuple[str, ...]) -> list[LayerResult]:
+    """Tune the convs the records have no kernel for (their torch baselines timed by the same
+    worker), then have the worker time torch for convs tuned before baselines were recorded."""
+    missing = [spec for spec in specs if not any(key[0] == spec for key in store.best)]
+    tuned = []
+    if missing:
+        tuned = tune_layers([(str(s), s) for s in missing], target, tuning.per_layer * len(missing),
+                            records=tuning.records, layouts=layouts, store=store)
+        store.refresh()
+    unbased = [spec for spec in specs if any((spec, lay) not in store.baselines for lay in layouts)]
+    if unbased:
+        measure_baselines(unbased, target, tuning.records, layouts, stored=store.baselines_in(tuning.records))
+        store.refresh()
+    return tuned
+
+
+def _with_defaults(specs: list[ConvSpec], layouts: tuple[str, ...], best: Mapping[tuple[ConvSpec, str], Record],
+                   target: Target) -> dict[tuple[ConvSpec, str], Record | Schedule]:
+    """The best record per conv and layout, else its bound-derived default schedule (none where
+    the layout has no default: torch runs it)."""
+    candidates: dict[tuple[ConvSpec, str], Record | Schedule] = {}
+    for spec in specs:
+        for layout in layouts:
+            try:
+                candidates[(spec, layout)] = best.get((spec, layout)) or kernels.default_schedule(spec, target, layout)
+            except MacoError:
+                pass
+    return candidates
+
+
+def planning_seconds(specs: list[ConvSpec], layouts: tuple[str, ...],
+                     stored: Mapping[tuple[ConvSpec, str], Baseline]) -> dict[tuple[ConvSpec, str], float]:
+    """torch's seconds per (spec, layout) to plan with: the records' baseline seconds as stored,
+    exactly what `maco optimize` plans with from the same file (its tuner's worker timed them;
+    timing torch here, right after MACO kernels ran, read up to 1.5x slower and moved the plan).
+    Stored seconds, not rescaled by the reference: rescaling would need the reference timed in
+    this process, the very timing avoided. A spec without a baseline in every layout is timed
+    here in all of them, so its layouts are compared on one clock (the fastest of 9 runs: medians
+    of a few short runs at compile time strayed up to 2x)."""
+    seconds = {}
+    for spec in specs:
+        if all((spec, layout) in stored for layout in layouts):
+            seconds.update({(spec, layout): stored[(spec, layout)].seconds for layout in layouts})
+            continue
+        timed = measure_layouts(spec, layouts, "cpu", rounds=3, repeats=3, min_run_time=2e-3)
+        seconds.update({(spec, layout): timed[layout].min for layout in layouts})
+    return seconds

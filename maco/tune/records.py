@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 from maco.core.errors import MacoError
-from maco.core.files import MAX_LINE_BYTES, load_json, short, write_atomic
+from maco.core.files import MAX_LINE_BYTES, _check_regular, load_json, short, write_atomic
 from maco.core.schedule import LAYOUTS, Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -408,13 +408,15 @@ class RecordFile:
         return [e for _, e in self.load_entries(warn) if isinstance(e, Baseline)]
 
     def load_entries(self, warn: bool = True) -> list[tuple[int, Entry]]:
-        """Every valid line, record or baseline, with its line number; bad lines as in `load`."""
+        """Every valid line, record or baseline, with its line number; bad lines as in `load`.
+        A later `read_new` returns only what was appended after this read."""
         self.bad_lines = []
         if self.path.is_dir():
             raise MacoError(f"records file {str(self.path)!r} is a directory; give a .jsonl file")
-        out = []
+        out, lineno = [], 0
         try:
-            with (gzip.open if self.path.suffix == ".gz" else open)(self.path, "rb") as fh:  # .gz: read only
+            with self._open_regular() as raw, (gzip.open(raw) if self.path.suffix == ".gz" else raw) as fh:
+                fcntl.flock(raw.fileno(), fcntl.LOCK_SH)  # no append in flight: read_new goes on from the end
                 for lineno, line in enumerate(_capped_lines(fh, MAX_LINE_BYTES), 1):
                     if line is None:
                         self.bad_lines.append((lineno, f"line longer than {MAX_LINE_BYTES} bytes"))
@@ -425,6 +427,7 @@ class RecordFile:
                         out.append((lineno, parse_line(line.decode("utf-8", errors="replace"))))
                     except MacoError as exc:
                         self.bad_lines.append((lineno, str(exc)))
+                self._follow_from(raw, lineno)
         except FileNotFoundError:
             return []
         except (OSError, EOFError) as exc:  # EOFError: a cut .gz
@@ -436,12 +439,35 @@ class RecordFile:
                           f"first at line {first[0]}: {first[1]}", stacklevel=2)
         return out
 
+    def _open_regular(self) -> Any:
+        """The file opened for reading, if it is a regular file: a FIFO would block the read and
+        a link to /dev/zero never end it, so either is one MacoError line (as core.files.read_bytes)."""
+        _check_regular(os.stat(self.path).st_mode, self.path, "records file")  # a device is never opened
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _check_regular(os.fstat(fd).st_mode, self.path, "records file")  # what was opened
+        except MacoError:
+            os.close(fd)
+            raise
+        return os.fdopen(fd, "rb")
+
+    def _follow_from(self, raw: Any, lines: int) -> None:
+        """Where `read_new` goes on after a whole read: the end read so far (a gzipped file is
+        never read again). A last line without its newline counts as the line an append's
+        leading newline ends."""
+        if self.path.suffix == ".gz":
+            self._follow = (0, 0, 0)
+            return
+        end = raw.tell()
+        ended = end == 0 or os.pread(raw.fileno(), 1, end - 1) == b"\n"
+        self._follow, self._mine = (os.fstat(raw.fileno()).st_ino, end, lines - (not ended)), []
+
     def read_new(self, warn: bool = True) -> tuple[list[Entry], bool]:
         """What this object has not read of the file yet, and whether it is the whole file. The
         first call (or one after the file was rewritten or cut: `replace`) reads every valid
-        line: (entries, True). Later calls read only the tail appended since, skipping what this
-        object appended itself: (entries, False); a line still being written waits for the next
-        call. So a long run sees what other runs on the same file have measured meanwhile.
+        line: (entries, True), unless `load_entries` read it already. Later calls read only the
+        tail appended since, skipping what this object appended itself: (entries, False); a line
+        still being written waits for the next call. So a long run sees what other runs on the same file have measured meanwhile.
         Bad lines as in `load` (a gzipped file is read whole once, then never again)."""
         if self.path.suffix == ".gz":
             if self._follow is not None:
@@ -449,7 +475,7 @@ class RecordFile:
             self._follow = (0, 0, 0)
             return self.load_entries(warn), True
         try:
-            fh = open(self.path, "rb")
+            fh = self._open_regular()
         except FileNotFoundError:
             self._follow, self._mine = None, []
             return [], True
@@ -587,7 +613,7 @@ def best_per_layout(records: Iterable[Record], target: Target) -> dict[tuple[Con
 
 def best_in_files(paths: Iterable[str | os.PathLike[str]], target: Target) -> dict[tuple[ConvSpec, str], Record]:
     """best_per_layout over the records of every file in `paths`."""
-    return best_per_layout([r for path in paths for r in RecordFile(path).load()], target)
+    return RecordStore(paths, target).best
 
 
 def latest_baselines(baselines: Iterable[Baseline], target: Target) -> dict[tuple[ConvSpec, str], Baseline]:
@@ -606,4 +632,37 @@ def latest_baselines(baselines: Iterable[Baseline], target: Target) -> dict[tupl
 
 def baselines_in_files(paths: Iterable[str | os.PathLike[str]], target: Target) -> dict[tuple[ConvSpec, str], Baseline]:
     """latest_baselines over the baselines of every file in `paths`."""
-    return latest_baselines([b for path in paths for b in RecordFile(path).load_baselines()], target)
+    return RecordStore(paths, target).baselines
+
+
+class RecordStore:
+    """The records files one run plans from, each read and checked once (bad lines reported as
+    `RecordFile.load` does), indexed for `target`: `best` (best_per_layout) and `baselines`
+    (latest_baselines) over all files. `refresh` reads only what was appended since, so a run
+    that tunes into the files reads them once, plus their new tails."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike[str]], target: Target):
+        self.target = target
+        self.files = [RecordFile(path) for path in paths]
+        self._entries = {file.path: [e for _, e in file.load_entries()] for file in self.files}
+        self._index()
+
+    def refresh(self) -> None:
+        """Take in what was appended to the files since they were read (all of a rewritten one)."""
+        for file in self.files:
+            new, whole = file.read_new()
+            self._entries[file.path] = new if whole else self._entries[file.path] + new
+        self._index()
+
+    def baselines_in(self, path: str | os.PathLike[str]) -> dict[tuple[ConvSpec, str], Baseline]:
+        """latest_baselines of one of the files."""
+        return latest_baselines(_baselines(self._entries[Path(path)]), self.target)
+
+    def _index(self) -> None:
+        entries = [e for file in self.files for e in self._entries[file.path]]
+        self.best = best_per_layout([e for e in entries if isinstance(e, Record)], self.target)
+        self.baselines = latest_baselines(_baselines(entries), self.target)
+
+
+def _baselines(entries: Iterable[Entry]) -> list[Baseline]:
+    return [e for e in entries if isinstance(e, Baseline)]

@@ -10,13 +10,13 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from maco import kernels
 from maco.tune.cost_model import CostModel
 from maco.core.errors import MacoError
 from maco.tune.measure import MeasureConfig, Measurer, Runner
-from maco.tune.records import Record, RecordFile, latest_baselines, make_baseline, normalized
+from maco.tune.records import Baseline, Record, RecordFile, RecordStore, latest_baselines, make_baseline, normalized
 from maco.core.schedule import LAYOUTS
 from maco.tune.search import MeasureFunction, SearchConfig, TaskState, follow, search_round
 from maco.core.spec import ConvSpec
@@ -163,10 +163,11 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
                 records: str | Path, pruned: bool = True, seed: int = 0, round_size: int = 16,
                 layouts: tuple[str, ...] = ("NCHW", "NHWC"), timeout: float = 120.0,
                 baselines: bool = True, weights: list[int] | None = None,
-                cluster: str | None = None) -> list[LayerResult]:
+                cluster: str | None = None, store: RecordStore | None = None) -> list[LayerResult]:
     """Tune `layers` with a shared budget of `trials` measurements; returns one result per layer.
     `cluster` (a Ray address, maco.tune.cluster.ADDRESSES) builds on every node of that cluster and
-    measures on its machines of `target`; without it nothing imports Ray."""
+    measures on its machines of `target`; without it nothing imports Ray. `store`: the records as
+    the caller read them, brought up to date for the baselines instead of read again."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     weights = weights or [_weight(name) for name, _ in layers]
@@ -194,7 +195,11 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
         torch_s = {}
         if baselines:
             bar.update(job, description="timing torch's conv (layers without a baseline in the records)")
-            torch_s = measure_baselines([t.spec for t in tasks], target, records, measurer=measurer)
+            stored = None
+            if store is not None:
+                store.refresh()
+                stored = store.baselines_in(records)
+            torch_s = measure_baselines([t.spec for t in tasks], target, records, measurer=measurer, stored=stored)
         out = [LayerResult(task.name, task.spec, task.weight, state.best, len(state.records),
                            torch_s.get((task.spec, "NCHW")), torch_s.get((task.spec, "NHWC")))
                for task, state in zip(tasks, result.states)]
@@ -202,14 +207,17 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
 
 
 def measure_baselines(specs: Sequence[ConvSpec], target: Target, records: str | Path,
-                      layouts: Sequence[str] = LAYOUTS, measurer: Any = None) -> dict[tuple[ConvSpec, str], float]:
+                      layouts: Sequence[str] = LAYOUTS, measurer: Any = None,
+                      stored: Mapping[tuple[ConvSpec, str], Baseline] | None = None
+                      ) -> dict[tuple[ConvSpec, str], float]:
     """torch's seconds per (spec, layout) for planning: the records' baseline where they have one
     (records.latest_baselines), else timed by the tuner's worker (`measurer`, or one started here
     only if something is missing) and appended to `records` as a baseline. So `maco optimize` and
     the torch.compile backend, reading the same file, plan with the same numbers. A layout torch
-    fails to time is left out."""
+    fails to time is left out. `stored`: the records' latest baselines, when the caller read them
+    already (records.RecordStore), so the file is not read again."""
     file = RecordFile(records)
-    have = latest_baselines(file.load_baselines(), target)
+    have = latest_baselines(file.load_baselines(), target) if stored is None else stored
     todo = [(spec, layout) for spec in dict.fromkeys(specs) for layout in layouts if (spec, layout) not in have]
     new = []
     if todo:
