@@ -200,6 +200,17 @@ def _plot(result: OptimizeResult) -> bytes:
 
 
 def report_markdown(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> str:
+    """report.md: the machine, the per-layer table, the plan, the variants end to end, where the
+    time goes and the other engines, one section each."""
+    lines = (_header_and_layers(result, target) + _plan_section(result.plan) + _end_to_end_section(result, swapped)
+             + _time_split_section(result) + _engines_section(result))
+    lines += ["", "Files: `plan.json` (the plan of the fused graph: "
+              "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
+              f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`; records: `{records}`.", ""]
+    return "\n".join(lines)
+
+
+def _header_and_layers(result: OptimizeResult, target: Target) -> list[str]:
     env = environment()
     lines = [f"# MACO optimize: {result.model_name} on {target.name}", "",
              f"Machine: {env.get('cpu')} ({env.get('isa')}, {env.get('cores')} cores), torch "
@@ -215,21 +226,26 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
                      f"{gf(r.spec, r.maco.get('NHWC'))} | {gf(r.spec, r.torch.get('NCHW'))} | "
                      f"{gf(r.spec, r.torch.get('NHWC'))} | {_ratios(r.in_process)} | {r.planned} | "
                      f"{'MACO' if r.uses_maco else 'torch'} |")
-    plan = result.plan
-    lines += ["", f"GFLOP/s are the tuner's (worker process, preallocated output). *in process*: torch's "
-              f"time over MACO's, re-timed here as the model runs the kernel (interleaved rounds); a "
-              f"kernel replaces torch's conv only above {MIN_GAIN:.2f}x.", "",
-              "## Layout plan", "",
-              f"{sum(1 for c in plan.convs if c.layout == 'NHWC')} of {len(plan.convs)} convs in NHWC, "
-              f"{len(plan.conversions)} conversions; planner ({plan.method}) predicts "
-              f"{plan.cost * 1e3:.2f} ms" + (f" vs {plan.default_cost * 1e3:.2f} ms all-NCHW"
-                                             if plan.default_cost else "") + ".", "",
-              "## End to end (measured: every variant in the same interleaved rounds)", "",
-              "Times: the median over rounds of each model's time in a round. Speedup (in bold): the "
-              "median over rounds of the default's time over the variant's in the same round; in "
-              "brackets the ratio of the two printed medians, a different statistic of the same rounds "
-              "(on a drifting machine the two can differ). The model handed back is the variant with "
-              "the highest speedup whose output equals the default's.", ""]
+    return lines + ["", f"GFLOP/s are the tuner's (worker process, preallocated output). *in process*: torch's "
+                    f"time over MACO's, re-timed here as the model runs the kernel (interleaved rounds); a "
+                    f"kernel replaces torch's conv only above {MIN_GAIN:.2f}x."]
+
+
+def _plan_section(plan: Any) -> list[str]:
+    return ["", "## Layout plan", "",
+            f"{sum(1 for c in plan.convs if c.layout == 'NHWC')} of {len(plan.convs)} convs in NHWC, "
+            f"{len(plan.conversions)} conversions; planner ({plan.method}) predicts "
+            f"{plan.cost * 1e3:.2f} ms" + (f" vs {plan.default_cost * 1e3:.2f} ms all-NCHW"
+                                           if plan.default_cost else "") + "."]
+
+
+def _end_to_end_section(result: OptimizeResult, swapped: list[str]) -> list[str]:
+    lines = ["", "## End to end (measured: every variant in the same interleaved rounds)", "",
+             "Times: the median over rounds of each model's time in a round. Speedup (in bold): the "
+             "median over rounds of the default's time over the variant's in the same round; in "
+             "brackets the ratio of the two printed medians, a different statistic of the same rounds "
+             "(on a drifting machine the two can differ). The model handed back is the variant with "
+             "the highest speedup whose output equals the default's.", ""]
     default_s = next(iter(result.end_to_end.values()), {}).get("default_s")
     if default_s:
         lines.append(f"- default (the model as given, torch eager): {default_s * 1e3:.2f} ms")
@@ -240,40 +256,47 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
                      f"{e['max_abs_diff']:.2g})" + (" <- handed back" if e.get("chosen") else ""))
     if "planned_maco" not in result.end_to_end:
         lines.append("- no MACO kernel beat torch in its planned layout: no variant runs MACO kernels")
-    lines += ["", f"Handed back: **{result.chosen}**" + (
+    return lines + ["", f"Handed back: **{result.chosen}**" + (
         " (no variant was faster than the model as given)" if result.chosen == "default" else
         f", {result.end_to_end[result.chosen]['speedup']:.2f}x the default per round in the same "
         "rounds") + "."]
-    if result.share is not None:
-        s = result.share
-        lines += ["", "## Where the time goes (the handed-back model, its convs timed alone in the same rounds)", "",
-                  f"Model {s.model_s * 1e3:.2f} ms; its {len(s.per_conv)} conv kernels alone add up to "
-                  f"{s.convs_s * 1e3:.2f} ms, so **{100 * s.outside:.0f}%**{outside_note(s)} of the model's time "
-                  f"is spent outside them (model / kernels = {s.ratio:.2f}). With its MACO kernels skipped the model "
-                  f"takes {s.rest_s * 1e3:.2f} ms (pooling, the classifier, unfused ops, conversions, "
-                  "Python); the rest of the difference is the kernels running slower in the model than "
-                  "alone (weights and activations no longer in cache)."]
-        if s.per_conv_cold:
-            lines += ["", f"Timed with the caches evicted before each call and then its inputs read (its "
-                      f"weights in memory, as inside a model whose weights outgrow the caches), the kernels "
-                      f"add up to {s.convs_cold_s * 1e3:.2f} ms: model / kernels = "
-                      f"{s.model_s / s.convs_cold_s:.2f}."]
-    if result.engines:
-        lines += ["", "## Beside other engines", "",
-                  "Each engine in its own process, alternating round by round with torch eager NCHW there "
-                  "(maco.deploy.engines): speedup = the median of the per-round ratios eager / engine; the times are "
-                  "the medians of the rounds. *maco* is the model handed back, loaded from its saved file.", "",
-                  "| engine | eager ms | engine ms | speedup over eager | build s | max rel. error | note |",
-                  "|---|---|---|---|---|---|---|"]
-        for e in result.engines:
-            lines.append(f"| {e['engine']} | {_num(e.get('eager_ms'))} | {_num(e.get('engine_ms'))} | "
-                         f"{_num(e.get('speedup'))}x | {_num(e.get('compile_s'), '.1f')} | "
-                         f"{_num(e.get('max_rel_err'), '.1e')} | {e.get('note', '')} |")
-        lines += ["", engine_summary(result.engines)]
-    lines += ["", "Files: `plan.json` (the plan of the fused graph: "
-              "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
-              f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`; records: `{records}`.", ""]
-    return "\n".join(lines)
+
+
+def _time_split_section(result: OptimizeResult) -> list[str]:
+    if result.share is None:
+        return []
+    s = result.share
+    lines = ["", "## Where the time goes (the handed-back model, its convs timed alone in the same rounds)", "",
+             f"Model {s.model_s * 1e3:.2f} ms; its {len(s.per_conv)} conv kernels alone add up to "
+             f"{s.convs_s * 1e3:.2f} ms, so **{100 * s.outside:.0f}%**{outside_note(s)} of the model's time "
+             f"is spent outside them (model / kernels = {s.ratio:.2f}). With its MACO kernels skipped the model "
+             f"takes {s.rest_s * 1e3:.2f} ms (pooling, the classifier, unfused ops, conversions, "
+             "Python); the rest of the difference is the kernels running slower in the model than "
+             "alone (weights and activations no longer in cache)."]
+    if s.per_conv_cold:
+        lines += ["", f"Timed with the caches evicted before each call and then its inputs read (its "
+                  f"weights in memory, as inside a model whose weights outgrow the caches), the kernels "
+                  f"add up to {s.convs_cold_s * 1e3:.2f} ms: model / kernels = "
+                  f"{s.model_s / s.convs_cold_s:.2f}."]
+    return lines + ["", "The model's time here and in *End to end* can differ for the same model: here it "
+                    "runs round after round beside its own kernels, so its weights are often still in "
+                    "cache; there each round alternates it with the other variants, whose runs evict them."]
+
+
+def _engines_section(result: OptimizeResult) -> list[str]:
+    if not result.engines:
+        return []
+    lines = ["", "## Beside other engines", "",
+             "Each engine in its own process, alternating round by round with torch eager NCHW there "
+             "(maco.deploy.engines): speedup = the median of the per-round ratios eager / engine; the times are "
+             "the medians of the rounds. *maco* is the model handed back, loaded from its saved file.", "",
+             "| engine | eager ms | engine ms | speedup over eager | build s | max rel. error | note |",
+             "|---|---|---|---|---|---|---|"]
+    for e in result.engines:
+        lines.append(f"| {e['engine']} | {_num(e.get('eager_ms'))} | {_num(e.get('engine_ms'))} | "
+                     f"{_num(e.get('speedup'))}x | {_num(e.get('compile_s'), '.1f')} | "
+                     f"{_num(e.get('max_rel_err'), '.1e')} | {e.get('note', '')} |")
+    return lines + ["", engine_summary(result.engines)]
 
 
 def outside_note(share: ConvShare) -> str:
