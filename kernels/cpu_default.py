@@ -114,6 +114,25 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
     else:
         reg, vaxis, width = _scalar_tile(spec, target), "k", 1
     t3 = {"n": 1, "g": 1, **reg}
+    t1, t2, c1, split, sliding = _cache_tiles(spec, target, layout, ext, t3)
+    _share_cores(ext, t1, t2, t3, split, target.cores)
+    if sliding:
+        c1 = _sliding_chunk(spec, target, ext, t2, t3)
+    spatial = tuple((ext[a] // t1[a], t1[a] // t2[a], t2[a] // t3[a], t3[a]) for a in SPATIAL_AXES)
+    s0 = [f[0] for f in spatial]
+    parallel = max((i + 1 for i, f in enumerate(s0) if f > 1), default=0)
+    reduction = ((ext["c"] // c1, c1), (1, ext["kh"]), (1, ext["kw"]))
+    order = ("c", "kh", "kw") if layout == "NCHW" else ("kh", "kw", "c")
+    return Schedule(kind="cpu", spatial=spatial, reduction=reduction, parallel=parallel,
+                    vector_axis=vaxis, vector_width=width, unroll=0, inner_order=order,
+                    layout=layout, weight_packing="blocked").validate(spec, target)
+
+
+def _cache_tiles(spec: ConvSpec, target: Target, layout: str, ext: dict[str, int],
+                 t3: dict[str, int]) -> tuple[dict[str, int], dict[str, int], int, tuple[str, ...], bool]:
+    """The L2 tile t1, the L1 tile t2, the channel chunk c1, the order in which cores split the
+    tiles, and whether channel chunks slide past L2-resident outputs (NHWC, neither filters nor
+    input fit L2)."""
     # S1 = the L2 tile (per core) of the bounds: its z filters stay in L2 while the tile's
     # positions go by; S2 = all k blocks of that tile at one register tile's positions, so the
     # input window (and a border patch) stays in L1 while the filters go by.
@@ -136,7 +155,7 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
         # neither filters nor input fit L2: the bounds' L2 dataflow. Each core's outputs stay
         # in L2 (S1 = 1, S2 = the core's share) while channel chunks slide by (R0 outermost),
         # each chunk's filters read once and serving every position (S2: filter blocks outside
-        # positions); the chunk is sized below, once the core's share is known. Measured on
+        # positions); the chunk is sized by _sliding_chunk, once the core's share is known. Measured on
         # VGG-11's 56x56 and 28x28 layers: 1.10-1.13x over R0 = 1 in NHWC; in NCHW a chunk's
         # input spans as many channel planes and it lost (0.73-0.79x), so NCHW keeps R0 = 1.
         t1 = dict(t3, k=spec.k_per_group, oh=spec.out_h, ow=spec.out_w)
@@ -154,17 +173,20 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
         # 0.91-1.00x by rows)
         if layout == "NCHW" or (spec.out_h // t3["oh"]) % target.cores:
             split = ("n", "g", "k", "oh", "ow")
-    # S0: the rest, split further until the cores share the tiles evenly
-    t0 = {a: ext[a] for a in SPATIAL_AXES}
-    cores = target.cores
+    return t1, t2, c1, split, sliding
 
+
+def _share_cores(ext: dict[str, int], t1: dict[str, int], t2: dict[str, int], t3: dict[str, int],
+                 split: tuple[str, ...], cores: int) -> None:
+    """S0, the rest: split the L2 tile further (in place) until the cores share the tiles evenly,
+    images first, then groups, then rows or filters as `split` orders them."""
     def outer() -> int:
-        return prod(t0[a] // t1[a] for a in SPATIAL_AXES)
+        return prod(ext[a] // t1[a] for a in SPATIAL_AXES)
 
     for _ in range(64):
         if outer() % cores == 0:
             break
-        for axis in split:  # prefer splitting images, groups, then rows (or filters)
+        for axis in split:
             ds = [d for d in divisors(t1[axis]) if d % t3[axis] == 0 and d < t1[axis]]
             if ds:
                 t1[axis] = max(ds)
@@ -172,25 +194,23 @@ def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str =
                 break
         else:
             break  # nothing left to split: accept the imbalance
-    if sliding:  # S1 = 1: the core's share is its L2 tile, unless it outgrows half of L2
-        for axis in ("oh", "ow"):
-            while prod(t2.values()) * 4 > l2 // 2:
-                ds = [d for d in divisors(t2[axis]) if d % t3[axis] == 0 and d < t2[axis]]
-                if not ds:
-                    break
-                t2[axis] = max(ds)
-        # the largest chunk whose input patch and one filter block, beside the outputs, fill at
-        # most 3/4 of L2 (the footprint x*y*z + c1*(x'*y' + z*kh*kw)); chunks sized to half of
-        # L1 instead ran 4-5% slower on VGG-11's features.8 and .13
-        ih = (t2["oh"] - 1) * spec.stride[0] + spec.dilated_kh
-        iw = (t2["ow"] - 1) * spec.stride[1] + spec.dilated_kw
-        c1 = max(d for d in divisors(ext["c"])
-                 if d == 1 or 4 * (prod(t2.values()) + d * (ih * iw + t3["k"] * taps)) <= l2 * 3 // 4)
-    spatial = tuple((ext[a] // t1[a], t1[a] // t2[a], t2[a] // t3[a], t3[a]) for a in SPATIAL_AXES)
-    s0 = [f[0] for f in spatial]
-    parallel = max((i + 1 for i, f in enumerate(s0) if f > 1), default=0)
-    reduction = ((ext["c"] // c1, c1), (1, ext["kh"]), (1, ext["kw"]))
-    order = ("c", "kh", "kw") if layout == "NCHW" else ("kh", "kw", "c")
-    return Schedule(kind="cpu", spatial=spatial, reduction=reduction, parallel=parallel,
-                    vector_axis=vaxis, vector_width=width, unroll=0, inner_order=order,
-                    layout=layout, weight_packing="blocked").validate(spec, target)
+
+
+def _sliding_chunk(spec: ConvSpec, target: Target, ext: dict[str, int], t2: dict[str, int],
+                   t3: dict[str, int]) -> int:
+    """S1 = 1 for sliding chunks: the core's share is its L2 tile, unless it outgrows half of L2
+    (t2 shrunk in place), and the channel chunk that fits beside it."""
+    l2, taps = target.level_bytes("L2", 1 << 20), spec.kh * spec.kw
+    for axis in ("oh", "ow"):
+        while prod(t2.values()) * 4 > l2 // 2:
+            ds = [d for d in divisors(t2[axis]) if d % t3[axis] == 0 and d < t2[axis]]
+            if not ds:
+                break
+            t2[axis] = max(ds)
+    # the largest chunk whose input patch and one filter block, beside the outputs, fill at
+    # most 3/4 of L2 (the footprint x*y*z + c1*(x'*y' + z*kh*kw)); chunks sized to half of
+    # L1 instead ran 4-5% slower on VGG-11's features.8 and .13
+    ih = (t2["oh"] - 1) * spec.stride[0] + spec.dilated_kh
+    iw = (t2["ow"] - 1) * spec.stride[1] + spec.dilated_kw
+    return max(d for d in divisors(ext["c"])
+               if d == 1 or 4 * (prod(t2.values()) + d * (ih * iw + t3["k"] * taps)) <= l2 * 3 // 4)
