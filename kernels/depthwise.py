@@ -111,6 +111,7 @@ def _nchw(plan: DepthwisePlan) -> str:
 """
 
 
+# A code generator kept whole (past 60 lines): the C it emits reads top to bottom here.
 def _nhwc(plan: DepthwisePlan) -> str:
     """NHWC: per output row and block of `cb` channels (one vector), the window's weights as named
     vector variables (registers); the interior of the row (every tap inside the image) in steps

@@ -112,6 +112,7 @@ class PoolPlan:
     def out_shape(self) -> tuple[int, int, int, int]:
         return (self.n, self.c, len(self.rows.start), len(self.cols.start))
 
+    # A code generator kept whole (past 60 lines): the C it emits reads top to bottom here.
     @cached_property
     def source(self) -> str:
         n, c, h, w = self.n, self.c, self.h, self.w

@@ -215,6 +215,7 @@ def _combination(terms: list[tuple[Fraction, str]]) -> str:
     return out or "zero"
 
 
+# A code generator kept whole (past 60 lines): the C it emits reads top to bottom here.
 def _source(plan: WinogradPlan) -> str:
     s, lanes, kv, m = plan.spec, plan.lanes, filter_vectors(plan.lanes), plan.m
     n, c, h, w, k = s.n, s.c, s.h, s.w, s.k
