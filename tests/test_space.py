@@ -12,11 +12,13 @@ from scipy.stats import chisquare
 from tests.targets import AVX2
 from maco.space import prune, schedules as space
 from maco.core.errors import MacoError
+from maco.core.factors import divisors, factorizations, n_factorizations
 from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES, axis_extents
 from maco.core.schedule import LAYOUTS, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule
 from maco.core.sketch_cuda import GPU_BUFFERS
 from maco.core.spec import ConvSpec
 from maco.core.target import MemoryLevel, Target
+from maco.space.cpu import CPU_PARALLEL
 
 HOST = AVX2  # fixed, so that expectations do not move with the machine
 H100 = Target.h100()
@@ -53,7 +55,7 @@ def _brute_cpu(spec, target, pruned):
 def _with_parallel(points, cores):
     """Each schedule (enumerated at parallel 5, its most iterations) with every parallel value
     whose fused loops (its first p S0 factors) run at least `cores` iterations."""
-    return [replace(s, parallel=p) for s in points for p in space.CPU_PARALLEL
+    return [replace(s, parallel=p) for s in points for p in CPU_PARALLEL
             if _prod(s.spatial[i][0] for i in range(p)) >= cores]
 
 
@@ -110,7 +112,7 @@ def test_register_limit_bites_on_the_tiny_target():
     ext = axis_extents(spec)
     tilings = _prod(len(_all_factors(ext[a], 4)) for a in SPATIAL_AXES) * 2
     tilings *= _prod(len(_all_factors(ext[a], 2)) for a in REDUCTION_AXES) * 6 * len(LAYOUTS)
-    tilings *= len(WEIGHT_PACKINGS) * len(space.CPU_PARALLEL) * CPU_ANNOTATIONS
+    tilings *= len(WEIGHT_PACKINGS) * len(CPU_PARALLEL) * CPU_ANNOTATIONS
     assert space.space_size(spec, TINY_CPU) < space.space_size(spec, HOST) < tilings
 
 
@@ -267,9 +269,9 @@ def test_number_theory_helpers():
     for n in (1, 2, 12, 36, 97, 360):
         for parts in (1, 2, 3, 4, 5):
             brute = _all_factors(n, parts)
-            assert len(brute) == space.n_factorizations(n, parts)
-            assert sorted(space.factorizations(n, parts)) == sorted(brute)
-        assert list(space.divisors(n)) == [d for d in range(1, n + 1) if n % d == 0]
+            assert len(brute) == n_factorizations(n, parts)
+            assert sorted(factorizations(n, parts)) == sorted(brute)
+        assert list(divisors(n)) == [d for d in range(1, n + 1) if n % d == 0]
 
 
 def test_bad_input_is_a_maco_error():

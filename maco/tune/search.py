@@ -230,8 +230,8 @@ def evolve(spec: ConvSpec, target: Target, population: list[Schedule],
 
 
 # -- one task's tuning rounds ------------------------------------------------------------------
-def search_round(state: TaskState, target: Target, model: ScheduleRanker, measurer: MeasureFunction, rng: random.Random,
-                 config: SearchConfig, n: int | None = None,
+def search_round(state: TaskState, target: Target, model: ScheduleRanker, measurer: MeasureFunction,
+                 rng: random.Random, config: SearchConfig, n: int | None = None,
                  records: RecordFile | None = None, seeds: Sequence[Schedule] = (),
                  refresh: Callable[[], object] | None = None) -> list[Record]:
     """Pick and measure one batch of new schedules for `state.spec` ranked by `model` (already
