@@ -1,8 +1,10 @@
-"""The paper's networks as plain torch modules (torchvision does not import beside the local torch).
+"""The paper's networks, and three deployed today, as plain torch modules (torchvision does not
+import beside the local torch).
 
-Architectures match torchvision's ResNet-18/50, AlexNet, VGG-11 and MobileNetV2 layer for
-layer, so their conv shapes are the ones the paper measures. Weights are random: MACO
-needs shapes and timings, not accuracy.
+Architectures match torchvision's ResNet-18/50, AlexNet, VGG-11, MobileNetV2, EfficientNet-B0,
+MobileNetV3-Large and ConvNeXt-Tiny layer for layer (default hyper-parameters, stochastic depth
+left out: it is the identity at inference), so their conv shapes are the ones deployed. Weights
+are random: MACO needs shapes and timings, not accuracy.
 """
 from __future__ import annotations
 
@@ -167,12 +169,168 @@ class MobileNetV2(nn.Module):
         return self.classifier(torch.flatten(x, 1))
 
 
+def _make_divisible(v: float, divisor: int = 8) -> int:
+    """torchvision's channel rounding (to a multiple of 8, never more than 10% down)."""
+    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new_v + divisor if new_v < 0.9 * v else new_v
+
+
+def _conv_bn_act(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1,
+                 act: type | None = nn.ReLU, eps: float = 1e-5) -> nn.Sequential:
+    """torchvision's Conv2dNormActivation with BatchNorm: a same-padded conv without bias."""
+    mods: list[nn.Module] = [nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False),
+                             nn.BatchNorm2d(cout, eps=eps)]
+    return nn.Sequential(*mods, act(inplace=True)) if act else nn.Sequential(*mods)
+
+
+class SqueezeExcitation(nn.Module):
+    """torchvision's SE block: 1x1 convs on the pooled input scale its channels."""
+
+    def __init__(self, channels: int, squeeze: int, act: type, gate: type):
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, squeeze, 1)
+        self.fc2 = nn.Conv2d(squeeze, channels, 1)
+        self.activation, self.scale_activation = act(), gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+
+
+class MBConv(nn.Module):
+    """EfficientNet's block: expand, depthwise, SE (a quarter of the block's input), project."""
+
+    def __init__(self, cin: int, cout: int, k: int, stride: int, expand: int):
+        super().__init__()
+        hidden = _make_divisible(cin * expand)
+        mods: list[nn.Module] = [] if hidden == cin else [_conv_bn_act(cin, hidden, 1, act=nn.SiLU)]
+        mods += [_conv_bn_act(hidden, hidden, k, stride, hidden, nn.SiLU),
+                 SqueezeExcitation(hidden, max(1, cin // 4), nn.SiLU, nn.Sigmoid),
+                 _conv_bn_act(hidden, cout, 1, act=None)]
+        self.block = nn.Sequential(*mods)
+        self.use_residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.use_residual else self.block(x)
+
+
+class EfficientNetB0(nn.Module):
+    SETTINGS = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3),
+                (6, 5, 1, 112, 3), (6, 5, 2, 192, 4), (6, 3, 1, 320, 1))  # expand, k, stride, cout, n
+
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        mods: list[nn.Module] = [_conv_bn_act(3, 32, 3, 2, act=nn.SiLU)]
+        cin = 32
+        for t, k, s, c, n in self.SETTINGS:
+            mods.append(nn.Sequential(*(MBConv(cin if i == 0 else c, c, k, s if i == 0 else 1, t) for i in range(n))))
+            cin = c
+        mods.append(_conv_bn_act(cin, 1280, 1, act=nn.SiLU))
+        self.features = nn.Sequential(*mods)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class InvertedResidualV3(nn.Module):
+    """MobileNetV3's block: ReLU or hardswish, SE gated by a hard sigmoid, BatchNorm eps 1e-3."""
+
+    def __init__(self, cin: int, k: int, hidden: int, cout: int, se: bool, act: type, stride: int):
+        super().__init__()
+        mods: list[nn.Module] = [] if hidden == cin else [_conv_bn_act(cin, hidden, 1, act=act, eps=1e-3)]
+        mods.append(_conv_bn_act(hidden, hidden, k, stride, hidden, act, 1e-3))
+        if se:
+            mods.append(SqueezeExcitation(hidden, _make_divisible(hidden // 4), nn.ReLU, nn.Hardsigmoid))
+        mods.append(_conv_bn_act(hidden, cout, 1, act=None, eps=1e-3))
+        self.block = nn.Sequential(*mods)
+        self.use_residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.use_residual else self.block(x)
+
+
+class MobileNetV3Large(nn.Module):
+    RE, HS = nn.ReLU, nn.Hardswish
+    SETTINGS = ((16, 3, 16, 16, False, RE, 1), (16, 3, 64, 24, False, RE, 2), (24, 3, 72, 24, False, RE, 1),
+                (24, 5, 72, 40, True, RE, 2), (40, 5, 120, 40, True, RE, 1), (40, 5, 120, 40, True, RE, 1),
+                (40, 3, 240, 80, False, HS, 2), (80, 3, 200, 80, False, HS, 1), (80, 3, 184, 80, False, HS, 1),
+                (80, 3, 184, 80, False, HS, 1), (80, 3, 480, 112, True, HS, 1), (112, 3, 672, 112, True, HS, 1),
+                (112, 5, 672, 160, True, HS, 2), (160, 5, 960, 160, True, HS, 1), (160, 5, 960, 160, True, HS, 1))
+
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        self.features = nn.Sequential(_conv_bn_act(3, 16, 3, 2, act=nn.Hardswish, eps=1e-3),
+                                      *(InvertedResidualV3(*row) for row in self.SETTINGS),
+                                      _conv_bn_act(160, 960, 1, act=nn.Hardswish, eps=1e-3))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Linear(960, 1280), nn.Hardswish(inplace=True), nn.Dropout(0.2),
+                                        nn.Linear(1280, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class Permute(nn.Module):
+    def __init__(self, *dims: int):
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(*self.dims)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """torchvision's LayerNorm over the channels of an NCHW tensor (through NHWC and back)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class CNBlock(nn.Module):
+    """ConvNeXt's block: depthwise 7x7, then LayerNorm and a GELU MLP on channels-last tensors,
+    scaled per channel (layer scale) and added to the input."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(dim, dim, 7, padding=3, groups=dim), Permute(0, 2, 3, 1),
+                                   nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, 4 * dim), nn.GELU(),
+                                   nn.Linear(4 * dim, dim), Permute(0, 3, 1, 2))
+        self.layer_scale = nn.Parameter(torch.full((dim, 1, 1), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layer_scale * self.block(x)
+
+
+class ConvNeXtTiny(nn.Module):
+    STAGES = ((96, 3), (192, 3), (384, 9), (768, 3))
+
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        mods: list[nn.Module] = [nn.Sequential(nn.Conv2d(3, 96, 4, 4), LayerNorm2d(96, eps=1e-6))]
+        for i, (dim, n) in enumerate(self.STAGES):
+            if i:
+                cin = self.STAGES[i - 1][0]
+                mods.append(nn.Sequential(LayerNorm2d(cin, eps=1e-6), nn.Conv2d(cin, dim, 2, 2)))
+            mods.append(nn.Sequential(*(CNBlock(dim) for _ in range(n))))
+        self.features = nn.Sequential(*mods)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(LayerNorm2d(768, eps=1e-6), nn.Flatten(1), nn.Linear(768, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.avgpool(self.features(x)))
+
+
 NETWORKS: dict[str, Callable[[], nn.Module]] = OrderedDict(
     resnet18=lambda: ResNet(BasicBlock, [2, 2, 2, 2]),
     alexnet=AlexNet,
     vgg11=lambda: VGG([64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]),
     resnet50=lambda: ResNet(Bottleneck, [3, 4, 6, 3]),
     mobilenet_v2=MobileNetV2,
+    efficientnet_b0=EfficientNetB0,
+    mobilenet_v3_large=MobileNetV3Large,
+    convnext_tiny=ConvNeXtTiny,
 )
 INPUT_SHAPE = (1, 3, 224, 224)
 
@@ -191,10 +349,10 @@ def build(name: str) -> nn.Module:
 @torch.no_grad()
 def trained_like(model: nn.Module) -> nn.Module:
     """torchvision's init (convs kaiming-normal fan-out, linears N(0, 0.01)), small random biases,
-    BatchNorm running statistics, scales and shifts drawn around 1 and 0 (as a trained network has
-    them, so folding them into the convs is exercised) and the running variance set so that each
-    BatchNorm normalises what it sees on one random image (activations stay of order 1, layer
-    after layer)."""
+    BatchNorm running statistics, Batch/LayerNorm scales and shifts and ConvNeXt's layer scales
+    drawn around 1 and 0 (as a trained network has them, so folding them into the convs is
+    exercised) and the running variance set so that each BatchNorm normalises what it sees on one
+    random image (activations stay of order 1, layer after layer)."""
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -202,9 +360,11 @@ def trained_like(model: nn.Module) -> nn.Module:
             nn.init.normal_(m.weight, 0, 0.01)
         if isinstance(m, (nn.Conv2d, nn.Linear)) and m.bias is not None:
             m.bias.uniform_(-0.1, 0.1)  # torchvision zeroes them; a bias bug should show
-        if isinstance(m, nn.BatchNorm2d):
+        if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm)):
             m.weight.uniform_(0.5, 1.5)
             m.bias.uniform_(-0.2, 0.2)
+        elif isinstance(m, CNBlock):  # at its initial 1e-6 a block would vanish from the output
+            m.layer_scale.uniform_(0.5, 1.5)
 
     def calibrate(bn: nn.Module, args: tuple) -> None:  # runs before the BatchNorm, in forward order
         x = args[0]
