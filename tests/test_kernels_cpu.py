@@ -373,6 +373,7 @@ def test_microkernel_ceiling_lies_below_the_fma_peak():
 def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
     """The VM runs in faster and slower spells: the fraction of peak compares the kernel with the
     FMA loop doing the same flops in the same rounds, not with the best peak ever seen."""
+    from maco.kernels.cpu_peak import best_gflops, flops_runner
     from maco.tune.benchmark import bench_layer
 
     spec = ConvSpec.parse("n1_c32_h14_w14_k64_r3x3_p1")
@@ -382,9 +383,10 @@ def test_the_fma_peak_is_timed_beside_the_kernel_on_the_layers_flops():
                         min_run_time=0.005, ceilings=True)
         assert len(r.rounds["FMA peak"]) == 3
         assert ("microkernel ceiling" in r.rounds) == (HOST.isa in ("avx512", "avx2"))
-        peak, beside = kernels.measure_peak(HOST), r.gflops("FMA peak")
+        # the peak now, not the one cached on disk: one cached while the host was busy reads low for good
+        peak, beside = best_gflops(flops_runner(HOST, "fma"), 1e8, 5), r.gflops("FMA peak")
         if not 0.2 * peak < beside < 1.5 * peak:
-            return f"the FMA loop beside the kernel read {beside:.0f} GFLOP/s, the cached peak {peak:.0f}"
+            return f"the FMA loop beside the kernel read {beside:.0f} GFLOP/s, alone just before {peak:.0f}"
         # Below 1 up to the VM's noise; a flop count off by 2 reads twice the kernel's share.
         share = r.speedup("maco", over=("FMA peak",))
         return "" if 0 < share < 1.5 else f"the kernel ran {share:.2f}x the FMA loop on the layer's flops"
