@@ -2,10 +2,10 @@
 parameter counts), named by the CLI, and through the torch.compile backend equal to eager."""
 import pytest
 import torch
-from torch import nn
 
 from maco.cli import main
 from maco.layouts.networks import build, distinct_convs, network_convs
+from tests.test_compile_backend import _randomize_bn
 
 MODERN = {"efficientnet_b0": 5_288_548, "mobilenet_v3_large": 5_483_032, "convnext_tiny": 28_589_128}
 # the depthwise kernel sizes each network is known for
@@ -32,15 +32,6 @@ def test_layers_lists_the_distinct_convs(name, capsys):
 def test_bound_runs(capsys):
     assert main(["bound", "convnext_tiny"]) == 0
     assert "n1_c96_h56_w56_k96_r7x7_p3_g96" in capsys.readouterr().out
-
-
-def _randomize_bn(model):
-    g = torch.Generator().manual_seed(3)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.copy_(torch.rand(m.num_features, generator=g) - 0.5)
-            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
-    return model.eval()
 
 
 # a 2-core machine spends minutes on the first two (timing the variants of their many small convs)
