@@ -241,61 +241,10 @@ def _iteration(spec: ConvSpec, arch: CimArch, encoding: str, layout: str, x: np.
                cache: dict, memo: dict, out: np.ndarray, written: np.ndarray) -> None:
     """One iteration of the outer loops on one core: update weights and window if they changed,
     run the tile's pixels through the crossbars, accumulate, write back a completed tile."""
-    tn, tg, tk, toh, tow = (blk[a] for a in SPATIAL_AXES)
-    bc, bkh, bkw = blk["c"], blk["kh"], blk["kw"]
-    cpg, kpg = spec.c_per_group, spec.k_per_group
-    groups = range(s["g"], s["g"] + tg)
-
-    # -- weights: rewrite every cell of the block when it is not the resident one
-    block = (s["g"], s["k"], s["c"], s["kh"], s["kw"])
-    if block != core.block:
-        if block not in cache:
-            if len(cache) >= _CACHE_LIMIT:
-                cache.clear()
-            cache[block] = _crossbars(arch, w, blk, s, cpg, kpg)
-        xbars, rows, columns = cache[block]
-        used = xbars.shape[0] * xbars.shape[1]
-        if used > arch.crossbars:
-            raise MacoError(f"weight block of {rows}x{columns} needs {used} crossbars, a core has "
-                            f"{arch.crossbars}")
-        core.block, core.xbars, core.columns = block, xbars, columns
-        core.c["weight_loads"] += 1
-        core.c["weight_cells"] += rows * columns * arch.cells_per_weight
-        core.c["crossbar_writes"] += used
-
-    # -- input window: the clipped box the tile reads with the block's taps
-    hlo, hhi = input_span(spec, "h", s["oh"], toh, s["kh"], bkh)
-    wlo, whi = input_span(spec, "w", s["ow"], tow, s["kw"], bkw)
-    chans = np.array([g * cpg + c for g in groups for c in range(s["c"], s["c"] + bc)])
-    empty = hhi <= hlo or whi <= wlo
-    window = (s["n"], s["g"], s["c"], s["oh"], s["kh"], s["ow"], s["kw"])
-    if window != core.window:
-        core.window = window
-        core.c["input_loads"] += 1
-        if empty:
-            core.buffer = None
-        else:
-            index = [np.arange(s["n"], s["n"] + tn), chans, np.arange(hlo, hhi), np.arange(wlo, whi)]
-            nbytes = tn * chans.size * (hhi - hlo) * (whi - wlo) * arch.input_bytes
-            if nbytes > arch.input_buffer:
-                raise MacoError(f"input window of {nbytes} B overflows the {arch.input_buffer} B "
-                                "input buffer")
-            core.buffer = x[_box(index)]
-            core.c["input_elements"] += core.buffer.size
-            core.c["input_transactions"] += _memo(memo, ("in", hlo, hhi, wlo, whi) + window[:3], lambda: _transactions(
-                _offsets(spec.input_shape, index, layout), arch.input_bytes, arch.dma_burst))
-            core.c["peak_input_bytes"] = max(core.c["peak_input_bytes"], nbytes)
-
-    # -- partial sums of the tile: alive from its first reduction step to its last
+    _load_weights(arch, w, blk, s, spec, core, cache)
+    hlo, wlo = _load_window(spec, arch, layout, x, blk, s, core, memo)
     tile = (s["n"], s["g"], s["k"], s["oh"], s["ow"])
-    if tile not in core.psums:
-        core.psums[tile] = [np.zeros((tn * toh * tow, tg * tk), dtype=np.int64), 0]
-        live = sum(p[0].size for p in core.psums.values())
-        if live * arch.psum_bytes > arch.psum_buffer:
-            raise MacoError(f"{live} live partial sums ({live * arch.psum_bytes} B) overflow the "
-                            f"{arch.psum_buffer} B psum buffer")
-        core.c["peak_psums"] = max(core.c["peak_psums"], live)
-    entry = core.psums[tile]
+    entry = _tile_psums(arch, blk, tile, core)
 
     # -- compute: gather the block's input vector per pixel from the buffer, one MVM per crossbar
     xv = _gather(spec, core.buffer, s, blk, hlo, wlo, memo)  # (pixels, rows)
@@ -307,20 +256,98 @@ def _iteration(spec: ConvSpec, arch: CimArch, encoding: str, layout: str, x: np.
         raise MacoError(f"a partial sum overflows the {arch.psum_bytes}-byte psum format")
     entry[1] += 1
 
-    # -- write back a completed tile
     if entry[1] == steps_total:
-        del core.psums[tile]
-        index = [np.arange(s["n"], s["n"] + tn),
-                 np.array([g * kpg + k for g in groups for k in range(s["k"], s["k"] + tk)]),
-                 np.arange(s["oh"], s["oh"] + toh), np.arange(s["ow"], s["ow"] + tow)]
-        box = _box(index)
-        if written[box].any():
-            raise MacoError("internal: an output was written back twice")
-        out[box] = entry[0].reshape(tn, toh, tow, tg * tk).transpose(0, 3, 1, 2)
-        written[box] = True
-        core.c["output_elements"] += entry[0].size
-        core.c["output_transactions"] += _memo(memo, ("out",) + tile, lambda: _transactions(
-            _offsets(spec.output_shape, index, layout), arch.psum_bytes, arch.dma_burst))
+        _write_back(spec, arch, layout, blk, tile, entry, core, memo, out, written)
+
+
+def _load_weights(arch: CimArch, w: np.ndarray, blk: dict[str, int], s: dict[str, int],
+                  spec: ConvSpec, core: _Core, cache: dict) -> None:
+    """Make the iteration's weight block the core's resident one: when it is not, every cell of the
+    block is rewritten (and counted), the crossbars a reload would encode again come from cache."""
+    block = (s["g"], s["k"], s["c"], s["kh"], s["kw"])
+    if block == core.block:
+        return
+    if block not in cache:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[block] = _crossbars(arch, w, blk, s, spec.c_per_group, spec.k_per_group)
+    xbars, rows, columns = cache[block]
+    used = xbars.shape[0] * xbars.shape[1]
+    if used > arch.crossbars:
+        raise MacoError(f"weight block of {rows}x{columns} needs {used} crossbars, a core has "
+                        f"{arch.crossbars}")
+    core.block, core.xbars, core.columns = block, xbars, columns
+    core.c["weight_loads"] += 1
+    core.c["weight_cells"] += rows * columns * arch.cells_per_weight
+    core.c["crossbar_writes"] += used
+
+
+def _load_window(spec: ConvSpec, arch: CimArch, layout: str, x: np.ndarray, blk: dict[str, int],
+                 s: dict[str, int], core: _Core, memo: dict) -> tuple[int, int]:
+    """Load the clipped input box the tile reads with the block's taps into the input buffer when
+    its index changed (the DMA engine is told a box, it does not compare contents). Returns the
+    box's first row and column, which the gather of the pixels' input vectors is relative to."""
+    tn, tg = blk["n"], blk["g"]
+    cpg = spec.c_per_group
+    hlo, hhi = input_span(spec, "h", s["oh"], blk["oh"], s["kh"], blk["kh"])
+    wlo, whi = input_span(spec, "w", s["ow"], blk["ow"], s["kw"], blk["kw"])
+    chans = np.array([g * cpg + c for g in range(s["g"], s["g"] + tg)
+                      for c in range(s["c"], s["c"] + blk["c"])])
+    window = (s["n"], s["g"], s["c"], s["oh"], s["kh"], s["ow"], s["kw"])
+    if window == core.window:
+        return hlo, wlo
+    core.window = window
+    core.c["input_loads"] += 1
+    if hhi <= hlo or whi <= wlo:  # the box reads only padding: a fetch of nothing
+        core.buffer = None
+        return hlo, wlo
+    index = [np.arange(s["n"], s["n"] + tn), chans, np.arange(hlo, hhi), np.arange(wlo, whi)]
+    nbytes = tn * chans.size * (hhi - hlo) * (whi - wlo) * arch.input_bytes
+    if nbytes > arch.input_buffer:
+        raise MacoError(f"input window of {nbytes} B overflows the {arch.input_buffer} B "
+                        "input buffer")
+    core.buffer = x[_box(index)]
+    core.c["input_elements"] += core.buffer.size
+    core.c["input_transactions"] += _memo(memo, ("in", hlo, hhi, wlo, whi) + window[:3], lambda: _transactions(
+        _offsets(spec.input_shape, index, layout), arch.input_bytes, arch.dma_burst))
+    core.c["peak_input_bytes"] = max(core.c["peak_input_bytes"], nbytes)
+    return hlo, wlo
+
+
+def _tile_psums(arch: CimArch, blk: dict[str, int], tile: tuple[int, ...], core: _Core) -> list:
+    """The tile's [partial sums, reduction steps done]: alive from its first reduction step to its
+    last, so a new one must fit the psum buffer beside those still alive."""
+    if tile not in core.psums:
+        core.psums[tile] = [np.zeros((blk["n"] * blk["oh"] * blk["ow"], blk["g"] * blk["k"]),
+                                     dtype=np.int64), 0]
+        live = sum(p[0].size for p in core.psums.values())
+        if live * arch.psum_bytes > arch.psum_buffer:
+            raise MacoError(f"{live} live partial sums ({live * arch.psum_bytes} B) overflow the "
+                            f"{arch.psum_buffer} B psum buffer")
+        core.c["peak_psums"] = max(core.c["peak_psums"], live)
+    return core.psums[tile]
+
+
+def _write_back(spec: ConvSpec, arch: CimArch, layout: str, blk: dict[str, int],
+                tile: tuple[int, ...], entry: list, core: _Core, memo: dict, out: np.ndarray,
+                written: np.ndarray) -> None:
+    """Write a completed tile's sums to the output (once only: a second write is a walker bug) and
+    free its partial sums."""
+    tn, tg, tk, toh, tow = (blk[a] for a in SPATIAL_AXES)
+    n, g0, k0, oh, ow = tile
+    kpg = spec.k_per_group
+    del core.psums[tile]
+    index = [np.arange(n, n + tn),
+             np.array([g * kpg + k for g in range(g0, g0 + tg) for k in range(k0, k0 + tk)]),
+             np.arange(oh, oh + toh), np.arange(ow, ow + tow)]
+    box = _box(index)
+    if written[box].any():
+        raise MacoError("internal: an output was written back twice")
+    out[box] = entry[0].reshape(tn, toh, tow, tg * tk).transpose(0, 3, 1, 2)
+    written[box] = True
+    core.c["output_elements"] += entry[0].size
+    core.c["output_transactions"] += _memo(memo, ("out",) + tile, lambda: _transactions(
+        _offsets(spec.output_shape, index, layout), arch.psum_bytes, arch.dma_burst))
 
 
 def _memo(memo: dict, key: tuple[Any, ...], count: Any) -> int:
