@@ -52,19 +52,27 @@ def _full_records(path, model, x):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Whole reads of records files (RecordFile.load_entries), and every call of run_pipeline
+    """Whole reads of records files (RecordFile.load_entries, or a read_new that read all of a
+    file), and every call of run_pipeline
     through each front door's module."""
     seen = {"loads": [], "pipeline": []}
-    load_entries, run = RecordFile.load_entries, pipeline.run_pipeline
+    load_entries, read_new, run = RecordFile.load_entries, RecordFile.read_new, pipeline.run_pipeline
 
     def counted_load(self, *a, **kw):
         seen["loads"].append(self.path)
         return load_entries(self, *a, **kw)
 
+    def counted_read(self, *a, **kw):
+        entries, whole = read_new(self, *a, **kw)
+        if whole and self.path.exists() and self.path.stat().st_size:
+            seen["loads"].append(self.path)
+        return entries, whole
+
     def spy(*a, **kw):
         seen["pipeline"].append(a[0])
         return run(*a, **kw)
     monkeypatch.setattr(RecordFile, "load_entries", counted_load)
+    monkeypatch.setattr(RecordFile, "read_new", counted_read)
     for door in (optimize, compile_backend):
         assert door.run_pipeline is run
         monkeypatch.setattr(door, "run_pipeline", spy)
@@ -95,7 +103,7 @@ def test_optimize_reads_its_records_once_through_the_pipeline(tmp_path, reads):
     before = path.read_bytes()
     result = optimize.optimize(text, out=tmp_path / "out", records=path, input_shape=tuple(x.shape),
                                log=lambda s: None)
-    assert reads["loads"] == [path]  # the tuner resumes from its own read (RecordFile.read_new)
+    assert reads["loads"] == [path]  # the tuner resumes from the pipeline's read (RecordStore.resume)
     assert len(reads["pipeline"]) == 1 and path.read_bytes() == before
     assert [row.trials for row in result.rows] == [BUDGETS["quick"]] * 2
 

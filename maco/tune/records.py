@@ -320,6 +320,14 @@ class RecordFile:
         self._mine: list[tuple[int, int]] = []  # byte ranges this object appended (read_new skips them)
         self._follow: tuple[int, int, int] | None = None  # read_new's (inode, offset, lines) so far
 
+    def following(self) -> "RecordFile":
+        """Another handle on this file that has read what this one has: its `read_new` returns only
+        what was appended since (a tuner resumes from its caller's read instead of reading again),
+        this handle's own appends included."""
+        other = RecordFile(self.path)
+        other._follow = self._follow
+        return other
+
     def append(self, records: Entry | Iterable[Entry]) -> None:
         batch = [records] if isinstance(records, (Record, Baseline)) else list(records)
         if not batch:
@@ -653,6 +661,18 @@ class RecordStore:
             new, whole = file.read_new()
             self._entries[file.path] = new if whole else self._entries[file.path] + new
         self._index()
+
+    def resume(self, path: str | os.PathLike[str]) -> tuple[RecordFile, list[Entry]]:
+        """One of the files for a run that appends to it: the entries read so far, and a handle
+        that goes on from there (RecordFile.following), so the file is not read again."""
+        file = self._file(path)
+        return file.following(), list(self._entries[file.path])
+
+    def _file(self, path: str | os.PathLike[str]) -> RecordFile:
+        for file in self.files:
+            if file.path == Path(path):
+                return file
+        raise MacoError(f"records file {str(path)!r} is not one of the store's {[str(f.path) for f in self.files]}")
 
     def baselines_in(self, path: str | os.PathLike[str]) -> dict[tuple[ConvSpec, str], Baseline]:
         """latest_baselines of one of the files."""

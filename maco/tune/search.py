@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 from maco.space import schedules as space
 from maco.core.errors import MacoError
 from maco.space.prune import alpha_c_index, alpha_order_ok
-from maco.tune.records import Claims, Interrupted, Record, RecordFile, make_record, normalized
+from maco.tune.records import Claims, Entry, Interrupted, Record, RecordFile, make_record, normalized
 from maco.core.axes import SPATIAL_AXES
 from maco.core.schedule import UNROLL_STEPS, Schedule
 from maco.core.spec import ConvSpec
@@ -303,9 +303,13 @@ def _measure(state: TaskState, target: Target, measurer: MeasureFunction, picked
 
 def follow(records: RecordFile, states: Sequence[TaskState], target: Target) -> list[int]:
     """Bring `states` up to date with `records` (RecordFile.read_new: the whole file the first
-    time, then what other runs appended since): the records of each state's conv measured on
-    `target`. Returns the indices of the states that changed."""
-    entries, whole = records.read_new()
+    time, then what other runs appended since). Returns the indices of the states that changed."""
+    return take(*records.read_new(), states, target)
+
+
+def take(entries: Sequence[Entry], whole: bool, states: Sequence[TaskState], target: Target) -> list[int]:
+    """Add to each state the records of its conv measured on `target` among `entries` (in place
+    of the ones it had, where `entries` is the `whole` file). Returns the states that changed."""
     fingerprint = target.fingerprint()
     index: dict[ConvSpec, list[int]] = {}
     for i, state in enumerate(states):

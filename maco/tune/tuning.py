@@ -16,9 +16,9 @@ from maco import kernels
 from maco.tune.cost_model import CostModel
 from maco.core.errors import MacoError
 from maco.tune.measure import MeasureConfig, Measurer, Runner
-from maco.tune.records import Baseline, Record, RecordFile, RecordStore, latest_baselines, make_baseline, normalized
+from maco.tune.records import Baseline, Entry, Record, RecordFile, RecordStore, latest_baselines, make_baseline, normalized
 from maco.core.schedule import LAYOUTS
-from maco.tune.search import MeasureFunction, SearchConfig, TaskState, follow, search_round
+from maco.tune.search import MeasureFunction, SearchConfig, TaskState, follow, search_round, take
 from maco.core.spec import ConvSpec
 from maco.core.target import Target, require_memory
 from maco.core.timing import environment
@@ -80,29 +80,37 @@ class TuneResult:
 
 
 def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFunction,
-         records: str | Path | None = None, config: SearchConfig | None = None, seed: int = 0,
-         progress: Callable[[int, int, Task, TaskState], None] | None = None, prior=True) -> TuneResult:
+         records: str | Path | RecordFile | None = None, config: SearchConfig | None = None, seed: int = 0,
+         progress: Callable[[int, int, Task, TaskState], None] | None = None, prior=True,
+         known: Sequence[Entry] | None = None) -> TuneResult:
     """Spend `trials` measurements over `tasks`. Records already in the file count towards
     the budget of their task, so re-running the same command resumes where it stopped. Runs may
     share the file: before each round this one reads what the others appended (search.follow),
     which counts towards the budget too, and it never measures a schedule another run measured
     or is measuring (search_round's claims). `prior`: the cost model's ranking of a conv
-    without records (CostModel)."""
+    without records (CostModel). `known`: the file's entries as the caller read them through
+    `records` (a RecordFile that goes on from that read, RecordStore.resume), so it is not read
+    again."""
     if trials < 0:
         raise MacoError(f"trials must be >= 0, got {trials}")
     if not tasks:
         raise MacoError("nothing to tune: no conv layers given")
     config = config or SearchConfig()
     rng = random.Random(seed)
-    store = RecordFile(records) if records else None
+    store = records if isinstance(records, RecordFile) else RecordFile(records) if records else None
     states = [TaskState(t.spec) for t in tasks]
     sched = TaskScheduler()
 
-    def refresh() -> None:  # the records other runs appended since (all of them the first time)
-        for j in follow(store, states, target) if store else ():
+    def count(changed: Sequence[int]) -> None:
+        for j in changed:
             if states[j].records and sched.history.get(j, [(0, 0)])[-1][0] < 10**9:
                 sched.record(j, len(states[j].records), states[j].best_seconds())
 
+    def refresh() -> None:  # the records other runs appended since (all of them the first time)
+        count(follow(store, states, target) if store else ())
+
+    if known is not None:
+        count(take(known, True, states, target))
     refresh()
     model = CostModel(target, seed=seed, prior=prior)
     done, measured = sum(len(s.records) for s in states), 0
@@ -167,7 +175,8 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
     """Tune `layers` with a shared budget of `trials` measurements; returns one result per layer.
     `cluster` (a Ray address, maco.tune.cluster.ADDRESSES) builds on every node of that cluster and
     measures on its machines of `target`; without it nothing imports Ray. `store`: the records as
-    the caller read them, brought up to date for the baselines instead of read again."""
+    the caller read them (`records` one of its files): the tuner resumes from that read and the
+    baselines from its refresh, so the file is not read again."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     weights = weights or [_weight(name) for name, _ in layers]
@@ -189,8 +198,9 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
             gf = f"{best.gflops:.1f} GFLOP/s" if best else "no valid kernel yet"
             bar.update(job, completed=min(done, total), description=f"{task.name}: {gf}")
 
-        result = tune(tasks, target, trials, measurer, records=records, config=config, seed=seed,
-                      progress=progress)
+        file, known = store.resume(records) if store is not None else (records, None)
+        result = tune(tasks, target, trials, measurer, records=file, config=config, seed=seed,
+                      progress=progress, known=known)
         bar.update(job, completed=trials)
         torch_s = {}
         if baselines:
