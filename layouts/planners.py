@@ -117,6 +117,8 @@ def _backtrack(problem: LayoutProblem, time_limit: float | None) -> dict[Name, s
 
 # -- two layouts: s-t minimum cut ----------------------------------------------------------------
 def _mincut(problem: LayoutProblem, time_limit: float | None) -> dict[Name, str]:
+    """The exact plan of a problem with at most two layouts, from an s-t minimum cut (see the module
+    docstring); the cut's value is checked against the plan's cost in exact arithmetic."""
     layouts = problem.layouts
     if len(layouts) > 2:
         raise MacoError(f"mincut handles two layouts, this problem has {len(layouts)}: "
@@ -127,68 +129,85 @@ def _mincut(problem: LayoutProblem, time_limit: float | None) -> dict[Name, str]
 
     l0, l1 = layouts
     scale = _integer_scale(problem)
-    graph = nx.DiGraph()
-    src, sink = ("s",), ("t",)  # tuples never collide with the layers' names in node keys
-
-    def node(v: Name) -> tuple:
-        return ("layer", v)
-
-    def edge(a: tuple, b: tuple, seconds: float | None) -> None:
-        """Add capacity (None: infinite, networkx's missing-capacity convention)."""
-        if seconds is None:
-            graph.add_edge(a, b)
-            graph[a][b].pop("capacity", None)
-            graph[a][b]["infinite"] = True
-            return
-        cap = int(Fraction(seconds) * scale)
-        if graph.has_edge(a, b):
-            if graph[a][b].get("infinite"):
-                return
-            graph[a][b]["capacity"] += cap
-        else:
-            graph.add_edge(a, b, capacity=cap)
-
-    graph.add_nodes_from([src, sink])
-    for v in problem.layers:
-        table = problem.layer_cost[v]
-        graph.add_node(node(v))
-        if l0 in table:
-            edge(node(v), sink, table[l0])  # cut when v is on the source side: runs in L0
-        else:
-            edge(node(v), sink, None)  # pinned to L1: v must not stay on the source side
-        if l1 in table:
-            edge(src, node(v), table[l1])  # cut when v is on the sink side: runs in L1
-        else:
-            edge(src, node(v), None)  # pinned to L0
-    for v in problem.layers:
-        table, conv = problem.layer_cost[v], problem.convert_cost.get(v, {})
-        us = problem.consumers.get(v, [])
-        to_l1 = [u for u in us if l1 in problem.layer_cost[u]]
-        to_l0 = [u for u in us if l0 in problem.layer_cost[u]]
-        if l0 in table and to_l1:  # v in L0, some consumer in L1: pay c01 once
-            if len(to_l1) == 1:
-                edge(node(v), node(to_l1[0]), conv[(l0, l1)])
-            else:
-                aux = ("to", v, l1)
-                edge(node(v), aux, conv[(l0, l1)])
-                for u in to_l1:
-                    edge(aux, node(u), None)
-        if l1 in table and to_l0:  # v in L1, some consumer in L0: pay c10 once
-            if len(to_l0) == 1:
-                edge(node(to_l0[0]), node(v), conv[(l1, l0)])
-            else:
-                aux = ("to", v, l0)
-                edge(aux, node(v), conv[(l1, l0)])
-                for u in to_l0:
-                    edge(node(u), aux, None)
-    for a, b, data in graph.edges(data=True):
-        data.pop("infinite", None)
-    cut, (source_side, _) = nx.minimum_cut(graph, src, sink)
-    assignment = {v: (l0 if node(v) in source_side else l1) for v in problem.layers}
+    graph = _cut_graph(problem, l0, l1, scale)
+    cut, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK)
+    assignment = {v: (l0 if _node(v) in source_side else l1) for v in problem.layers}
     if Fraction(cut) / scale != problem.cost(assignment, exact=True):
         raise RuntimeError(f"min cut {Fraction(cut) / scale} != plan cost "
                            f"{problem.cost(assignment, exact=True)}: a planner bug, please report")
     return assignment
+
+
+_SOURCE, _SINK = ("s",), ("t",)  # tuples never collide with the layers' names in node keys
+
+
+def _node(v: Name) -> tuple:
+    """The cut graph's node of layer v (a tuple, so no layer name collides with s, t or an aux)."""
+    return ("layer", v)
+
+
+def _cut_graph(problem: LayoutProblem, l0: str, l1: str, scale: int):
+    """The flow network whose minimum s-t cut prices a plan: a layer on the source side runs in
+    l0, on the sink side in l1; capacities are the costs times `scale` (integers, so exact)."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from([_SOURCE, _SINK])
+    for v in problem.layers:
+        table = problem.layer_cost[v]
+        graph.add_node(_node(v))
+        # v->t is cut when v is on the source side (runs in L0); infinite when v is pinned to L1
+        _add_capacity(graph, _node(v), _SINK, table[l0] if l0 in table else None, scale)
+        # s->v is cut when v is on the sink side (runs in L1); infinite when v is pinned to L0
+        _add_capacity(graph, _SOURCE, _node(v), table[l1] if l1 in table else None, scale)
+    for v in problem.layers:
+        _add_conversion_edges(graph, problem, v, l0, l1, scale)
+    for a, b, data in graph.edges(data=True):
+        data.pop("infinite", None)
+    return graph
+
+
+def _add_conversion_edges(graph, problem: LayoutProblem, v: Name, l0: str, l1: str,
+                          scale: int) -> None:
+    """Price converting v's tensor once however many consumers need the other layout: a direct
+    edge for one such consumer, else an auxiliary node with infinite edges to (from) each."""
+    table, conv = problem.layer_cost[v], problem.convert_cost.get(v, {})
+    us = problem.consumers.get(v, [])
+    to_l1 = [u for u in us if l1 in problem.layer_cost[u]]
+    to_l0 = [u for u in us if l0 in problem.layer_cost[u]]
+    if l0 in table and to_l1:  # v in L0, some consumer in L1: pay c01 once
+        if len(to_l1) == 1:
+            _add_capacity(graph, _node(v), _node(to_l1[0]), conv[(l0, l1)], scale)
+        else:
+            aux = ("to", v, l1)
+            _add_capacity(graph, _node(v), aux, conv[(l0, l1)], scale)
+            for u in to_l1:
+                _add_capacity(graph, aux, _node(u), None, scale)
+    if l1 in table and to_l0:  # v in L1, some consumer in L0: pay c10 once
+        if len(to_l0) == 1:
+            _add_capacity(graph, _node(to_l0[0]), _node(v), conv[(l1, l0)], scale)
+        else:
+            aux = ("to", v, l0)
+            _add_capacity(graph, aux, _node(v), conv[(l1, l0)], scale)
+            for u in to_l0:
+                _add_capacity(graph, _node(u), aux, None, scale)
+
+
+def _add_capacity(graph, a: tuple, b: tuple, seconds: float | None, scale: int) -> None:
+    """Add capacity to edge a->b, summing parallel terms (None: infinite, networkx's
+    missing-capacity convention; an infinite edge stays infinite)."""
+    if seconds is None:
+        graph.add_edge(a, b)
+        graph[a][b].pop("capacity", None)
+        graph[a][b]["infinite"] = True
+        return
+    cap = int(Fraction(seconds) * scale)
+    if graph.has_edge(a, b):
+        if graph[a][b].get("infinite"):
+            return
+        graph[a][b]["capacity"] += cap
+    else:
+        graph.add_edge(a, b, capacity=cap)
 
 
 def _integer_scale(problem: LayoutProblem) -> int:
