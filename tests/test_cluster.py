@@ -58,6 +58,22 @@ def test_a_bad_address_is_one_line_naming_it(command: list[str], address: str, t
     assert not (tmp_path / "o").exists() and not (tmp_path / "r.jsonl").exists()
 
 
+def test_the_cli_checks_an_address_once_where_it_parses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """argparse checks --cluster; optimize and Cluster take the checked address as it is."""
+    pytest.importorskip("ray", reason="Ray cannot be installed here (pip install 'maco[cluster]')")
+    import maco.tune.cluster as cluster
+    from tests.test_pipeline import TWO_CONVS
+
+    parse, seen = cluster._parse, []
+    monkeypatch.setattr(cluster, "_parse", lambda address: seen.append(address) or parse(address))
+    (tmp_path / "two.py").write_text(TWO_CONVS)
+    code = main(["optimize", f"{tmp_path / 'two.py'}:TwoConvs", "--input-shape", "1,3,16,16",
+                 "--cluster", "127.0.0.1:1", "--out", str(tmp_path / "o"), "--engines", "none"])
+    assert code == 2 and "nothing answers at 127.0.0.1:1" in capsys.readouterr().err
+    assert seen == ["127.0.0.1:1"]
+
+
 # -- an address where no cluster answers -------------------------------------------------------
 def _tune_on(address: str, tmp_path: Path, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "maco.cli", "tune", "n1_c4_h6_w6_k8_r3x3_p1", "--trials", "2",

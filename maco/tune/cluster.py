@@ -37,8 +37,19 @@ ATTEMPTS = 3  # machines a job may lose before it counts as failed (a job that k
 _HEAD = "node:__internal_head__"
 
 
-def check_address(address: Any) -> str:
+class ClusterAddress(str):
+    """An address check_address accepted: handing it on (CLI -> optimize -> Cluster) does not
+    check it again."""
+
+
+def check_address(address: Any) -> ClusterAddress:
     """`address` when it names a cluster the way ray.init takes it, else MacoError naming it."""
+    if isinstance(address, ClusterAddress):
+        return address
+    return ClusterAddress(_parse(address))
+
+
+def _parse(address: Any) -> str:
     if isinstance(address, str):
         text = address.strip()
         if text == "auto":
