@@ -109,27 +109,10 @@ def predict(spec: ConvSpec, target: Target, layout: str, v: dict[str, np.ndarray
     instr = steps * (acc * spec.kw + x_lds + w_lds + 2) + copy  # per thread per stage
     warps = -(-nt // 32)
     regs = np.minimum(255, -(-(24 + acc + v["rg"] * v["rk"] + v["rn"] * v["roh"] * row_len) // 8) * 8)
-    with np.errstate(divide="ignore"):
-        bps = np.minimum.reduce([np.full_like(nt, MAX_BLOCKS_SM), MAX_THREADS_SM // (warps * 32),
-                                 target.level("shared").capacity // (smem + 1024),
-                                 REGS_SM // (warps * 32 * regs)])
+    bps = _blocks_per_sm(target, nt, warps, smem, regs)
     ok &= bps >= 1
     bps = np.maximum(bps, 1)
-    # stores: lanes next to each other run along the layout's innermost axis (ow for NCHW, k for
-    # NHWC). A 32-byte sector that one warp instruction only half writes costs a read-modify-write
-    # in DRAM (ECC granule): measured ~7x slower on an H100, so such shapes are all but excluded.
-    t_in = v["tk"] if layout == "NHWC" else v["tow"]
-    r_in = v["rk"] if layout == "NHWC" else v["row"]
-    inner_ext = spec.k if layout == "NHWC" else spec.out_w
-    vec = np.where((split == 1) & (r_in % 4 == 0) & (inner_ext % 4 == 0), 4, 1)
-    lanes = np.minimum(t_in, 32)
-    contiguous = (split > 1) | (r_in == vec) | (r_in == 1)
-    span = np.where(split > 1, 128, np.where(contiguous, lanes * vec * 4, vec * 4))  # bytes per run
-    partial = span < 32
-    sectors = np.where(contiguous, (32 // np.where(split > 1, 32, lanes)) * -(-span // 32), 32)
-    ineff = sectors / (4 * np.where(split > 1, 1, vec)) * np.where(partial, PARTIAL_WRITE, 1)
-    store = tb / 32 * ineff * 2 + np.where(split > 1, tb * split / 32 * 2, 0)
-    out_bytes = spec.output_bytes * np.where(partial, PARTIAL_WRITE, 1)
+    store, out_bytes = _store_cost(spec, layout, v, tb)
 
     def block_cycles(m: np.ndarray) -> np.ndarray:
         stage_c = np.maximum.reduce([m * warps * instr / ISSUE_PER_CLK, instr / WARP_IPC,
@@ -145,6 +128,39 @@ def predict(spec: ConvSpec, target: Target, layout: str, v: dict[str, np.ndarray
     l2 = blocks * (in_elems + w_stage) * stages * 4 / L2_BYTES_PER_S
     seconds = np.maximum.reduce([cycles / hz, dram, l2]) + LAUNCH_SECONDS
     return seconds, ok
+
+
+def _blocks_per_sm(target: Target, nt: np.ndarray, warps: np.ndarray, smem: np.ndarray,
+                   regs: np.ndarray) -> np.ndarray:
+    """Blocks resident on one SM at once: the least of what the block slots, threads, shared memory
+    and registers allow (0 when one block does not fit, which makes the candidate infeasible)."""
+    with np.errstate(divide="ignore"):
+        return np.minimum.reduce([np.full_like(nt, MAX_BLOCKS_SM), MAX_THREADS_SM // (warps * 32),
+                                  target.level("shared").capacity // (smem + 1024),
+                                  REGS_SM // (warps * 32 * regs)])
+
+
+def _store_cost(spec: ConvSpec, layout: str, v: dict[str, np.ndarray], tb: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(store instructions' issue cycles per block, output bytes to DRAM) of the epilogue.
+
+    Lanes next to each other run along the layout's innermost axis (ow for NCHW, k for NHWC).
+    A 32-byte sector that one warp instruction only half writes costs a read-modify-write in
+    DRAM (ECC granule): measured ~7x slower on an H100, so such shapes are all but excluded."""
+    split = v["split"]
+    t_in = v["tk"] if layout == "NHWC" else v["tow"]
+    r_in = v["rk"] if layout == "NHWC" else v["row"]
+    inner_ext = spec.k if layout == "NHWC" else spec.out_w
+    vec = np.where((split == 1) & (r_in % 4 == 0) & (inner_ext % 4 == 0), 4, 1)
+    lanes = np.minimum(t_in, 32)
+    contiguous = (split > 1) | (r_in == vec) | (r_in == 1)
+    span = np.where(split > 1, 128, np.where(contiguous, lanes * vec * 4, vec * 4))  # bytes per run
+    partial = span < 32
+    sectors = np.where(contiguous, (32 // np.where(split > 1, 32, lanes)) * -(-span // 32), 32)
+    ineff = sectors / (4 * np.where(split > 1, 1, vec)) * np.where(partial, PARTIAL_WRITE, 1)
+    store = tb / 32 * ineff * 2 + np.where(split > 1, tb * split / 32 * 2, 0)
+    out_bytes = spec.output_bytes * np.where(partial, PARTIAL_WRITE, 1)
+    return store, out_bytes
 
 
 @lru_cache(maxsize=256)
