@@ -147,22 +147,35 @@ def optimal_tile(spec: ConvSpec, S: float, Np: int = 1) -> Tile:
         first = last
         if best is not None:
             chunk = chunk[low[chunk] <= best[0]]
-        count = hi[chunk] - lo[chunk] + 1
-        r = np.repeat(row[chunk], count)
-        x = np.arange(r.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count - lo[chunk], count)
-        y, yin, xin = ys[r], yins[r], input_extent(x, spec.kw, sw, spec.dilation[1])
-        blocks = -(-kg // np.minimum((cap - yin * xin) // (y * x + window), kg))
-        loads = blocks * in_rows[r] * in_cols[x] + kg * taps_rows[r] * taps_cols[x]
-        pick = np.flatnonzero(loads == loads.min())
-        x, y, z = x[pick], y[pick], -(-kg // blocks[pick])  # least z with the same blocks
-        foot = footprint(spec, x, y, z)
-        pick = np.flatnonzero(foot == foot.min())
-        i = pick[np.lexsort((x[pick], y[pick], np.abs(y[pick] - x[pick])))[0]]
-        xi, yi = int(x[i]), int(y[i])
-        cand = (int(loads.min()), int(foot[i]), abs(yi - xi), yi, xi, int(z[i]))
+        cand = _best_of_pieces(spec, cap, ys, yins, (in_rows, taps_rows), (in_cols, taps_cols),
+                               row[chunk], lo[chunk], hi[chunk])
         best = cand if best is None else min(best, cand)
     assert best is not None
     return Tile(best[4], best[3], best[5], cont)
+
+
+def _best_of_pieces(spec: ConvSpec, cap: int, ys: np.ndarray, yins: np.ndarray,
+                    rows_io: tuple[np.ndarray, np.ndarray], cols_io: tuple[np.ndarray, np.ndarray],
+                    row: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[int, ...]:
+    """Score every x = lo..hi of the row pieces (row indexes ys) at once with numpy and return the
+    best (loads, footprint, |y-x|, y, x, z): z is the most filters that fit beside x by y in
+    `cap`, shrunk to the least z with as few filter blocks. rows_io and cols_io are the
+    (input, taps) block loads per row and per x."""
+    kg, window, sw = spec.k_per_group, spec.kh * spec.kw, spec.stride[1]
+    (in_rows, taps_rows), (in_cols, taps_cols) = rows_io, cols_io
+    count = hi - lo + 1
+    r = np.repeat(row, count)
+    x = np.arange(r.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count - lo, count)
+    y, yin, xin = ys[r], yins[r], input_extent(x, spec.kw, sw, spec.dilation[1])
+    blocks = -(-kg // np.minimum((cap - yin * xin) // (y * x + window), kg))
+    loads = blocks * in_rows[r] * in_cols[x] + kg * taps_rows[r] * taps_cols[x]
+    pick = np.flatnonzero(loads == loads.min())
+    x, y, z = x[pick], y[pick], -(-kg // blocks[pick])  # least z with the same blocks
+    foot = footprint(spec, x, y, z)
+    pick = np.flatnonzero(foot == foot.min())
+    i = pick[np.lexsort((x[pick], y[pick], np.abs(y[pick] - x[pick])))[0]]
+    xi, yi = int(x[i]), int(y[i])
+    return (int(loads.min()), int(foot[i]), abs(yi - xi), yi, xi, int(z[i]))
 
 
 def _row_pieces(kg: int, y_max: int, x_fits: Callable[[int], np.ndarray]
