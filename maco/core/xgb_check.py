@@ -104,9 +104,19 @@ def _base_score(value: Any, what: str) -> None:
 
 def _check_tree(i: int, tree: Any, num_feature: int, what: str) -> int:
     """One regression tree (XGBoost's JSON): a proper tree of its num_nodes nodes. Returns them."""
+    where = f"tree {i}"
+    n, ints = _tree_arrays(i, tree, num_feature, what, where)
+    left, right = ints["left_children"], ints["right_children"]
+    leaf, inner = _check_links(n, left, right, ints["split_indices"], num_feature, what, where)
+    _check_proper(n, left, right, ints["parents"], leaf, inner, what, where)
+    return n
+
+
+def _tree_arrays(i: int, tree: Any, num_feature: int, what: str, where: str) -> tuple[int, dict[str, Any]]:
+    """A tree's node count and integer arrays, after checking its parameters and that every array
+    holds one in-range value per node: what XGBoost indexes with must not be trusted to agree."""
     import numpy as np
 
-    where = f"tree {i}"
     tree = _dict(tree, what, where)
     if type(tree.get("id")) is not int or tree["id"] != i:
         raise _bad(what, f"{where} has id {short(tree.get('id'))}")
@@ -128,8 +138,15 @@ def _check_tree(i: int, tree: Any, num_feature: int, what: str) -> int:
         raise _bad(what, f"{where} has categorical splits (split_type); MACO's features are numbers")
     if np.any((ints["default_left"] != 0) & (ints["default_left"] != 1)):
         raise _bad(what, f"{where} default_left holds values other than 0 and 1")
+    return n, ints
 
-    left, right, parents, split = ints["left_children"], ints["right_children"], ints["parents"], ints["split_indices"]
+
+def _check_links(n: int, left: Any, right: Any, split: Any, num_feature: int, what: str,
+                 where: str) -> tuple[Any, Any]:
+    """Children and split features in range (XGBoost follows them without a bounds check).
+    Returns the leaf mask and the indices of the inner nodes."""
+    import numpy as np
+
     leaf = left == -1
     for name, child in (("left", left), ("right", right)):
         wrong = ~leaf & ((child < 1) | (child >= n)) | leaf & (child != -1)
@@ -144,8 +161,16 @@ def _check_tree(i: int, tree: Any, num_feature: int, what: str) -> int:
         raise _bad(what, f"{where} node {node} splits on feature {int(split[node])} of {num_feature}")
     if np.any((split < 0) | (split > ROOT_PARENT)):
         raise _bad(what, f"{where} split_indices holds {int(split[(split < 0) | (split > ROOT_PARENT)][0])}")
-    # A proper tree: every node but the root is the child of exactly one node, which is its parent,
-    # and every node is reached from the root within MAX_DEPTH levels (no cycle, nothing cut off).
+    return leaf, inner
+
+
+def _check_proper(n: int, left: Any, right: Any, parents: Any, leaf: Any, inner: Any, what: str,
+                  where: str) -> None:
+    """A proper tree: every node but the root is the child of exactly one node, which is its parent,
+    and every node is reached from the root within MAX_DEPTH levels (no cycle, nothing cut off),
+    so XGBoost's walks end."""
+    import numpy as np
+
     children = np.concatenate([left[inner], right[inner]])
     counts = np.bincount(children, minlength=n)
     if counts[0] or np.any(counts[1:] != 1):
@@ -164,21 +189,39 @@ def _check_tree(i: int, tree: Any, num_feature: int, what: str) -> int:
         raise _bad(what, f"{where} is deeper than {MAX_DEPTH} levels")
     if reached != n:
         raise _bad(what, f"{where}: {n - reached} of its {n} nodes are not reached from the root (a cycle?)")
-    return n
 
 
 def check_booster(doc: Any, what: str, num_feature: int | None = None) -> int:
     """MacoError naming the first problem unless `doc` (a parsed XGBoost JSON model) is gbtree
     regression trees XGBoost can run without reading out of bounds; returns its feature count
     (which must be `num_feature` when given)."""
-    import numpy as np
-
     doc = _dict(doc, what, "the model")
     version = _get(doc, "version", what, "the model")
     if not (isinstance(version, list) and len(version) == 3 and all(type(v) is int and 0 <= v < 1000
                                                                     for v in version)):
         raise _bad(what, f"version must be three small integers, got {short(version)}")
     learner = _dict(_get(doc, "learner", what, "the model"), what, "learner")
+    features = _learner_features(learner, what, num_feature)
+    objective = _dict(_get(learner, "objective", what, "learner"), what, "objective")
+    if not isinstance(objective.get("name"), str):
+        raise _bad(what, f"objective has no name: {short(objective)}")
+    gbm = _dict(_get(learner, "gradient_booster", what, "learner"), what, "gradient_booster")
+    if gbm.get("name") != "gbtree":
+        raise _bad(what, f"booster {short(gbm.get('name'))} is not gbtree")
+    model = _dict(_get(gbm, "model", what, "gradient_booster"), what, "gradient_booster model")
+    trees = _forest_trees(model, what)
+    nodes = 0
+    for i, tree in enumerate(trees):
+        nodes += _check_tree(i, tree, features, what)
+        if nodes > MAX_NODES:
+            raise _bad(what, f"more than {MAX_NODES} nodes")
+    return features
+
+
+def _learner_features(learner: dict[str, Any], what: str, num_feature: int | None) -> int:
+    """The model's feature count (which must be `num_feature` when given), after checking the
+    learner parameters say single-target regression with a finite base score and the names,
+    types and attributes are strings."""
     params = _dict(_get(learner, "learner_model_param", what, "learner"), what, "learner_model_param")
     features = _int_text(_get(params, "num_feature", what, "learner_model_param"), what, "num_feature",
                          1, MAX_FEATURES)
@@ -194,13 +237,15 @@ def check_booster(doc: Any, what: str, num_feature: int | None = None) -> int:
     attrs = learner.get("attributes", {})
     if not (isinstance(attrs, dict) and all(isinstance(v, str) for v in attrs.values())):
         raise _bad(what, "attributes must map names to strings")
-    objective = _dict(_get(learner, "objective", what, "learner"), what, "objective")
-    if not isinstance(objective.get("name"), str):
-        raise _bad(what, f"objective has no name: {short(objective)}")
-    gbm = _dict(_get(learner, "gradient_booster", what, "learner"), what, "gradient_booster")
-    if gbm.get("name") != "gbtree":
-        raise _bad(what, f"booster {short(gbm.get('name'))} is not gbtree")
-    model = _dict(_get(gbm, "model", what, "gradient_booster"), what, "gradient_booster model")
+    return features
+
+
+def _forest_trees(model: dict[str, Any], what: str) -> list:
+    """The gbtree model's list of trees (not yet checked one by one), after checking the counts,
+    output groups and round boundaries that describe them agree with it and nothing is
+    categorical."""
+    import numpy as np
+
     trees = _get(model, "trees", what, "the model")
     if not isinstance(trees, list) or len(trees) > MAX_TREES:
         raise _bad(what, f"trees must be a list of at most {MAX_TREES} trees")
@@ -222,12 +267,7 @@ def check_booster(doc: Any, what: str, num_feature: int | None = None) -> int:
     cats = model.get("cats", {})
     if not (isinstance(cats, dict) and all(v == [] for v in cats.values())):
         raise _bad(what, "it encodes categorical features; MACO's features are numbers")
-    nodes = 0
-    for i, tree in enumerate(trees):
-        nodes += _check_tree(i, tree, features, what)
-        if nodes > MAX_NODES:
-            raise _bad(what, f"more than {MAX_NODES} nodes")
-    return features
+    return trees
 
 
 def content_sha256(doc: dict[str, Any]) -> str:
