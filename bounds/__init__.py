@@ -8,10 +8,13 @@
     dataflow_io(spec, tile)               that dataflow's exact loads + stores
     tiles_for_target(spec, target)        the tile at every memory level
     simulate_io(spec, tile, S, policy)    replay the loop nest through an LRU or OPT cache
+    network_floor(layers, S, image, ...)  a whole network's floor at batch 1: weights, live sets, flops
+                                          of the cheapest algorithm, and the floor in time (network.py)
 """
 from maco.bounds.conv import (BoundReport, ConvDerivation, best_lower_bound, bound_report,
                               compulsory_io, conv_as_gemm, conv_io_lower_bound, derive_conv,
                               gemm_io_leading, gemm_io_lower_bound, max_reuse, pebble_T, vertex_count)
+from maco.bounds.network import NetLayer, NetworkFloor, derive_network, network_floor
 from maco.bounds.pebble import PebbleBound, Stage, multistage_bound
 from maco.bounds.simulate import IOCounts, schedule_loops, simulate_io, tile_loops
 from maco.bounds.tiles import Tile, continuous_tile, dataflow_io, dataflow_loads, optimal_tile, tiles_for_target
@@ -19,5 +22,6 @@ from maco.bounds.tiles import Tile, continuous_tile, dataflow_io, dataflow_loads
 __all__ = ["BoundReport", "ConvDerivation", "IOCounts", "PebbleBound", "Stage", "Tile", "best_lower_bound",
            "bound_report", "compulsory_io", "continuous_tile", "conv_as_gemm", "conv_io_lower_bound",
            "dataflow_io", "dataflow_loads", "derive_conv", "gemm_io_leading",
-           "gemm_io_lower_bound", "max_reuse", "multistage_bound", "optimal_tile", "pebble_T",
+           "gemm_io_lower_bound", "max_reuse", "multistage_bound", "NetLayer", "NetworkFloor",
+           "derive_network", "network_floor", "optimal_tile", "pebble_T",
            "schedule_loops", "simulate_io", "tile_loops", "tiles_for_target", "vertex_count"]

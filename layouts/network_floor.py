@@ -1,0 +1,94 @@
+"""A network as the plain DAG maco.bounds.network takes (convs and linears with their ConvSpec,
+light ops as weightless nodes, element-wise ops folded into what they read), and the host's fast
+memory for its floor. `maco bound NET --network` and experiments/bounds_table.py call this.
+
+Folding: an op with one data input and as many output elements as input elements (BatchNorm,
+activations, dropout, reshape, permute, LayerNorm) is the same tensor as its input, as engines
+that fuse epilogues compute it; ops that combine tensors (add, mul, cat) or resize them (pool)
+stay as nodes without weights or flops. Fewer tensors and boundaries only lower the live sets,
+so the floor of the folded DAG is also a floor for an engine that runs every op on its own.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from maco.bounds.network import INPUT, NetLayer, NetworkFloor, WINOGRAD_TILES, network_floor
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
+from maco.core.target import Target
+from maco.layouts.graph import META_KINDS, trace_module
+from maco.layouts.networks import INPUT_SHAPE, NETWORKS, build
+
+
+def _elems(shape: tuple[int, ...] | None) -> int:
+    return math.prod(shape) if shape is not None else 0
+
+
+def dag_of(model: nn.Module, example: torch.Tensor) -> tuple[list[NetLayer], int]:
+    """(layers in the traced order, image elements) of a torch model."""
+    gm, graph = trace_module(model, example)
+    alias: dict[str, str] = {}
+    out: list[NetLayer] = []
+    for name, layer in graph.layers.items():
+        if layer.op == "placeholder":
+            alias[name] = INPUT
+            continue
+        if layer.op == "output" or layer.kind in META_KINDS or layer.kind == "attr":
+            continue
+        data = [alias[src] for src in dict.fromkeys(layer.inputs) if src in alias]
+        data = list(dict.fromkeys(data))
+        if layer.kind == "conv" and layer.spec is not None:
+            out.append(NetLayer(name, tuple(data), layer.spec.output_elems, layer.spec, "conv"))
+            alias[name] = name
+        elif layer.kind == "linear" and layer.shape:
+            mod = gm.get_submodule(layer.target)
+            rows = _elems(layer.shape) // mod.out_features
+            spec = ConvSpec(rows, mod.in_features, 1, 1, mod.out_features, 1, 1)
+            out.append(NetLayer(name, tuple(data), spec.output_elems, spec, "linear"))
+            alias[name] = name
+        elif not data:
+            continue  # a constant
+        elif len(data) == 1 and _elems(layer.shape) == _elems(_shape_of(graph, data[0], example)):
+            alias[name] = data[0]  # element-wise or a view: the same tensor
+        else:
+            out.append(NetLayer(name, tuple(data), _elems(layer.shape), None, layer.kind))
+            alias[name] = name
+    return out, example.numel()
+
+
+def _shape_of(graph: Any, name: str, example: torch.Tensor) -> tuple[int, ...] | None:
+    return tuple(example.shape) if name == INPUT else graph.layers[name].shape
+
+
+def network_dag(name: str, batch: int = 1) -> tuple[list[NetLayer], int]:
+    """The DAG of a built-in network at a batch size (traced on torch's meta device)."""
+    if name not in NETWORKS:
+        raise MacoError(f"unknown network {name!r}; choose one of {', '.join(NETWORKS)}")
+    return dag_of(build(name).to("meta"), torch.empty(batch, *INPUT_SHAPE[1:], device="meta"))
+
+
+def fast_memory(target: Target) -> int:
+    """S for the network floor: every cache of the host together, in fp32 elements (a victim L3,
+    as AMD's, holds data the L2s do not, so the last level alone could undercount what stays on
+    chip; more S only lowers the floor)."""
+    total = 0
+    for lvl in target.levels:
+        if lvl.name == "registers":
+            continue
+        total += lvl.capacity * max(1, target.cores // max(1, lvl.processors))
+    if total <= 0:
+        raise MacoError(f"target {target.name} lists no cache levels")
+    return total // 4
+
+
+def floor_of(name: str, target: Target, batch: int = 1, peak: float | None = None,
+             bandwidth: float | None = None, S: int | None = None,
+             winograd: Any = WINOGRAD_TILES) -> NetworkFloor:
+    """The network floor of a built-in network on `target` (peak in flop/s, bandwidth in bytes/s)."""
+    layers, image = network_dag(name, batch)
+    return network_floor(layers, S if S is not None else fast_memory(target), image,
+                         winograd=winograd, peak=peak, bandwidth=bandwidth)
