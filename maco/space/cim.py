@@ -71,6 +71,19 @@ def _span_table(spec: ConvSpec, axis: str, tiles: np.ndarray, taps: int) -> np.n
     return np.vectorize(values.get, otypes=[np.int64])(tiles)
 
 
+def _all_active(active: dict[str, np.ndarray], trips: dict[str, np.ndarray], axes: tuple[str, ...],
+                start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per spatial combination, whether every loop of `axes` is active (runs more than one trip),
+    and `start` times their trips: a loop placed at a position in an order must run there, and
+    the product counts the partial sums (or chunks) that position keeps alive."""
+    every = np.ones(len(start), dtype=bool)
+    product = start
+    for a in axes:
+        every &= active[a]
+        product = product * trips[a]
+    return every, product
+
+
 def _order_weights(sp: dict[str, np.ndarray], r: int, cap: int, max_chunks: int | None) -> np.ndarray:
     """Valid orders of the 8 loops per spatial combination, with r active reduction loops (and,
     when max_chunks is set, the pruned sweep rule)."""
@@ -82,11 +95,7 @@ def _order_weights(sp: dict[str, np.ndarray], r: int, cap: int, max_chunks: int 
     total = np.zeros(len(tile), dtype=np.int64)
     if max_chunks is None:
         for b in _subsets(SPATIAL_AXES):
-            inside = np.ones(len(tile), dtype=bool)
-            live = tile.copy()
-            for a in b:
-                inside &= active[a]
-                live = live * trips[a]
+            inside, live = _all_active(active, trips, b, tile)
             if r == 0:
                 if b:
                     continue
@@ -98,20 +107,12 @@ def _order_weights(sp: dict[str, np.ndarray], r: int, cap: int, max_chunks: int 
     n_stream = sum(active[a].astype(np.int64) for a in STREAM)
     n_out = sum(active[a].astype(np.int64) for a in OUTPUT_BLOCK)
     for before in _subsets(STREAM):
-        in_before = np.ones(len(tile), dtype=bool)
-        chunks = np.ones(len(tile), dtype=np.int64)
-        for a in before:
-            in_before &= active[a]
-            chunks = chunks * trips[a]
+        in_before, chunks = _all_active(active, trips, before, np.ones(len(tile), dtype=np.int64))
         after_live = prod(np.where(active[a], trips[a], 1) for a in STREAM if a not in before)
         n_after = n_stream - len(before)
         stream_orders = FACT[len(before)] * FACT[n_after]
         for x in _subsets(OUTPUT_BLOCK):
-            in_x = np.ones(len(tile), dtype=bool)
-            live = tile * after_live
-            for a in x:
-                in_x &= active[a]
-                live = live * trips[a]
+            in_x, live = _all_active(active, trips, x, tile * after_live)
             if r == 0:
                 if x:
                     continue
