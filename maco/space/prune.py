@@ -53,7 +53,9 @@ nominal ones by less than that.
 The processors (CPU, `busy_cores`): the multi-processor bound shares the work among all P cores,
 each bounded with its share S/P of the cache (x*y*z ~ S/Np), so a nest whose fused parallel loop
 runs fewer than P iterations leaves cores idle and cannot reach it; the loop must run >= P
-iterations (on batch 1, `parallel` 0-2 fuses only n and g: one iteration).
+iterations (on batch 1, `parallel` 0-2 fuses only n and g: one iteration). A layer with fewer
+than MIN_MACS_PER_CORE multiply-adds per core (the SE convs on 1x1 inputs of EfficientNet and
+MobileNetV3) is exempt: its share would take about as long as forking and joining the threads.
 
 And for the whole nest, the paper's alpha = 1 (`alpha_one` on the GPU, `alpha_cpu` on the CPU):
 every tile slides over the input channels one at a time with the whole kh x kw window
@@ -101,6 +103,9 @@ from maco.core.spec import ConvSpec
 from maco.core.target import Target
 
 WARP = 32
+# ~1 us of one AVX2 core at its FMA peak (2 FMAs x 8 lanes a cycle at ~2 GHz), the order of an
+# OpenMP fork and join across the cores: below it per core, splitting a layer cannot pay.
+MIN_MACS_PER_CORE = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class PruneConfig:
     alpha_cpu: bool = True  # the same on the CPU (off: the level rules judge window splits, no order
     #                         asked: what the bounds derive, see the module docstring)
     busy_cores: bool = True  # CPU: the fused parallel loop gives every core an iteration
+    min_macs_per_core: int = MIN_MACS_PER_CORE  # CPU: ... in layers with this many MACs per core
     max_relax: int = 3  # relaxation steps of a level before it is dropped
 
     def __post_init__(self) -> None:
@@ -129,6 +135,8 @@ class PruneConfig:
             raise MacoError(f"PruneConfig.gpu_accumulators must be 1 <= lo <= hi, got {self.gpu_accumulators}")
         if self.max_relax < 0:
             raise MacoError(f"PruneConfig.max_relax must be >= 0, got {self.max_relax}")
+        if not (isinstance(self.min_macs_per_core, int) and self.min_macs_per_core >= 0):
+            raise MacoError(f"PruneConfig.min_macs_per_core must be an int >= 0, got {self.min_macs_per_core!r}")
 
 
 @dataclass(frozen=True)
@@ -319,7 +327,8 @@ def rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, 
         capacity = 0 if name == "registers" or target.kind != "cpu" else target.level(name).elements_per_processor
         found.append(LevelRule(name, tile, need, capacity, balance[name], s))
     alpha = config.alpha_cpu if target.kind == "cpu" else config.alpha_one
-    cores = min(target.cores, outputs) if target.kind == "cpu" and config.busy_cores else 0
+    busy = target.kind == "cpu" and config.busy_cores and spec.macs >= target.cores * config.min_macs_per_core
+    cores = min(target.cores, outputs) if busy else 0
     return PrunePlan(registers, tuple(found), alpha, tuple(notes), cores)
 
 
