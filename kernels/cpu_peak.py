@@ -5,7 +5,10 @@ these are what the cores really sustain:
 * "microkernel": the instruction mix of a direct-conv register tile with its operands in L1
   (per input channel: 2 weight-vector loads and 14 input broadcasts feeding 28 FMAs into 28
   accumulators). No conv kernel of this shape can beat it, so it tells how much of the gap to
-  the FMA peak is the loads' share of the core rather than the kernel's memory traffic."""
+  the FMA peak is the loads' share of the core rather than the kernel's memory traffic;
+* reads (`read_bandwidth`, `measure_ceilings`): the rate a level, or DRAM, delivers loads to
+  every core, STREAM-style; `measure_ceilings` times DRAM reads and the FMA peak in the same
+  rounds, the two ceilings of maco.bounds.network's floor in time."""
 from __future__ import annotations
 
 import ctypes
@@ -179,33 +182,54 @@ def best_gflops(run: Callable[[float], None], flops: float, repeats: int) -> flo
     return best
 
 
-@lru_cache(maxsize=8)
-def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> float:
-    """GFLOP/s of back-to-back FMAs ("fma") or of the register-tile mix ("microkernel", ISAs
-    with intrinsics only) on target.cores threads (best of 5 runs of ~0.1 s), cached on disk
-    per CPU model, ISA, thread count and kind. `fresh` measures again and keeps the best seen
-    (a busy machine measures low, never high)."""
-    _check_kind(target, kind)
-    host = Target.host()
-    key = f"{host.model}|{target.isa}|{target.cores}" + ("" if kind == "fma" else f"|{kind}")
-    path = _cache_file(target)
+RECHECK = 1.05  # a quick run this much above the cached peak: the cached one was measured busy
+QUICK_FLOPS = 1e9  # per core, one quick run (~10-20 ms on 2 cores)
+
+
+def _load_peaks(path: str) -> dict[str, float]:
     try:
         known = load_json_file(path, "peak cache", 1 << 20)
     except MacoError:
         known = {}  # missing or damaged: measure again
     if not isinstance(known, dict):
         known = {}
-    known = {k: v for k, v in known.items() if isinstance(v, (int, float)) and 0 < v < 1e9}
-    if key in known and not fresh:
-        return float(known[key])
-    best = best_gflops(flops_runner(target, kind), 2.5e10 * target.cores, 5)  # ~0.1 s per run
-    gf = max(best, float(known.get(key, 0.0)))
-    known[key] = gf
+    return {k: float(v) for k, v in known.items() if isinstance(v, (int, float)) and 0 < v < 1e9}
+
+
+@lru_cache(maxsize=8)
+def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> float:
+    """GFLOP/s of back-to-back FMAs ("fma") or of the register-tile mix ("microkernel", ISAs
+    with intrinsics only) on target.cores threads (best of 5 runs of ~0.1 s), cached on disk
+    per CPU model, ISA, thread count and kind; the highest measurement is kept (a busy machine
+    measures low, never high).
+
+    A value measured while the host was busy would otherwise stay forever (one host kept 34
+    GFLOP/s where its FMA loop runs at 85-96), so a cached value is checked once per process by
+    a quick run (best of 3 of ~10 ms): where the quick run beats it by more than RECHECK, the
+    cache was low, and the full measurement runs again. A quick run below the cache changes
+    nothing (that moment is the busy one). This costs ~50 ms per process and key, and never
+    lowers the cache; `fresh` always measures in full."""
+    _check_kind(target, kind)
+    host = Target.host()
+    key = f"{host.model}|{target.isa}|{target.cores}" + ("" if kind == "fma" else f"|{kind}")
+    path = _cache_file(target)
+    known = _load_peaks(path)
+    run = flops_runner(target, kind)
+    cached = known.get(key)
+    if cached is not None and not fresh:
+        quick = best_gflops(run, QUICK_FLOPS * target.cores, 3)
+        if quick <= cached * RECHECK:
+            return cached
+        fresh = True
+    best = best_gflops(run, 2.5e10 * target.cores, 5)  # ~0.1 s per run
+    gf = max(best, cached or 0.0)
+    known = _load_peaks(path)  # another process may have written meanwhile: keep the highest
+    known[key] = max(gf, known.get(key, 0.0))
     try:
         write_atomic(path, json.dumps(known, indent=1))
     except OSError:
         pass  # an unwritable cache only costs measuring again next time
-    return gf
+    return known[key]
 
 
 def read_source(target: Target) -> str:
@@ -281,3 +305,33 @@ def machine_balance(target: Target) -> dict[str, float]:
         share = (outer.capacity // outer.processors // 2) if outer else 4 * inner.capacity
         out[inner.name] = macs / read_bandwidth(target, share)
     return out
+
+
+def dram_bytes_per_core(target: Target) -> int:
+    """A per-core buffer whose total is 8x every cache of `target` together (at least 64 MiB per
+    core): reads of it come from DRAM, whatever the caches keep."""
+    caches = sum(lvl.capacity * max(1, target.cores // max(1, lvl.processors))
+                 for lvl in target.levels if lvl.name != "registers")
+    return max(64 << 20, 8 * caches // max(1, target.cores))
+
+
+def measure_ceilings(target: Target, rounds: int = 5) -> dict[str, float]:
+    """The FMA peak and the DRAM read bandwidth, timed in the same rounds (one FMA run of ~0.1 s,
+    then one STREAM-style pass over `dram_bytes_per_core` per core: summed with 8 independent
+    vector adds per step, so loads are all it waits for): each the best of its rounds, beside
+    the spread of its rounds (slowest over fastest; above BUSY_SPREAD the machine was busy).
+    Returns {"fma_gflops", "read_gbs", "fma_spread", "read_spread", "rounds", "read_bytes"}:
+    the read bandwidth in GB/s of 1e9 bytes, over all cores together. Never cached: a floor in
+    time takes both from the same moment."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise MacoError(f"rounds must be a positive int, got {rounds!r}")
+    run = flops_runner(target, "fma")
+    flops = 4e9 * target.cores  # ~0.1 s per run at 80 GFLOP/s per core
+    per_core = dram_bytes_per_core(target)
+    fma, reads = [], []
+    for _ in range(rounds):
+        fma.append(best_gflops(run, flops, 1))
+        reads.append(read_bandwidth(target, per_core, seconds=0.05, repeats=1) * 4 / 1e9)
+    return {"fma_gflops": max(fma), "read_gbs": max(reads), "fma_spread": spread([1 / f for f in fma]),
+            "read_spread": spread([1 / r for r in reads]), "rounds": float(rounds),
+            "read_bytes": float(per_core * target.cores)}

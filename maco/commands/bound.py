@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 
-from maco.commands.common import positive_int, print_table, resolve_layers
+from maco.commands.common import positive_float, positive_int, print_table, resolve_layers
 from maco.core.errors import MacoError
 from maco.core.spec import ConvSpec
 from maco.core.target import MemoryLevel, Target
@@ -32,7 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "layer), a layer spec, or the shape flags.",
         epilog="examples:  maco bound --c 64 --h 56 --w 56 --k 64 --kernel 3 --padding 1\n"
                "           maco bound resnet18 --target host\n"
-               "           maco bound n1_c64_h56_w56_k64_r3_p1 --S 8192 --json",
+               "           maco bound n1_c64_h56_w56_k64_r3_p1 --S 8192 --json\n"
+               "           maco bound resnet50 --network          (the whole network's floor on this host)\n"
+               "           maco bound resnet18 --network --peak 96 --bandwidth 20",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("layer", nargs="?", help="network name (resnet18, alexnet, vgg11, resnet50, "
                    "mobilenet_v2) or layer spec such as n1_c64_h56_w56_k64_r3_p1")
@@ -53,6 +55,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "or h100 (default host)")
     p.add_argument("--np", dest="np", type=positive_int, default=1, help="processors sharing the --S memory (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    net = p.add_argument_group("network floor (--network)")
+    net.add_argument("--network", action="store_true", help="the floor of the whole network NET at "
+                     "batch --n (maco.bounds.network): the red-blue pebble game over its DAG with every "
+                     "cache together as the fast memory (or --S) and DRAM as the slow one; per layer its "
+                     "weights, activations, live set, flops of the cheapest algorithm and which floor "
+                     "binds; the floor in time from the FMA peak and DRAM read bandwidth, measured now in "
+                     "the same rounds unless --peak and --bandwidth are given")
+    net.add_argument("--peak", type=positive_float, help="FMA peak in GFLOP/s instead of measuring it")
+    net.add_argument("--bandwidth", type=positive_float, help="DRAM read bandwidth in GB/s instead of measuring it")
+    net.add_argument("--rounds", type=positive_int, default=5, help="rounds of the measurement (default 5)")
+    net.add_argument("--direct", action="store_true", help="count direct-conv flops only (no Winograd)")
     p.set_defaults(func=run)
 
 
@@ -79,8 +92,82 @@ def _levels(args: argparse.Namespace) -> tuple[str, list[MemoryLevel]]:
     return f"target {target.name} ({target.model})", list(target.levels)
 
 
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.3g}"
+
+
+def _mb(elements: int | None) -> str:
+    return "" if elements is None else f"{elements * 4 / 1e6:.3g}"
+
+
+def run_network(args: argparse.Namespace) -> int:
+    """`maco bound NET --network`: the network floor, per layer and in total."""
+    from maco.bounds.network import WINOGRAD_TILES, derive_network
+    from maco.layouts.network_floor import fast_memory, floor_of
+    from maco.layouts.networks import NETWORKS
+
+    if args.layer not in NETWORKS:
+        raise MacoError(f"--network needs a built-in network ({', '.join(NETWORKS)}), got {args.layer!r}")
+    given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
+    if given:
+        raise MacoError(f"--network takes a network, not the shape flags (got --{', --'.join(given)})")
+    target = Target.named(args.target) if args.S is None else Target.host()
+    S = args.S if args.S is not None else fast_memory(target)
+    measured: dict[str, float] = {}
+    peak, bw = args.peak, args.bandwidth
+    if peak is None or bw is None:
+        if target.kind != "cpu":
+            raise MacoError(f"give --peak and --bandwidth for target {target.name}: only a CPU host is measured")
+        from maco.kernels.cpu_peak import measure_ceilings
+
+        measured = measure_ceilings(target, args.rounds)
+        peak = peak if peak is not None else measured["fma_gflops"]
+        bw = bw if bw is not None else measured["read_gbs"]
+    f = floor_of(args.layer, target, args.n, peak * 1e9, bw * 1e9, S, {} if args.direct else WINOGRAD_TILES)
+    where = (f"S = {S} elements ({S * 4 / 2**20:.3g} MiB: " +
+             ("--S" if args.S is not None else f"every cache of {target.name} ({target.model})") + ")")
+    source = ("given" if not measured else
+              f"measured now in {int(measured['rounds'])} rounds, spreads "
+              f"{measured['fma_spread']:.2f} / {measured['read_spread']:.2f}"
+              + (" (busy: figures low)" if max(measured["fma_spread"], measured["read_spread"]) > 1.3 else ""))
+    if args.json:
+        print(json.dumps({"network": args.layer, "batch": args.n, "where": where, "peak_gflops": peak,
+                          "read_gbs": bw, "measured": measured or None, "floor": f.to_dict()}, indent=1))
+        return 0
+    d = derive_network()
+    print(f"floor: t >= {d.t_floor}   Q_warm = {d.q_warm}, Q_cold = {d.q_cold}")
+    print(f"{args.layer}, batch {args.n}: {where}; FMA peak {peak:.4g} GFLOP/s, DRAM reads {bw:.4g} GB/s ({source})")
+    rows = []
+    for lf in f.layers:
+        if lf.spec is None:
+            continue
+        rows.append((lf.name, str(lf.spec), _mb(lf.weights), _mb(lf.act_in), _mb(lf.act_out),
+                     _mb(lf.live), "" if lf.resident is None else ("yes" if lf.resident else f"no: {_mb(lf.spill)} MB spill"),
+                     lf.algorithm, f"{lf.flops / 1e6:.4g}", _ms(lf.t_compute), _ms(lf.t_memory), lf.binds))
+    print_table("per layer (MB of fp32; live: the activations held before it; its floors in ms, cold: "
+                "its weights from DRAM)",
+                ["layer", "spec", "weights MB", "in MB", "out MB", "live MB", "resident", "algorithm",
+                 "MFLOP", "compute ms", "memory ms", "binds"], rows)
+    total = [
+        ("weights (read once)", _mb(f.weights)), ("image + output", _mb(f.image + f.output)),
+        ("largest live set", f"{_mb(f.max_live)} ({'fits' if f.max_live <= f.S else 'spills'} in S)"),
+        ("live sets spilled (written + read)", _mb(2 * f.spill)),
+        ("DRAM traffic floor, cold / warm (S kept from the last run)", f"{_mb(f.q_cold)} / {_mb(f.q_warm)}"),
+        ("GFLOP direct / cheapest", f"{f.flops_direct / 1e9:.4g} / {f.flops / 1e9:.4g}"),
+        ("compute floor ms (flops / peak)", _ms(f.t_compute)),
+        ("memory floor ms, warm / cold (bytes / bandwidth)", f"{_ms(f.t_memory)} / {_ms(f.t_memory_cold)}"),
+        ("network floor ms (memory overlapping compute)", f"{_ms(f.t)} ({f.binds} binds)"),
+        ("sum of per-layer floors ms (no overlap across layers)", _ms(f.t_layers)),
+    ]
+    print_table(f"{args.layer}: the network floor", ["name", "value"], total)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from maco.bounds import derive_conv
+
+    if args.network:
+        return run_network(args)
     from maco.bounds.report import analyse_levels
 
     layers = _layers(args)
