@@ -1,11 +1,22 @@
 """I/O lower bound vs the optimal tile's dataflow I/O for every conv layer of ResNet-18, AlexNet
-and VGG-11 at the host's L1 and L2 (issue 2, section 4).
+and VGG-11 at the host's L1 and L2 (issue 2, section 4), and the network floor of whole networks
+at batch 1 beside engines' measured times (issue 40).
 
     python experiments/bounds_table.py [--batch 1] [--levels L1 L2] [--out results]
+        [--floor-networks resnet18,resnet50,mobilenet_v2] [--engines channels_last,maco]
+        [--maco-model resnet18=FILE.maco ...] [--floor | --floor-only]
 
 Writes results/bounds_table.csv (one row per layer and level) and bounds_table.png, and prints
 the min / median / max ratio per level: dataflow I/O over the best valid bound, and over the
 paper's eq. (7) alone. Sizes are fp32 elements; each level is taken at one processor's S/Np.
+
+Network rows (--floor; bounds_network.csv and its .env.json, which names the host): the floor of
+maco.bounds.network with this host's FMA peak and DRAM read bandwidth measured now in the same
+rounds, and each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW
+always, beside every engine of --engines; the median of rounds alternating with eager). MACO is
+timed from a model maco.save wrote on this host (--maco-model NET=FILE), or, with "maco" in
+--engines, one `maco optimize --budget quick` tunes here first (minutes per network). Run the
+script under the host's timing lock (flock); its workers take none themselves.
 """
 from __future__ import annotations
 
@@ -16,17 +27,23 @@ from pathlib import Path
 from tqdm import tqdm
 
 from maco.bounds.report import analyse_levels
-from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv
+from maco.experiments.common import Figure, num, out_dir, parser, pyplot, save_plot, write_csv, write_env
 from maco.layouts.networks import network_convs
 from maco.core.target import Target
 
 FIGURE = Figure(
     "bounds", "eq. (8): Q >= kh*kw*C*Ho*Wo*K / (4*sqrt(2*R*S)); optimal tiles x*y = R*z, "
     "x*y*z = S/Np", "exact arithmetic, no measurement: a ratio above 1 is the price of integer, "
-    "edge-clipped tiles against a bound that allows any schedule", csv=("bounds_table.csv",), quick=False,
+    "edge-clipped tiles against a bound that allows any schedule; the network floor (not in the "
+    "paper) is measured per host", csv=("bounds_table.csv", "bounds_network.csv"), quick=False,
     hosts={"bounds_table.csv": ("1e18664238be84b1", "Intel Xeon (avx512, 2 cores)")})
 
 NETWORKS = ("resnet18", "alexnet", "vgg11")
+FLOOR_NETWORKS = "resnet18,resnet50,mobilenet_v2"
+NET_COLUMNS = ["network", "engine", "floor_ms", "binds", "compute_ms", "memory_ms", "memory_cold_ms",
+               "layers_sum_ms", "engine_ms", "of_floor", "eager_ms", "eager_of_floor", "gflop", "gflop_direct",
+               "weights_mb", "max_live_mb", "spill_mb", "S_mib", "fma_gflops", "read_gbs", "fma_spread",
+               "read_spread", "rounds", "note"]
 COLUMNS = ["network", "layer", "spec", "level", "S", "processors", "R", "bound_eq7", "bound_best",
            "best_kind", "compulsory", "gemm_leading", "tile_x", "tile_y", "tile_z", "tile_fits",
            "footprint", "dataflow_io", "ratio_best", "ratio_eq7", "cont_x", "cont_y", "cont_z"]
@@ -86,13 +103,109 @@ def plot(path: Path, data: list[dict[str, object]], level_names: list[str]) -> N
     save_plot(fig, path)
 
 
+def network_rows(nets: list[str], engines: list[str], maco_models: dict[str, str], rounds: int,
+                 batch: int = 1) -> list[dict[str, object]]:
+    """One row per (network, engine): the floor on this host and the engine's time over it."""
+    from maco.deploy.engines import Job, run_engine
+    from maco.kernels.cpu_peak import measure_ceilings
+    from maco.layouts.network_floor import floor_of
+
+    target = Target.host()
+    out: list[dict[str, object]] = []
+    for net in nets:
+        ceil = measure_ceilings(target, 5)  # per network: the floor of the moment its engines run in
+        f = floor_of(net, target, batch, ceil["fma_gflops"] * 1e9, ceil["read_gbs"] * 1e9)
+        base = {"network": net, "floor_ms": round(f.t * 1e3, 3), "binds": f.binds,
+                "compute_ms": round(f.t_compute * 1e3, 3), "memory_ms": round(f.t_memory * 1e3, 3),
+                "memory_cold_ms": round(f.t_memory_cold * 1e3, 3), "layers_sum_ms": round(f.t_layers * 1e3, 3),
+                "gflop": round(f.flops / 1e9, 4), "gflop_direct": round(f.flops_direct / 1e9, 4),
+                "weights_mb": round(f.weights * 4 / 1e6, 2), "max_live_mb": round(f.max_live * 4 / 1e6, 3),
+                "spill_mb": round(f.spill * 4 / 1e6, 3), "S_mib": round(f.S * 4 / 2**20, 2),
+                "fma_gflops": round(ceil["fma_gflops"], 2), "read_gbs": round(ceil["read_gbs"], 2),
+                "fma_spread": round(ceil["fma_spread"], 3), "read_spread": round(ceil["read_spread"], 3)}
+        out.append(dict(base, engine="floor", note="the network floor (maco.bounds.network)"))
+        for engine in engines:
+            job = Job(net, input_shape=(batch, 3, 224, 224), rounds=rounds, patience=10.0)
+            if engine == "maco":
+                if net in maco_models:
+                    job.saved = maco_models[net]
+                    note = f"maco.load of {maco_models[net]}"
+                else:
+                    try:
+                        note = _tune_maco(net, job)
+                    except Exception as exc:  # noqa: BLE001 -- a failing engine is a row, not a crash
+                        out.append(dict(base, engine=engine, note=f"maco optimize failed: {exc}"[:300]))
+                        continue
+            else:
+                note = ""
+            print(f"{net} / {engine} ...", flush=True)
+            got = run_engine(engine, job)
+            row = dict(base, engine=engine, note="; ".join(x for x in (note, str(got.get("note", ""))) if x))
+            if got.get("engine_ms"):
+                row.update(engine_ms=round(got["engine_ms"], 3), of_floor=round(got["engine_ms"] / 1e3 / f.t, 3),
+                           eager_ms=round(got["eager_ms"], 3), eager_of_floor=round(got["eager_ms"] / 1e3 / f.t, 3),
+                           rounds=got.get("rounds", ""))
+            out.append(row)
+    return out
+
+
+_TUNED: list[object] = []
+
+
+def _tune_maco(net: str, job: object) -> str:
+    """`maco optimize --budget quick` for `net` here, its model saved in a temporary folder kept
+    for this run; sets job.saved."""
+    import contextlib
+    import tempfile
+
+    from maco.deploy.optimize import optimize
+
+    tmp = tempfile.TemporaryDirectory(prefix="bounds_network_")
+    _TUNED.append(tmp)
+    path = Path(tmp.name)
+    with contextlib.redirect_stdout(sys.stderr):
+        result = optimize(net, budget="quick", out=path / "out", records=path / "records.jsonl",
+                          save=path / "model.maco", log=lambda line: print(line, file=sys.stderr))
+    job.saved = str(path / "model.maco")  # type: ignore[attr-defined]
+    return f"maco optimize --budget quick handed back '{result.chosen}'"
+
+
+def _maco_models(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        net, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            raise SystemExit(f"--maco-model takes NET=FILE with an existing file, got {item!r}")
+        out[net] = path
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     ap.add_argument("--levels", nargs="+", default=["L1", "L2"], help="host memory levels (default L1 L2)")
+    ap.add_argument("--floor-networks", default=FLOOR_NETWORKS, help=f"networks of the floor rows (default {FLOOR_NETWORKS})")
+    ap.add_argument("--engines", default="channels_last", help="engines timed beside torch eager against the floor "
+                    "(maco.deploy.engines; default channels_last; 'maco' tunes first unless --maco-model)")
+    ap.add_argument("--maco-model", nargs="*", default=[], help="NET=FILE: a model maco.save wrote on this host")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds per engine (default 5)")
+    ap.add_argument("--floor", action="store_true", help="add the network rows (timed: run under the host's lock)")
+    ap.add_argument("--floor-only", action="store_true", help="the network rows only")
     args = ap.parse_args(argv)
-    data = rows(args.batch, args.levels)
     out = out_dir(args)
+    if args.floor or args.floor_only:
+        nets = [n for n in args.floor_networks.split(",") if n]
+        engines = [e for e in args.engines.split(",") if e]
+        net_rows = network_rows(nets, engines, _maco_models(args.maco_model), args.rounds, args.batch)
+        suffix = "" if args.batch == 1 else f"_n{args.batch}"
+        net_csv = out / f"bounds_network{suffix}.csv"
+        write_csv(net_csv, net_rows, NET_COLUMNS)
+        write_env(net_csv, networks=nets, engines=engines, batch=args.batch)
+        print("\n".join(network_summary(net_rows)))
+        print(f"wrote {net_csv} ({len(net_rows)} rows)")
+        if args.floor_only:
+            return 0
+    data = rows(args.batch, args.levels)
     suffix = "" if args.batch == 1 else f"_n{args.batch}"
     csv_path = out / f"bounds_table{suffix}.csv"
     write_csv(csv_path, data, COLUMNS)
@@ -102,8 +215,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def network_summary(rows: list[dict[str, object]]) -> list[str]:
+    lines = []
+    for r in rows:
+        if r["engine"] == "floor":
+            lines.append(f"{r['network']}: floor {r['floor_ms']} ms ({r['binds']} binds: compute {r['compute_ms']} ms "
+                         f"at {r['fma_gflops']} GFLOP/s, memory {r['memory_ms']} ms warm / {r['memory_cold_ms']} cold at "
+                         f"{r['read_gbs']} GB/s; {r['gflop']} GFLOP of {r['gflop_direct']} direct, "
+                         f"{r['weights_mb']} MB weights, largest live set {r['max_live_mb']} MB)")
+        elif r.get("engine_ms"):
+            lines.append(f"  {r['engine']}: {r['engine_ms']} ms = {r['of_floor']}x the floor; torch eager "
+                         f"{r['eager_ms']} ms = {r['eager_of_floor']}x")
+        else:
+            lines.append(f"  {r['engine']}: no time ({r.get('note', '')})")
+    return lines
+
+
 def summarise(rows: list[dict[str, str]]) -> str:
-    """REPORT.md: the spread of dataflow I/O over the best bound, per memory level."""
+    """REPORT.md: the spread of dataflow I/O over the best bound, per memory level; for the
+    network rows, each network's floor and each engine's time over it."""
+    if rows and "floor_ms" in rows[0]:
+        parts = []
+        for r in rows:
+            if r["engine"] == "floor":
+                parts.append(f"{r['network']} floor {num(r, 'floor_ms'):.3g} ms ({r['binds']} binds)")
+            elif r.get("of_floor"):
+                parts.append(f"{r['network']} {r['engine']} {num(r, 'of_floor'):.2f}x the floor, "
+                             f"eager {num(r, 'eager_of_floor'):.2f}x")
+        return "network floor at batch 1: " + "; ".join(parts)
     ratios = {lvl: sorted(num(r, "ratio_best") for r in rows if r["level"] == lvl) for lvl in ("L1", "L2")}
     parts = [f"{lvl}: dataflow I/O of the chosen tile / best lower bound min {v[0]:.2f}, median "
              f"{v[len(v) // 2]:.2f}, max {v[-1]:.2f}" for lvl, v in ratios.items() if v]

@@ -1,0 +1,37 @@
+"""experiments/bounds_table.py's network rows: the floor per network and each engine's time over
+it, written with the host's .env.json and summarised for REPORT.md (timing replaced by fakes)."""
+from __future__ import annotations
+
+import json
+
+from maco.experiments import bounds_table
+from maco.experiments.common import read_rows
+
+
+def test_network_rows_and_summary(tmp_path, monkeypatch):
+    import maco.deploy.engines as engines
+    import maco.kernels.cpu_peak as cpu_peak
+
+    monkeypatch.setattr(cpu_peak, "measure_ceilings", lambda target, rounds: {
+        "fma_gflops": 100.0, "read_gbs": 20.0, "fma_spread": 1.01, "read_spread": 1.02, "rounds": 5.0,
+        "read_bytes": 1e9})
+    seen = []
+
+    def fake_run(engine, job):
+        seen.append((engine, job.model, job.saved))
+        return {"engine": engine, "eager_ms": 40.0, "engine_ms": 20.0, "rounds": 5, "note": "fake"}
+    monkeypatch.setattr(engines, "run_engine", fake_run)
+    model = tmp_path / "r18.maco"
+    model.write_text("x")
+    assert bounds_table.main(["--out", str(tmp_path), "--floor-networks", "resnet18", "--engines",
+                              "channels_last,maco", "--maco-model", f"resnet18={model}", "--floor-only"]) == 0
+    assert seen == [("channels_last", "resnet18", None), ("maco", "resnet18", str(model))]
+    rows = read_rows(tmp_path / "bounds_network.csv")
+    assert [r["engine"] for r in rows] == ["floor", "channels_last", "maco"]
+    floor = float(rows[0]["floor_ms"])
+    assert rows[0]["binds"] == "compute" and abs(floor - float(rows[0]["gflop"]) * 1e9 / 100e9 * 1e3) < 0.01
+    assert abs(float(rows[2]["of_floor"]) - 20.0 / floor) < 0.01
+    env = json.loads((tmp_path / "bounds_network.env.json").read_text())
+    assert env["cpu"] and env["networks"] == ["resnet18"]
+    text = bounds_table.summarise(rows)
+    assert text.startswith("network floor at batch 1: resnet18 floor") and "maco" in text
