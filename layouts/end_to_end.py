@@ -20,6 +20,7 @@ from torch import nn
 from maco.kernels import host_target
 from maco.layouts.latency import strict_cudnn
 from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d
+from maco.layouts.segments import MacoSegment
 from maco.core.target import Target
 from maco.core.timing import CacheEvictor, Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
 
@@ -159,10 +160,15 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
              for name, mod in model.named_modules() if isinstance(mod, (nn.Conv2d,) + MACO_CONVS)
              and not any(isinstance(p, MACO_CONVS) for p in _parents(model, name))]
     steady_allocator()
+    segments = [m for m in model.modules() if isinstance(m, MacoSegment)]
     with torch.inference_mode():
         try:
+            for segment in segments:  # its modules called one by one: the hooks see their tensors
+                segment.per_module = True
             model(*inputs)
         finally:
+            for segment in segments:
+                segment.per_module = False
             for hook in hooks:
                 hook.remove()
         skipped = _Skipping(model)
@@ -210,13 +216,15 @@ MACO_CONVS = (MacoConv2d, MacoWinograd2d)  # what runs a conv by a MACO kernel
 
 
 class _Skipping:
-    """Runs a model with every MACO kernel call replaced by handing back its output buffer: what
-    the model costs besides its MACO kernels (its outputs are then meaningless)."""
+    """Runs a model with every MACO kernel call replaced by handing back its output buffer (a
+    segment's kernels skipped, its checks and pointer table kept): what the model costs besides
+    its MACO kernels (its outputs are then meaningless)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.convs = [m for m in model.modules() if isinstance(m, MacoConv2d)]
         self.winograd = [m for m in model.modules() if isinstance(m, MacoWinograd2d)]
+        self.segments = [m for m in model.modules() if isinstance(m, MacoSegment)]
 
     def run(self, inputs: tuple) -> Callable[[], Any]:
         def skip(conv: MacoConv2d) -> Callable[..., Any]:
@@ -231,9 +239,13 @@ class _Skipping:
             kernels = [w._kernel for w in self.winograd]
             for w in self.winograd:
                 w._kernel = _no_kernel
+            for segment in self.segments:
+                segment.skip_kernels = True
             try:
                 return self.model(*inputs)
             finally:
+                for segment in self.segments:
+                    segment.skip_kernels = False
                 for c in self.convs:
                     del c._conv.run_tensor
                 for w, kernel in zip(self.winograd, kernels):

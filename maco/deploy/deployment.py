@@ -32,6 +32,7 @@ from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
                                        call_sites, depthwise_can_run, escapes, kernel_can_run, swap_module,
                                        winograd_module_can_run)
+from maco.layouts.segments import use_segments
 from maco.deploy.optimize_report import OptimizeResult
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
@@ -139,15 +140,18 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 
 
 def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str = "error",
-         exact: bool = False) -> nn.Module:
+         exact: bool = False, segments: bool = True) -> nn.Module:
     """`model` (the same architecture and weights as when it was optimized) rebuilt as the saved
     optimized model. On a machine other than the one it was tuned on: a MacoError naming both
     (other_machine="error"), or each conv on its bound-derived default schedule ("defaults").
-    exact=True leaves the saved Winograd convs to torch (docs/exactness.md)."""
+    exact=True leaves the saved Winograd convs to torch (docs/exactness.md). segments=False calls
+    the kernel modules one by one, not each run of them as one call (maco.layouts.segments)."""
     if other_machine not in ("error", "defaults"):
         raise MacoError(f"other_machine must be 'error' or 'defaults', got {short(other_machine)}")
     if not isinstance(exact, bool):
         raise MacoError(f"exact must be True or False, got {short(exact)}")
+    if not isinstance(segments, bool):
+        raise MacoError(f"segments must be True or False, got {short(segments)}")
     dep = Deployment.from_dict(load_json_file(path, "saved MACO model", MAX_BYTES))
     require_memory(16 * 4 * math.prod(dep.input_shape), f"the saved input shape {short(dep.input_shape)}")
     host = host_target()
@@ -163,6 +167,8 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
         return fused
     gm = LayoutPlan.from_dict(dep.plan).apply(fused)
     _swap_in_kernels(gm, dep, path, host, foreign, exact)
+    if segments:
+        use_segments(gm, host)
     gm.meta["maco"] = dep
     return gm
 

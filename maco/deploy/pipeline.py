@@ -1,8 +1,9 @@
 """The one pipeline behind `maco optimize` and the torch.compile backend (`run_pipeline`): the
 distinct convs of a model, tuning what the records lack, torch's seconds and the candidate
 kernels per conv and layout, then fold and fuse, plan layouts, swap in the MACO kernels (convs,
-Winograd and depthwise convs, linear and pooling layers) that win in this process, time every
-variant in the same rounds and keep the fastest whose output is right."""
+Winograd and depthwise convs, linear and pooling layers) that win in this process, run each run of
+consecutive kernels as one call (layouts.segments), time every variant in the same rounds and keep
+the fastest whose output is right."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from maco.layouts.latency import measure_layouts
 from maco.layouts.layout_plan import LayoutPlan
 from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d, MacoWinograd2d, use_maco_kernels
 from maco.layouts.networks import conv_layers, distinct_convs
+from maco.layouts.segments import use_segments
 from maco.tune.records import Baseline, Record, RecordStore
 from maco.tune.tuning import LayerResult, measure_baselines, tune_layers
 from maco.core.schedule import Schedule
@@ -50,11 +52,12 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
                    torch_seconds: dict[tuple[ConvSpec, str], float],
                    candidates: Mapping[tuple[ConvSpec, str], Record | Schedule], *,
                    layouts: tuple[str, ...] = ("NCHW", "NHWC"), device: str = "cpu",
-                   log: Callable[[str], Any] = print, exact: bool = False) -> Variants:
+                   log: Callable[[str], Any] = print, exact: bool = False, segments: bool = True) -> Variants:
     """The default, fused, planned (torch convs) and planned MACO variants of `model`: the
     candidates are re-timed beside torch here (kernel_choice), the plan is made from the faster
     of each, and the planned MACO model gets the kernels and the linear layers that won.
-    exact=True leaves Winograd out: its fp32 error is larger than a direct conv's (docs/exactness.md)."""
+    exact=True leaves Winograd out: its fp32 error is larger than a direct conv's (docs/exactness.md).
+    segments=True (CPU) runs each run of consecutive kernel modules as one call (layouts.segments)."""
     table, chosen, ratios = faster_kernels(torch_seconds, candidates, target)
     cpu = target.kind == "cpu"
     if cpu and not exact and "NHWC" in layouts:  # the plan keeps a conv in NHWC where Winograd would run it fastest
@@ -77,6 +80,8 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         models["planned_maco"] = planned_maco
     swapped = [path for path, mod in planned_maco.named_modules()
                if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
+    if cpu and segments:
+        use_segments(planned_maco, target)  # each run of kernel modules as one call
     return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd)
 
 

@@ -1,0 +1,296 @@
+"""Runs of MACO kernel modules as one call (maco.layouts.segments): outputs equal eager torch's
+within 1e-4 on the networks and on a net nothing was tuned for, the same checks and fallbacks as
+the modules one by one, NaN where torch puts it, outputs that never alias the next call's
+buffers, the liveness plan, saved models and the torch.compile backend."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import maco
+from maco import kernels
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
+from maco.deploy.deployment import describe
+from maco.kernels.depthwise import is_depthwise
+from maco.layouts import fuse
+from maco.layouts.deploy import plan
+from maco.layouts.end_to_end import conv_share
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoPool2d, MacoWinograd2d, call_sites,
+                                       depthwise_can_run, escapes, swap_module, use_maco_kernels,
+                                       winograd_module_can_run)
+from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
+from maco.layouts.segments import find_runs, segments_of, use_segments
+from maco.kernels.pool import plan_for
+from maco.deploy.kernel_choice import POOLS
+
+HOST = kernels.host_target()
+
+
+def _planned(model: nn.Module, x: torch.Tensor, winograd: bool = False):
+    """A planned model with MACO kernels everywhere one runs (NHWC, default schedules, generated
+    depthwise and pooling kernels, Winograd where asked), swapped without timing; and its plan."""
+    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
+    fused = fuse(model, x)
+    table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
+    p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-9)
+    gm = p.apply(fused)
+    chosen = {}
+    for s in specs:
+        if not is_depthwise(s):
+            try:
+                chosen[s] = {"NHWC": kernels.default_schedule(s, HOST, "NHWC")}
+            except MacoError:
+                pass
+    use_maco_kernels(gm, p, chosen, HOST)
+    seen: dict[str, tuple[int, ...]] = {}
+    calls = call_sites(gm)
+    def keep(path: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            seen.setdefault(path, tuple(args[0].shape))
+        return hook
+
+    hooks = [gm.get_submodule(path).register_forward_pre_hook(keep(path)) for path in calls]
+    with torch.inference_mode():
+        gm(x)
+    for h in hooks:
+        h.remove()
+    capable = 0
+    for path, shape in seen.items():
+        mod = gm.get_submodule(path)
+        own = len(calls[path]) == 1 and not escapes(gm, calls[path][0])
+        conv = mod.torch_conv if isinstance(mod, MacoConv2d) else mod
+        if isinstance(conv, nn.Conv2d) and len(shape) == 4:
+            spec = ConvSpec.from_module(conv, shape)
+            if depthwise_can_run(conv, spec):
+                swap_module(gm, path, MacoDepthwise2d(conv, spec, "NHWC", HOST, own))
+            elif winograd and winograd_module_can_run(conv, spec, HOST):
+                capable += 1
+                if capable % 2 == 1:
+                    swap_module(gm, path, MacoWinograd2d(conv, spec, HOST, own, m=2))
+        elif isinstance(mod, POOLS) and plan_for(mod, shape, "NHWC", HOST.cores) is not None:
+            swap_module(gm, path, MacoPool2d(mod, shape, "NHWC", HOST, own))
+    return gm, p
+
+
+def _rel(want: torch.Tensor, got: torch.Tensor) -> float:
+    return float((want - got).abs().max() / want.abs().max())
+
+
+class SmallNet(nn.Module):
+    """A net of no zoo: strided, depthwise, residual, pooling, a 5x5 and a conv read twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
+        self.dw = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.BatchNorm2d(16), nn.ReLU())
+        self.pw = nn.Sequential(nn.Conv2d(16, 24, 1, bias=False), nn.BatchNorm2d(24))
+        self.c5 = nn.Conv2d(24, 24, 5, 1, 2)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.head = nn.Conv2d(24, 32, 3, 1, 1)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = self.pw(self.dw(x))
+        z = F.relu(self.c5(y) + y)
+        z = self.pool(z)
+        h = self.head(z)
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1)), h
+
+
+def _randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+            m.weight.data.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+            m.bias.data.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+    return model.eval()
+
+
+def _check(model: nn.Module, x: torch.Tensor, winograd: bool = False):
+    gm, p = _planned(model, x, winograd)
+    with torch.inference_mode():
+        want = model(x)
+        before = gm(x)
+        names = use_segments(gm, HOST)
+        after = gm(x)
+        again = gm(x)
+    want, before, after, again = ([t] if isinstance(t, torch.Tensor) else list(t) for t in (want, before, after, again))
+    for w, b, a, a2 in zip(want, before, after, again):
+        assert _rel(w, b) < 1e-4
+        assert _rel(w, a) < 1e-4
+        assert torch.equal(a, a2)
+    return gm, p, names, after
+
+
+def test_small_net_one_segment_equals_eager_and_keeps_outputs():
+    torch.manual_seed(0)
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    gm, _, names, outs = _check(model, x, winograd=True)
+    assert names, gm.graph
+    segs = segments_of(gm)
+    assert sum(len(s._steps) for s in segs) >= 4
+    # the kernels' modules stay at their paths; the graph calls only the segments
+    assert any(isinstance(m, MacoWinograd2d) for m in gm.modules())
+    assert any(isinstance(m, MacoConv2d) for m in gm.modules())
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    assert not any(isinstance(gm.get_submodule(t), MacoConv2d) for t in called if not t.startswith("maco_segment"))
+    # outputs that leave the model are new tensors every call: the first call's stay as they were
+    with torch.inference_mode():
+        kept = [t.clone() for t in outs]
+        gm(torch.randn(1, 3, 32, 32))
+    for k, t in zip(kept, outs):
+        assert torch.equal(k, t)
+
+
+def test_liveness_plan_reuses_bytes_and_keeps_live_values_apart():
+    model = build("mobilenet_v2").eval()
+    x = example_input(1)
+    gm, _ = _planned(model, x)
+    use_segments(gm, HOST)
+    seg = max(segments_of(gm), key=lambda s: len(s._steps))
+    steps = seg._steps
+    internal = [j for j, s in enumerate(steps) if not s.export]
+    assert len(internal) > 10
+    # the arena is far smaller than all internal values side by side
+    assert seg._arena.numel() < 0.5 * sum(steps[j].out.numel for j in internal)
+    last = {j: max([j] + [k for k, s in enumerate(steps) for kind, i in s.reads if kind == "step" and i == j])
+            for j in internal}
+    span = {j: (seg._values[j].data_ptr(), seg._values[j].data_ptr() + 4 * steps[j].out.numel) for j in internal}
+    for a in internal:
+        for b in internal:
+            if a < b <= last[a]:  # b is written while a is still to be read
+                assert span[a][1] <= span[b][0] or span[b][1] <= span[a][0], (a, b)
+
+
+@pytest.mark.parametrize("net", ["mobilenet_v2", "resnet18", "resnet50", "efficientnet_b0"])
+def test_networks_equal_eager(net):
+    model = _randomize_bn(build(net))
+    x = example_input(1)
+    gm, _, names, _ = _check(model, x, winograd=net == "resnet18")
+    if net == "efficientnet_b0":  # SiLU is no kernel epilogue: its MACO convs stand alone, no run to join
+        return
+    assert names
+    n_kernels = sum(isinstance(m, (MacoConv2d, MacoDepthwise2d, MacoWinograd2d, MacoPool2d)) for m in gm.modules())
+    in_segments = sum(len(s._steps) for s in segments_of(gm))
+    assert in_segments >= 0.5 * n_kernels
+
+
+def test_other_inputs_run_the_modules_one_by_one():
+    torch.manual_seed(1)
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    gm, _, _, _ = _check(model, x)
+    seg = segments_of(gm)[0]
+    calls = []
+    def hook(module: nn.Module, args: tuple) -> None:
+        calls.append(module)
+
+    hooks = [s.module.register_forward_pre_hook(hook) for s in seg._steps]
+    try:
+        with torch.inference_mode():
+            gm(x)
+            assert not calls  # the fast path calls no module
+            for other in (torch.randn(2, 3, 32, 32), torch.randn(1, 3, 40, 40), x.transpose(2, 3)):
+                got = gm(other)
+                want = model(other)
+                for w, g in zip(want, got):
+                    assert w.shape == g.shape and w.dtype == g.dtype
+                    assert _rel(w.float(), g.float()) < 1e-4
+            assert calls
+            seg = segments_of(gm)[0]
+            calls.clear()
+            with pytest.raises(RuntimeError):  # another dtype: the modules, then torch, as before
+                seg(torch.randn(seg._guards[0][1].shape, dtype=torch.float64))
+            assert calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_nan_and_inf_land_where_torch_puts_them():
+    torch.manual_seed(2)
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    gm, _, _, _ = _check(model, x, winograd=True)
+    bad = x.clone()
+    bad[0, 1, 5, 7] = float("nan")
+    bad[0, 0, 20, 3] = float("inf")
+    with torch.inference_mode():
+        for w, g in zip(model(bad), gm(bad)):
+            assert torch.equal(w.isnan(), g.isnan())
+            assert torch.equal(w.isposinf(), g.isposinf()) and torch.equal(w.isneginf(), g.isneginf())
+            finite = w.isfinite()
+            if finite.any():
+                assert float((w[finite] - g[finite]).abs().max()) <= 1e-4 * float(w[finite].abs().max() + 1)
+
+
+def test_saved_model_loads_with_segments_and_without(tmp_path):
+    model = _randomize_bn(build("mobilenet_v2"))
+    x = example_input(1)
+    gm, p = _planned(model, x)
+    dep = describe(gm, "planned_maco", x, HOST, p)
+    (tmp_path / "m.maco").write_text(json.dumps(dep.to_dict()))
+    seg = maco.load(tmp_path / "m.maco", copy.deepcopy(model))
+    one_by_one = maco.load(tmp_path / "m.maco", copy.deepcopy(model), segments=False)
+    assert segments_of(seg) and not segments_of(one_by_one)
+    with torch.inference_mode():
+        want = model(x)
+        for got in (seg(x), one_by_one(x)):
+            assert _rel(want, got) < 1e-4
+    # describe reads the kernels off the segmented model as off the plain one
+    dep2 = describe(seg, "planned_maco", x, HOST, p)
+    assert dep2.convs == dep.convs and dep2.depthwise == dep.depthwise and dep2.pools == dep.pools
+    maco.save(seg, tmp_path / "again.maco")
+    assert json.loads((tmp_path / "again.maco").read_text())["convs"] == dep.to_dict()["convs"]
+    with pytest.raises(MacoError, match="segments must be"):
+        maco.load(tmp_path / "m.maco", build("mobilenet_v2"), segments="yes")
+
+
+def test_conv_share_sees_the_kernels_inside_segments():
+    torch.manual_seed(3)
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    gm, _, _, _ = _check(model, x)
+    share = conv_share(gm, x, rounds=1, min_run_time=1e-4)
+    n_convs = sum(isinstance(m, (MacoConv2d, MacoDepthwise2d, MacoWinograd2d)) or type(m) is nn.Conv2d
+                  for m in gm.modules())
+    assert len(share.per_conv) >= 3
+    assert share.rest_s > 0 and share.model_s > 0
+    assert not any(s.per_module or s.skip_kernels for s in segments_of(gm))
+    assert n_convs
+
+
+def test_runs_break_at_torch_ops_and_layout_changes():
+    model = build("mobilenet_v2").eval()
+    x = example_input(1)
+    gm, _ = _planned(model, x)
+    runs = find_runs(gm)
+    assert runs and all(len(r) >= 2 for r in runs)
+    for run in runs:  # consecutive graph nodes
+        nodes = list(gm.graph.nodes)
+        first = nodes.index(run[0])
+        assert nodes[first:first + len(run)] == run
+
+
+def test_torch_compile_backend_runs_segments():
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    compiled = torch.compile(model, backend="maco", options={"tune": "none", "layouts": "NHWC"})
+    with torch.no_grad():
+        want = model(x)
+        got = compiled(x)
+        got2 = compiled(x)
+    for w, g, g2 in zip(want, got, got2):
+        assert _rel(w, g) < 1e-4 and torch.equal(g, g2)
