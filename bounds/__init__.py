@@ -10,11 +10,14 @@
     simulate_io(spec, tile, S, policy)    replay the loop nest through an LRU or OPT cache
     network_floor(layers, S, image, ...)  a whole network's floor at batch 1: weights, live sets, flops
                                           of the cheapest algorithm, and the floor in time (network.py)
+    winograd_cost(spec, m), predict_tile(spec, P, B)   Winograd's multiplies, U/V/M traffic and footprint,
+                                          and the tile size of least modelled time (winograd.py)
 """
 from maco.bounds.conv import (BoundReport, ConvDerivation, best_lower_bound, bound_report,
                               compulsory_io, conv_as_gemm, conv_io_lower_bound, derive_conv,
                               gemm_io_leading, gemm_io_lower_bound, max_reuse, pebble_T, vertex_count)
 from maco.bounds.network import NetLayer, NetworkFloor, derive_network, network_floor
+from maco.bounds.winograd import WinogradCost, predict_tile, winograd_cost
 from maco.bounds.pebble import PebbleBound, Stage, multistage_bound
 from maco.bounds.simulate import IOCounts, schedule_loops, simulate_io, tile_loops
 from maco.bounds.tiles import Tile, continuous_tile, dataflow_io, dataflow_loads, optimal_tile, tiles_for_target
@@ -23,5 +26,5 @@ __all__ = ["BoundReport", "ConvDerivation", "IOCounts", "PebbleBound", "Stage", 
            "bound_report", "compulsory_io", "continuous_tile", "conv_as_gemm", "conv_io_lower_bound",
            "dataflow_io", "dataflow_loads", "derive_conv", "gemm_io_leading",
            "gemm_io_lower_bound", "max_reuse", "multistage_bound", "NetLayer", "NetworkFloor",
-           "derive_network", "network_floor", "optimal_tile", "pebble_T",
+           "derive_network", "network_floor", "WinogradCost", "predict_tile", "winograd_cost", "optimal_tile", "pebble_T",
            "schedule_loops", "simulate_io", "tile_loops", "tiles_for_target", "vertex_count"]

@@ -100,6 +100,18 @@ def _mb(elements: int | None) -> str:
     return "" if elements is None else f"{elements * 4 / 1e6:.3g}"
 
 
+def _predicted_tiles(f: object, peak: float, bandwidth: float) -> dict[str, str]:
+    from maco.bounds.network import winograd_applies
+    from maco.bounds.winograd import predict_tile
+
+    out = {}
+    for lf in f.layers:  # type: ignore[attr-defined]
+        if lf.spec is not None and winograd_applies(lf.spec):
+            m = predict_tile(lf.spec, peak, bandwidth)[0]
+            out[lf.name] = f"F({m}x{m},{lf.spec.kh}x{lf.spec.kw})"
+    return out
+
+
 def run_network(args: argparse.Namespace) -> int:
     """`maco bound NET --network`: the network floor, per layer and in total."""
     from maco.bounds.network import WINOGRAD_TILES, derive_network
@@ -130,9 +142,11 @@ def run_network(args: argparse.Namespace) -> int:
               f"measured now in {int(measured['rounds'])} rounds, spreads "
               f"{measured['fma_spread']:.2f} / {measured['read_spread']:.2f}"
               + (" (busy: figures low)" if max(measured["fma_spread"], measured["read_spread"]) > 1.3 else ""))
+    tiles = {} if args.direct else _predicted_tiles(f, peak * 1e9, bw * 1e9)
     if args.json:
         print(json.dumps({"network": args.layer, "batch": args.n, "where": where, "peak_gflops": peak,
-                          "read_gbs": bw, "measured": measured or None, "floor": f.to_dict()}, indent=1))
+                          "read_gbs": bw, "measured": measured or None, "floor": f.to_dict(),
+                          "winograd_tile_model": tiles}, indent=1))
         return 0
     d = derive_network()
     print(f"floor: t >= {d.t_floor}   Q_warm = {d.q_warm}, Q_cold = {d.q_cold}")
@@ -143,11 +157,14 @@ def run_network(args: argparse.Namespace) -> int:
             continue
         rows.append((lf.name, str(lf.spec), _mb(lf.weights), _mb(lf.act_in), _mb(lf.act_out),
                      _mb(lf.live), "" if lf.resident is None else ("yes" if lf.resident else f"no: {_mb(lf.spill)} MB spill"),
-                     lf.algorithm, f"{lf.flops / 1e6:.4g}", _ms(lf.t_compute), _ms(lf.t_memory), lf.binds))
+                     lf.algorithm, tiles.get(lf.name, ""), f"{lf.flops / 1e6:.4g}", _ms(lf.t_compute),
+                     _ms(lf.t_memory), lf.binds))
     print_table("per layer (MB of fp32; live: the activations held before it; its floors in ms, cold: "
                 "its weights from DRAM)",
                 ["layer", "spec", "weights MB", "in MB", "out MB", "live MB", "resident", "algorithm",
-                 "MFLOP", "compute ms", "memory ms", "binds"], rows)
+                 "tile model", "MFLOP", "compute ms", "memory ms", "binds"], rows)
+    print("algorithm: the fewest multiplies MACO's kernels can do (the floor's); tile model: the "
+          "Winograd tile of least modelled time, U from DRAM (maco.bounds.winograd, not a bound)")
     total = [
         ("weights (read once)", _mb(f.weights)), ("image + output", _mb(f.image + f.output)),
         ("largest live set", f"{_mb(f.max_live)} ({'fits' if f.max_live <= f.S else 'spills'} in S)"),

@@ -1,0 +1,109 @@
+"""Winograd F(m x m, r x r) inside the bound (issue 40, item 2): per layer, the multiplies, the
+traffic of the transformed filters, input tiles and output tiles, the footprint of a block of
+tiles, and from these a model of the tile size that runs fastest on a host.
+
+With alpha = m + r - 1 (the input tile side) and t = ceil(Ho/m)*ceil(Wo/m) tiles per image:
+
+    multiply-adds   t * alpha^2 * C * K                      (the element-wise stage; 2 flops each)
+    U (filters)     alpha^2 * C * K elements                 (alpha^2 / r^2 times the weights:
+                                                              16/9 for F(2x2, 3x3), 4x for F(4x4, 3x3))
+    V (inputs)      alpha^2 * C per tile, M (outputs) alpha^2 * K per tile
+    block of T      T * alpha^2 * (C + K) elements: a block's V and M stay in one core's cache
+                    while U streams past it, so U crosses into that cache once per block
+
+Inside a model the layer's U does not stay cached between calls (its weights and every other
+layer's pass through the last-level cache first), so per call it comes from DRAM once, and
+again from the last-level cache for every further block. A tile size's time is then modelled
+as max(2 * macs / P, 4 * (U + inputs + outputs) / B): the larger tile does fewer multiplies but
+reads a larger U. Early layers (56x56x64: U of F(4x4) 0.6 MB) are compute-bound and take F(4x4);
+deep ones (7x7x512: U of F(4x4) 38 MB, of F(2x2) 17 MB) are bound by reading U, and the smaller
+tile wins where 4 * (U_4 - U_2) / B exceeds what F(4x4) saves in compute (`crossover`). This is a
+model to rank tile sizes, not a bound: MACO's kernel_choice still times each tile size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import ceil
+from typing import Any, Mapping
+
+import sympy as sp
+
+from maco.bounds.network import WINOGRAD_TILES, winograd_applies
+from maco.core.errors import MacoError
+from maco.core.spec import DTYPE_BYTES, ConvSpec
+
+
+@dataclass(frozen=True)
+class WinogradCost:
+    m: int
+    r: int
+    tiles: int  # per call (all images)
+    macs: int
+    u: int  # transformed filter elements
+    v_per_tile: int
+    m_per_tile: int
+    inputs: int
+    outputs: int
+
+    @property
+    def alpha(self) -> int:
+        return self.m + self.r - 1
+
+    def block_footprint(self, tiles_per_block: int) -> int:
+        """Elements of a block's input and output tiles (V and M) in one core's cache."""
+        return tiles_per_block * (self.v_per_tile + self.m_per_tile)
+
+    def dram(self) -> int:
+        """Elements a call moves from DRAM inside a model: U once, inputs and outputs once."""
+        return self.u + self.inputs + self.outputs
+
+    def seconds(self, peak: float, bandwidth: float) -> float:
+        """max(2 * macs / P, 4 * dram / B), peak in flop/s, bandwidth in bytes/s."""
+        return max(2 * self.macs / peak, DTYPE_BYTES * self.dram() / bandwidth)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"m": self.m, "r": self.r, "tiles": self.tiles, "macs": self.macs, "u": self.u,
+                "v_per_tile": self.v_per_tile, "m_per_tile": self.m_per_tile, "inputs": self.inputs,
+                "outputs": self.outputs}
+
+
+def winograd_cost(spec: ConvSpec, m: int) -> WinogradCost:
+    """The counts above for `spec` (a conv Winograd applies to) in F(m x m, r x r)."""
+    if m not in WINOGRAD_TILES.get(spec.kh, ()) or not winograd_applies(spec):
+        raise MacoError(f"Winograd F({m}x{m}, {spec.kh}x{spec.kw}) does not apply to {spec}")
+    r = spec.kh
+    a = m + r - 1
+    tiles = spec.n * ceil(spec.out_h / m) * ceil(spec.out_w / m)
+    return WinogradCost(m, r, tiles, tiles * a * a * spec.c * spec.k, a * a * spec.c * spec.k, a * a * spec.c,
+                        a * a * spec.k, spec.input_elems, spec.output_elems)
+
+
+def predict_tile(spec: ConvSpec, peak: float, bandwidth: float,
+                 tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES) -> tuple[int, dict[int, float]]:
+    """(the tile size m of the least modelled time, {m: seconds}) for a conv Winograd applies to."""
+    if not winograd_applies(spec, tiles):
+        raise MacoError(f"Winograd does not apply to {spec}")
+    times = {m: winograd_cost(spec, m).seconds(peak, bandwidth) for m in tiles[spec.kh]}
+    return min(times, key=lambda m: (times[m], -m)), times
+
+
+@lru_cache(maxsize=1)
+def crossover() -> dict[str, sp.Expr]:
+    """F(2x2, 3x3) against F(4x4, 3x3) on an Ho x Wo layer (m | Ho, Wo), all symbolic: `t2`, `t4`
+    (each max(compute, memory)), `saved` (the compute time F(4x4) saves: 3.5*Ho*Wo*C*K/P),
+    `extra` (the DRAM time its larger U adds: 4*20*C*K/B) and `area`, the Ho*Wo where the two
+    are equal: 160*P/(7*B), whatever C and K. Below it (the deep layers) the smaller tile's U
+    pays more than F(4x4)'s multiplies save; above it F(4x4) wins."""
+    C, K, Ho, Wo, P, B, A = sp.symbols("C K H_o W_o P B A", positive=True)
+    io = Ho * Wo * (C + K)  # inputs and outputs, stride 1, same padding
+
+    def t(m: int) -> tuple[sp.Expr, sp.Expr]:
+        a = m + 2
+        return 2 * (Ho / m) * (Wo / m) * a**2 * C * K / P, DTYPE_BYTES * (a**2 * C * K + io) / B
+    (c2, m2), (c4, m4) = t(2), t(4)
+    saved = sp.simplify(c2 - c4)
+    extra = sp.simplify(m4 - m2)
+    area = sp.solve(sp.Eq(saved.subs(Ho * Wo, A).subs(Wo, A / Ho), extra), A)
+    return {"t2": sp.Max(c2, m2), "t4": sp.Max(c4, m4), "saved": saved, "extra": extra,
+            "area": area[0] if area else sp.nan}
