@@ -23,6 +23,7 @@ from maco.core.errors import MacoError
 from maco.core.geometry import input_span
 from maco.core.axes import INPUT_AXES, WEIGHT_AXES
 from maco.core.schedule import Schedule
+from maco.core import sketch_cim
 from maco.core.spec import ConvSpec
 from maco.core.target import CimArch, Target
 
@@ -121,9 +122,9 @@ def cim_cost(spec: ConvSpec, schedule: Schedule, target: Target) -> CimCost:
     check_size(spec)
     schedule.validate(spec, target)
     arch: CimArch = target.cim_arch
-    order, trips, b = schedule.loop_order, schedule.cim_trips(), schedule.cim_block()
-    cores = schedule.cim_cores
-    use = schedule.cim_footprint(spec, arch)
+    order, trips, b = schedule.loop_order, sketch_cim.trips(schedule), sketch_cim.block(schedule)
+    cores = sketch_cim.cores(schedule)
+    use = sketch_cim.footprint(schedule, spec, arch)
     rows, cols, xbars = use["weight_rows"], use["weight_columns"], use["crossbars"]
     loads = cores * _loads(order, trips, WEIGHT_AXES)
     in_loads_core = _loads(order, trips, INPUT_AXES)

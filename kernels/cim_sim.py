@@ -34,6 +34,7 @@ import numpy as np
 from maco.core.errors import MacoError
 from maco.core.geometry import input_span
 from maco.core.axes import SPATIAL_AXES
+from maco.core import sketch_cim
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import CimArch, Target
@@ -206,10 +207,10 @@ def simulate(spec: ConvSpec, schedule: Schedule, target: Target, x_q: Any, w_q: 
     top = 2 ** (arch.input_bits - 1)
     x = _check_ints(x_q, "x_q", -top, top - 1, spec.input_shape)
     w = _check_ints(w_q, "w_q", *_weight_range(arch), spec.weight_shape)
-    if schedule.cim_cores > arch.cores:
-        raise MacoError(f"the schedule binds {schedule.cim_cores} cores, the chip has {arch.cores}")
+    if sketch_cim.cores(schedule) > arch.cores:
+        raise MacoError(f"the schedule binds {sketch_cim.cores(schedule)} cores, the chip has {arch.cores}")
 
-    trips, blk = schedule.cim_trips(), schedule.cim_block()
+    trips, blk = sketch_cim.trips(schedule), sketch_cim.block(schedule)
     order = schedule.loop_order
     steps_total = prod(trips[a] for a in ("c", "kh", "kw"))
     out = np.zeros(spec.output_shape, dtype=np.int64)

@@ -23,6 +23,7 @@ from maco.layouts.networks import NETWORKS, distinct_convs, network_convs
 from maco.space.prune_cim import cim_reasons, cim_rules
 from maco.core.axes import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, axis_extents
 from maco.core.schedule import Schedule
+from maco.core import sketch_cim
 from maco.core.spec import ConvSpec
 from maco.core.target import CimArch, Target
 
@@ -39,8 +40,8 @@ def canonical_schedules(spec: ConvSpec):
     ext = axis_extents(spec)
     for spatial in product(*[factorizations(ext[a], 3) for a in SPATIAL_AXES]):
         for reduction in product(*[factorizations(ext[a], 2) for a in REDUCTION_AXES]):
-            trips = Schedule(kind="cim", spatial=spatial, reduction=reduction,
-                             loop_order=ALL_AXES).cim_trips()
+            trips = sketch_cim.trips(Schedule(kind="cim", spatial=spatial, reduction=reduction,
+                                              loop_order=ALL_AXES))
             active = [a for a in ALL_AXES if trips[a] > 1]
             rest = tuple(a for a in ALL_AXES if trips[a] == 1)
             for perm in permutations(active):
@@ -66,7 +67,7 @@ def test_the_count_does_not_depend_on_where_one_trip_loops_sit() -> None:
     for s, _ in canonical_schedules(spec):
         if rng.random() > 0.02:
             continue
-        trips = s.cim_trips()
+        trips = sketch_cim.trips(s)
         order = list(s.loop_order)
         rng.shuffle(order)
         active = iter([a for a in s.loop_order if trips[a] > 1])
@@ -162,8 +163,8 @@ def test_template_rewrites_at_every_pixel_when_the_reduction_spans_blocks() -> N
     spec = ConvSpec(n=1, c=128, h=28, w=28, k=256, kh=3, kw=3, padding=1)
     target = Target.cim()
     s = template_schedule(spec, target)
-    assert s.cim_block()["k"] == 64 and s.factors("k")[0] == 4  # MVM-unit blocks over 4 cores
-    blocks = 128 // s.cim_block()["c"]
+    assert sketch_cim.block(s)["k"] == 64 and s.factors("k")[0] == 4  # MVM-unit blocks over 4 cores
+    blocks = 128 // sketch_cim.block(s)["c"]
     cost = cim_cost(spec, s, target)
     assert cost.weight_loads == 4 * 28 * 28 * blocks  # 4 cores, each: pixels x channel blocks
 

@@ -11,6 +11,7 @@ from maco.core.errors import MacoError
 from maco.kernels.cim_sim import cell_encoding, decode_cells, encode_cells, quantize, simulate
 from maco.core.axes import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, axis_extents
 from maco.core.schedule import Schedule
+from maco.core import sketch_cim
 from maco.core.spec import ConvSpec
 from maco.core.target import CimArch, Target
 
@@ -116,11 +117,11 @@ def test_output_matches_quantised_reference(arch_name):
             assert np.array_equal(res.output, ref), (spec, s.describe())
             c = res.counts
             assert c.output_elements == spec.output_elems
-            assert c.weight_loads >= s.cim_cores and c.input_loads >= s.cim_cores
+            assert c.weight_loads >= sketch_cim.cores(s) and c.input_loads >= sketch_cim.cores(s)
             assert c.peak_psums <= arch.psum_buffer // arch.psum_bytes
             assert c.peak_input_bytes <= arch.input_buffer
             drawn += 1
-            b = s.cim_block()
+            b = sketch_cim.block(s)
             spans.add((b["g"] * b["c"] * b["kh"] * b["kw"] > arch.rows,
                        b["g"] * b["k"] > arch.weight_columns))
     assert drawn >= 40  # the generator found enough valid schedules to mean something

@@ -9,6 +9,7 @@ import pytest
 
 from tests.targets import AVX2
 from maco.core import geometry
+from maco.core import sketch_cuda
 from maco.space import prune, schedules as space
 from maco.core.errors import MacoError
 from maco.kernels import default_schedule
@@ -120,10 +121,10 @@ def _levels_hold(s: Schedule, spec: ConvSpec, target: Target, plan) -> None:
         tiles = {f"S{lvl}": {a: s.tile(a, lvl) for a in SPATIAL_AXES} for lvl in (1, 2, 3)}
         acc, chunk = s.accumulators, s.factors("c")[1]
     else:
-        tiles = {"thread": s.gpu_thread_tile(), "block": s.gpu_block_tile()}
+        tiles = {"thread": sketch_cuda.thread_tile(s), "block": sketch_cuda.block_tile(s)}
         acc, chunk = prod(tiles["thread"].values()), spec.c_per_group
         if plan.registers.warp:
-            assert s.gpu_threads % 32 == 0
+            assert sketch_cuda.threads(s) % 32 == 0
     assert plan.registers.acc_min <= acc <= plan.registers.acc_max
     if s.kind == "cpu" and plan.registers.share_min:  # the issue share, by hand: cycles per step
         t, W = tiles["S3"], target.simd_width

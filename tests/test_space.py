@@ -16,6 +16,7 @@ from maco.core.factors import divisors, factorizations, n_factorizations
 from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES, axis_extents
 from maco.core.schedule import LAYOUTS, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule
 from maco.core.sketch_cuda import GPU_BUFFERS
+from maco.core import sketch_cuda
 from maco.core.spec import ConvSpec
 from maco.core.target import MemoryLevel, Target
 from maco.space.cpu import CPU_PARALLEL
@@ -206,7 +207,7 @@ def test_gpu_sampling_is_uniform(pruned):
     draws = space.sample_many(spec, TINY_GPU, 4000, 11, pruned=pruned)
     assert _chi2(draws, points, _tiles) > 1e-3
     assert _chi2(draws, points, lambda s: (s.layout, s.extra, s.inner_order)) > 1e-3
-    assert _chi2(draws, points, lambda s: (s.gpu_threads, s.factors("k")[1], s.reduction[1])) > 1e-3
+    assert _chi2(draws, points, lambda s: (sketch_cuda.threads(s), s.factors("k")[1], s.reduction[1])) > 1e-3
 
 
 LAYERS = ["n1_c3_h224_w224_k64_r11_s4_p2", "n1_c64_h56_w56_k64_r3_p1", "n1_c512_h7_w7_k512_r3_p1",
@@ -238,8 +239,8 @@ def test_samples_agree_with_the_cuda_backend():
             for s in space.sample_many(spec, H100, 40, rng, pruned=pruned):
                 plan = codegen.CudaPlan(spec, s)
                 assert plan.problems() == []
-                assert plan.smem_bytes == s.gpu_shared_bytes(spec)
-                assert plan.threads == s.gpu_threads
+                assert plan.smem_bytes == sketch_cuda.shared_bytes(s, spec)
+                assert plan.threads == sketch_cuda.threads(s)
 
 
 def test_contains_rejects_points_outside_the_space():

@@ -92,33 +92,6 @@ class Schedule:
     def option(self) -> dict[str, Any]:
         return dict(self.extra)
 
-    # -- the GPU and CIM sketches' quantities (maco.core.sketch_cuda, maco.core.sketch_cim) ----
-    def gpu_thread_tile(self) -> dict[str, int]:
-        return sketch_cuda.thread_tile(self)
-
-    def gpu_block_tile(self) -> dict[str, int]:
-        return sketch_cuda.block_tile(self)
-
-    @property
-    def gpu_threads(self) -> int:
-        return sketch_cuda.threads(self)
-
-    def gpu_shared_bytes(self, spec: ConvSpec) -> int:
-        return sketch_cuda.shared_bytes(self, spec)
-
-    def cim_trips(self) -> dict[str, int]:
-        return sketch_cim.trips(self)
-
-    def cim_block(self) -> dict[str, int]:
-        return sketch_cim.block(self)
-
-    @property
-    def cim_cores(self) -> int:
-        return sketch_cim.cores(self)
-
-    def cim_footprint(self, spec: ConvSpec, arch: Any) -> dict[str, int]:
-        return sketch_cim.footprint(self, spec, arch)
-
     # -- validity ------------------------------------------------------------
     def problems(self, spec: ConvSpec, target: Target | None = None) -> list[str]:
         """Everything that makes this schedule invalid for `spec` on `target` (empty if valid):

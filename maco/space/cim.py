@@ -31,6 +31,7 @@ from maco.core.errors import MacoError
 from maco.core.factors import factorizations
 from maco.core.geometry import max_input_span
 from maco.core.axes import ALL_AXES, REDUCTION_AXES, SPATIAL_AXES, axis_extents
+from maco.core import sketch_cim
 from maco.core.schedule import LAYOUTS, Schedule
 from maco.core.sketch_cim import cim_crossbars
 from maco.core.spec import ConvSpec
@@ -243,7 +244,7 @@ def sample(spec: ConvSpec, target: Target, rng: random.Random, pruned: bool) -> 
     spatial = tuple(tuple(int(v) for v in t.spatial[a][j]) for a in SPATIAL_AXES)
     reduction = t.reductions[i]
     sched = Schedule(kind="cim", spatial=spatial, reduction=reduction, loop_order=ALL_AXES)
-    trips = sched.cim_trips()
+    trips = sketch_cim.trips(sched)
     tile = prod(f[2] for f in spatial)
     max_chunks = prune_cim.cim_rules(spec, target).max_chunks if pruned else None
     order = _order(trips, tile, target.cim_arch.psum_capacity, max_chunks, rng)

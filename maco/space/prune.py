@@ -97,6 +97,7 @@ from maco.core.errors import MacoError
 from maco.core.factors import divisors
 from maco.core.axes import SPATIAL_AXES
 from maco.core.schedule import Schedule
+from maco.core import sketch_cuda
 from maco.core.sketch_cpu import REGISTER_RESERVE
 from maco.core.sketch_cuda import GPU_MAX_THREADS, gpu_max_accumulators
 from maco.core.spec import ConvSpec
@@ -375,11 +376,11 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
         share = float(cpu_share(spec, target, *(tiles["S3"][a] for a in SPATIAL_AXES), schedule.vector_axis,
                                 schedule.layout, schedule.weight_packing, latency))
     else:
-        tiles = {"thread": schedule.gpu_thread_tile(), "block": schedule.gpu_block_tile()}
+        tiles = {"thread": sketch_cuda.thread_tile(schedule), "block": sketch_cuda.block_tile(schedule)}
         chunk = spec.c_per_group  # the outputs stay in registers for the whole reduction
         window = (None, None)
         acc = int(np.prod(list(tiles["thread"].values())))
-        threads, share = schedule.gpu_threads, None
+        threads, share = sketch_cuda.threads(schedule), None
     if p.registers is not None:
         if not p.registers.ok(acc, threads, share):
             if p.registers.share_min and share is not None and share < p.registers.share_min * (1 - 1e-9):

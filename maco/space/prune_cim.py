@@ -19,6 +19,7 @@ from itertools import product
 
 from maco.core.axes import WEIGHT_AXES
 from maco.core.schedule import Schedule
+from maco.core import sketch_cim
 from maco.core.sketch_cim import cim_crossbars
 from maco.core.factors import divisors
 from maco.core.spec import ConvSpec
@@ -61,7 +62,7 @@ def cim_rules(spec: ConvSpec, target: Target) -> CimRules:
 def sweep_chunks(schedule: Schedule) -> int | None:
     """Outer chunks of the output sweep: the product of the stream loops with trips that run
     outside every weight loop with trips; None when a stream loop sits between weight loops."""
-    trips = schedule.cim_trips()
+    trips = sketch_cim.trips(schedule)
     active = [a for a in schedule.loop_order if trips[a] > 1]
     blocks = [i for i, a in enumerate(active) if a in WEIGHT_AXES]
     if not blocks:
