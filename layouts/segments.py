@@ -328,20 +328,23 @@ def use_segments(gm: fx.GraphModule, target: Target) -> list[str]:
     runs = find_runs(gm)
     plans = [_segment_of(gm, run, target) for run in runs]  # escape analysis on the graph as it was
     names = []
+    now: dict[fx.Node, fx.Node] = {}  # an output of an earlier run -> what stands for it now
     for run, (segment, inputs, exports) in zip(runs, plans):
         name = _free_name(gm, f"maco_segment_{len(names)}")
         gm.add_submodule(name, segment)
         with gm.graph.inserting_before(run[0]):
-            call = gm.graph.call_module(name, tuple(inputs))
+            call = gm.graph.call_module(name, tuple(now.get(node, node) for node in inputs))
         members = set(run)
         outside = lambda user: user not in members  # noqa: E731
         if len(exports) == 1:
             exports[0].replace_all_uses_with(call, delete_user_cb=outside)
+            now[exports[0]] = call
         else:
             with gm.graph.inserting_after(call):
                 for i, node in reversed(list(enumerate(exports))):
                     item = gm.graph.call_function(operator.getitem, (call, i))
                     node.replace_all_uses_with(item, delete_user_cb=outside)
+                    now[node] = item
         for node in reversed(run):
             gm.graph.erase_node(node)
         names.append(name)

@@ -294,3 +294,29 @@ def test_torch_compile_backend_runs_segments():
         got2 = compiled(x)
     for w, g, g2 in zip(want, got, got2):
         assert _rel(w, g) < 1e-4 and torch.equal(g, g2)
+
+
+class TwoRuns(nn.Module):
+    """Two runs of kernels split by a torch op, the second reading an output of the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 16, 3, 1, 1)
+        self.c2 = nn.Conv2d(16, 16, 1)
+        self.c3 = nn.Conv2d(16, 16, 3, 1, 1)
+        self.c4 = nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        a = self.c1(x)
+        b = torch.tanh(self.c2(a))
+        return F.relu(self.c4(self.c3(b)) + a)
+
+
+def test_a_run_reads_an_earlier_runs_output():
+    torch.manual_seed(5)
+    model = TwoRuns().eval()
+    x = torch.randn(1, 8, 20, 20)
+    gm, _, names, _ = _check(model, x)
+    assert len(names) == 2, gm.code
+    first, second = segments_of(gm)
+    assert len(first._exports) == 2 and second._n_inputs == 2
