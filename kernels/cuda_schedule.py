@@ -21,6 +21,7 @@ from maco.core.axes import REDUCTION_AXES, axis_extents
 from maco.core.schedule import UNROLL_STEPS, Schedule
 from maco.core.sketch_cuda import gpu_max_shared_bytes
 from maco.core.spec import ConvSpec
+from maco.space.schedules import why_not
 from maco.core.target import Target
 
 # H100-class per-SM machine model (cycles); the Target supplies SMs, clock and shared memory.
@@ -177,7 +178,8 @@ def _ranked(spec: ConvSpec, target: Target, layout: str) -> list[tuple[float, tu
     acc = base["rn"] * base["rg"] * base["rk"] * base["roh"] * base["row"]
     tb = nts * acc
     x, y, z = maco_tile(spec, target)
-    pre = (acc <= 64) & (nts <= 1024) & (tb >= 64) & (tb <= x * y * z)  # the MACO tile caps the block
+    least = min(64, spec.n * spec.groups * spec.k_per_group * spec.out_h * spec.out_w)  # a tiny layer: all of it
+    pre = (acc <= 64) & (nts <= 1024) & (tb >= least) & (tb <= max(x * y * z, least))  # the MACO tile caps the block
     base = {k: a[pre] for k, a in base.items()}
     r = paper_reuse(spec)
     ratio = np.abs(np.log(base["tn"] * base["rn"] * base["toh"] * base["roh"] * base["tow"] * base["row"]
@@ -245,12 +247,14 @@ def candidates(spec: ConvSpec, target: Target | None = None, layout: str = "NCHW
 
 
 def default_schedule(spec: ConvSpec, target: Target | None = None, layout: str = "NCHW") -> Schedule:
-    """The model's best schedule for `spec` on `target` (the H100 when None)."""
-    best = candidates(spec, target, layout, limit=1)
+    """The model's best schedule for `spec` on `target` (the H100 when None) among those the
+    pruned space keeps (its best overall where none of its 16 best is kept): the tuner starts
+    from the default, and the search never leaves the pruned space."""
+    target = target or Target.h100()
+    best = candidates(spec, target, layout, limit=16)
     if not best:
-        raise MacoError(f"no CUDA schedule of the default family fits {spec} on "
-                        f"{(target or Target.h100()).name}")
-    return best[0]
+        raise MacoError(f"no CUDA schedule of the default family fits {spec} on {target.name}")
+    return next((s for s in best if not why_not(s, spec, target, pruned=True)), best[0])
 
 
 def _random_factors(extent: int, levels: int, rng: np.random.Generator) -> tuple[int, ...]:
