@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                "           maco bound resnet18 --network --peak 96 --bandwidth 20",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("layer", nargs="?", help="network name (resnet18, alexnet, vgg11, resnet50, "
-                   "mobilenet_v2) or layer spec such as n1_c64_h56_w56_k64_r3_p1")
+                   "mobilenet_v2, efficientnet_b0, mobilenet_v3_large, convnext_tiny) or layer spec "
+                   "such as n1_c64_h56_w56_k64_r3_p1")
     shape = p.add_argument_group("shape (instead of LAYER)")
     shape.add_argument("--c", type=positive_int, help="input channels")
     shape.add_argument("--h", type=positive_int, help="input height")
