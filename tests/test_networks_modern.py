@@ -4,12 +4,20 @@ import pytest
 import torch
 
 from maco.cli import main
-from maco.layouts.networks import build, distinct_convs, network_convs
+from maco.commands.common import NETWORK_NAMES
+from maco.layouts.networks import NETWORKS, build, distinct_convs, network_convs
 from tests.test_compile_backend import _randomize_bn
 
 MODERN = {"efficientnet_b0": 5_288_548, "mobilenet_v3_large": 5_483_032, "convnext_tiny": 28_589_128}
 # the depthwise kernel sizes each network is known for
 DEPTHWISE = {"efficientnet_b0": {3, 5}, "mobilenet_v3_large": {3, 5}, "convnext_tiny": {7}}
+
+
+def test_the_cli_names_every_built_in_network(capsys):
+    assert NETWORK_NAMES == tuple(NETWORKS)
+    for command in ("optimize", "tune", "layers", "plan", "space", "cim"):
+        assert main([command, "--help"]) == 0
+        assert "convnext_tiny" in capsys.readouterr().out.replace("\n", " "), command
 
 
 @pytest.mark.parametrize("name", MODERN)

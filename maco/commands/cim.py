@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from maco.commands.common import positive_int, print_table, resolve_layers
+from maco.commands.common import NETWORKS_TEXT, positive_int, print_table, resolve_layers
 from maco.core.files import check_writable, write_atomic
 from maco.core.target import CIM_FIELDS, CimArch, Target
 
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "schedule writes (no search), the lower bound on any schedule, the input DMA transactions "
         "and the buffers' peaks. Counts are exact (a closed form checked against a functional "
         "simulator).")
-    p.add_argument("model", help="resnet18, alexnet, vgg11, resnet50, mobilenet_v2, a layer spec such "
+    p.add_argument("model", help=f"{NETWORKS_TEXT}, a layer spec such "
                    "as n1_c128_h28_w28_k256_r3_p1, or path/to/file.py:ClassName")
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     defaults = CimArch()

@@ -9,6 +9,11 @@ from maco.core.errors import MacoError
 from maco.core.files import short
 from maco.core.spec import ConvSpec
 
+# The built-in networks (maco.layouts.networks.NETWORKS, named here so that --help needs no torch).
+NETWORK_NAMES = ("resnet18", "alexnet", "vgg11", "resnet50", "mobilenet_v2", "efficientnet_b0",
+                 "mobilenet_v3_large", "convnext_tiny")
+NETWORKS_TEXT = ", ".join(NETWORK_NAMES)
+
 
 def _number(kind: type, low: float, low_ok: bool, high: float = math.inf) -> Callable[[str], Any]:
     """An argparse type that refuses values that make no sense before any work starts."""

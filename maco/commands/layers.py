@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import argparse
 
-from maco.commands.common import positive_int, print_table, resolve_layers
+from maco.commands.common import NETWORKS_TEXT, positive_int, print_table, resolve_layers
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("layers", help="list the distinct conv layers of a network",
                        description="List the distinct conv layers of a built-in network "
-                       "(resnet18, alexnet, vgg11, resnet50, mobilenet_v2) or parse one layer spec.")
+                       f"({NETWORKS_TEXT}) or parse one layer spec.")
     p.add_argument("network", help="network name or layer spec, e.g. resnet18 or n1_c64_h56_w56_k64_r3_p1")
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     p.set_defaults(func=run)

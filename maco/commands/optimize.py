@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from maco.commands.common import NETWORKS_TEXT
 from maco.core.errors import MacoError
 
 
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "records, a per-layer table and plot, and report.md to --out. Kernels are tuned for --batch images and the threads torch uses "
         "(torch.set_num_threads, OMP_NUM_THREADS); both are recorded with the schedules.")
     p.add_argument("model", nargs="?", default="resnet18",
-                   help="resnet18 (default), alexnet, vgg11, resnet50, mobilenet_v2, or "
+                   help=f"{NETWORKS_TEXT} (default resnet18), or "
                    "path/to/file.py:ClassName (a torch.nn.Module built with no arguments)")
     p.add_argument("--target", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--budget", default="quick", choices=list(BUDGETS),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from maco.commands.common import nonnegative_int, positive_float, positive_int, print_table
+from maco.commands.common import NETWORKS_TEXT, nonnegative_int, positive_float, positive_int, print_table
 from maco.core.errors import MacoError
 from maco.core.files import check_writable
 
@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(conv latency measured with torch or predicted by a trained predictor, layout "
                        "conversions priced per tensor), print the per-layer plan, and time the planned "
                        "model against the default NCHW model end to end, interleaved.")
-    p.add_argument("network", help="resnet18, alexnet, vgg11, resnet50 or mobilenet_v2")
+    p.add_argument("network", help=NETWORKS_TEXT)
     p.add_argument("--latency", choices=["measure", "predict"], default="measure",
                    help="where conv latencies come from (default measure)")
     p.add_argument("--predictor", default=None,

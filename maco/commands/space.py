@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from maco.commands.common import (nonnegative_int, positive_float, positive_int, print_table,
+from maco.commands.common import (NETWORKS_TEXT, nonnegative_int, positive_float, positive_int, print_table,
                                   resolve_layers)
 
 
@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "cache level's tile reaches the level's balance as channel "
         "chunks slide past it, the parallel loop keeps every core busy, alpha = 1), "
         "with the ratio. Pruning that had to be relaxed for a layer is noted.")
-    p.add_argument("layer", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2: its "
+    p.add_argument("layer", help=f"a network ({NETWORKS_TEXT}: its "
                    "distinct conv layers) or a layer spec such as n1_c64_h56_w56_k64_r3_p1")
     p.add_argument("--target", default="host", help="host (this CPU, default) or h100 (GPU sketch)")
     p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from maco.commands.common import (add_cluster_argument, nonnegative_int, positive_float,
+from maco.commands.common import (NETWORKS_TEXT, add_cluster_argument, nonnegative_int, positive_float,
                                   positive_int, print_table, resolve_layers)
 from maco.core.errors import MacoError
 from maco.core.files import check_writable
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "guided by an XGBoost cost model, trials spread over layers by a task scheduler), timing "
         "every candidate in a worker process. Records are appended to --records; running the same "
         "command again resumes (records already there count towards --trials).")
-    p.add_argument("layer", nargs="?", help="a network (resnet18, alexnet, vgg11, resnet50, mobilenet_v2) "
+    p.add_argument("layer", nargs="?", help=f"a network ({NETWORKS_TEXT}) "
                    "or a layer spec such as n1_c64_h56_w56_k64_r3_p1 (not with --retime)")
     p.add_argument("--retime", action="store_true",
                    help="instead of tuning, measure the best --top records per layer and layout of "
