@@ -9,14 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from tests.test_deployment import _planned
 from maco import kernels
 from maco.deploy.compile_backend import check_options, maco_backend
 from maco.deploy.deployment import describe, load
 from maco.core.errors import MacoError
-from maco.layouts import fuse
-from maco.layouts.deploy import plan
 from maco.layouts.end_to_end import output_diff
-from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d, use_maco_kernels
+from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d
 from maco.layouts.networks import conv_layers, distinct_convs
 
 HOST = kernels.host_target()
@@ -119,21 +118,15 @@ def test_exact_mode_runs_no_winograd_and_is_checked():
     assert not any(isinstance(m, MacoWinograd2d) for m in built[0].modules())
 
 
-def _saved(tmp_path, model, x, *, maco_last: bool = True):
-    """A saved planned_maco model of `model` on default NHWC schedules, and its file's dict."""
-    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
-    fused = fuse(model, x)
-    table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
-    p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-9)
-    gm = p.apply(fused)
-    use_maco_kernels(gm, p, {s: {"NHWC": kernels.default_schedule(s, HOST, "NHWC")} for s in specs}, HOST)
-    d = describe(gm, "planned_maco", x, HOST, p).to_dict()
-    return d
+def _saved(model, x):
+    """The file's dict of a planned_maco model of `model` on default NHWC schedules (no tuning)."""
+    gm, p = _planned(model, x)
+    return describe(gm, "planned_maco", x, HOST, p).to_dict()
 
 
 def test_a_saved_preallocate_flag_is_not_trusted(tmp_path):
     model, x = _net(), torch.randn(1, 16, 14, 14)
-    d = _saved(tmp_path, model, x)
+    d = _saved(model, x)
     assert d["convs"] and all("preallocate" not in c for c in d["convs"].values())
     for c in d["convs"].values():
         c["preallocate"] = True  # a hostile or old file: the model's output would be overwritten
@@ -161,7 +154,7 @@ class ResidualAfter(nn.Module):
 
 def test_a_saved_conv_no_kernel_computes_is_refused_on_load(tmp_path):
     model, x = ResidualAfter().eval(), torch.randn(1, 16, 10, 10)
-    d = _saved(tmp_path, model, x)
+    d = _saved(model, x)
     assert not d["convs"]  # optimize never swaps it
     spec = str(next(s for s, _ in distinct_convs(conv_layers(model, x))))
     schedule = kernels.default_schedule(next(s for s, _ in distinct_convs(conv_layers(model, x))), HOST, "NHWC")
@@ -174,7 +167,7 @@ def test_a_saved_conv_no_kernel_computes_is_refused_on_load(tmp_path):
 
 def test_a_huge_saved_input_shape_is_refused_before_any_work(tmp_path):
     model, x = _net(), torch.randn(1, 16, 14, 14)
-    d = _saved(tmp_path, model, x)
+    d = _saved(model, x)
     d["input_shape"] = [1, 16, 10**6, 10**6]
     (tmp_path / "m.maco").write_text(json.dumps(d))
     with pytest.raises(MacoError, match="GiB of memory"):
@@ -185,7 +178,7 @@ def test_load_in_exact_mode_leaves_winograd_to_torch(tmp_path):
     from maco.kernels.winograd import TILE_SIZES
 
     model, x = _net(), torch.randn(1, 16, 14, 14)
-    d = _saved(tmp_path, model, x)
+    d = _saved(model, x)
     spec, path = next(iter((c["spec"], p) for p, c in d["convs"].items()))
     d["winograd"] = {path: {"spec": spec, "tile": TILE_SIZES[3][-1]}}
     del d["convs"][path]
@@ -252,7 +245,7 @@ def test_a_network_keeps_nan_and_inf_where_eager_does_through_load_with_winograd
     from maco.kernels.winograd import TILE_SIZES
 
     model, x = _features(), torch.randn(1, 3, 64, 64)
-    d = _saved(tmp_path, model, x)
+    d = _saved(model, x)
     for path, c in list(d["convs"].items()):
         if "_r3x3" in c["spec"]:  # every 3x3 conv through Winograd, F(4x4)
             d["winograd"][path] = {"spec": c["spec"], "tile": max(TILE_SIZES[3])}

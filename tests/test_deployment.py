@@ -21,15 +21,22 @@ from maco.deploy.kernel_choice import faster_linears, faster_pools
 HOST = kernels.host_target()
 
 
-def _optimized(net: str):
-    """What maco optimize builds for the planned_maco variant, on the default schedules (no tuning)."""
-    model, x = build(net), example_input(1)
+def _planned(model: nn.Module, x: torch.Tensor):
+    """The planned_maco GraphModule of `model` on default NHWC schedules (no tuning) and its plan:
+    what maco optimize builds before it picks linears and pools (tests/test_deploy_safety.py too)."""
     specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
     fused = fuse(model, x)
     table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
     p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-9)
     gm = p.apply(fused)
     use_maco_kernels(gm, p, {s: {"NHWC": kernels.default_schedule(s, HOST, "NHWC")} for s in specs}, HOST)
+    return gm, p
+
+
+def _optimized(net: str):
+    """What maco optimize builds for the planned_maco variant, on the default schedules (no tuning)."""
+    model, x = build(net), example_input(1)
+    gm, p = _planned(model, x)
     faster_linears(gm, x, HOST, rounds=1)
     faster_pools(gm, x, HOST, rounds=1)
     return model, x, gm, describe(gm, "planned_maco", x, HOST, p)
