@@ -12,7 +12,7 @@ paper's eq. (7) alone. Sizes are fp32 elements; each level is taken at one proce
 
 Network rows (--floor; bounds_network.csv and its .env.json, which names the host): the floor of
 maco.bounds.network with this host's FMA peak and DRAM read bandwidth measured now in the same
-rounds, and each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW
+rounds (the floor takes the best this host has measured, fma_gflops and read_gbs; *_now beside), and each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW
 always, beside every engine of --engines; the median of rounds alternating with eager). MACO is
 timed from a model maco.save wrote on this host (--maco-model NET=FILE), or, with "maco" in
 --engines, one `maco optimize --budget quick` tunes here first (minutes per network). Run the
@@ -42,7 +42,8 @@ NETWORKS = ("resnet18", "alexnet", "vgg11")
 FLOOR_NETWORKS = "resnet18,resnet50,mobilenet_v2"
 NET_COLUMNS = ["network", "engine", "floor_ms", "binds", "compute_ms", "memory_ms", "memory_cold_ms",
                "layers_sum_ms", "engine_ms", "of_floor", "eager_ms", "eager_of_floor", "gflop", "gflop_direct",
-               "weights_mb", "max_live_mb", "spill_mb", "S_mib", "fma_gflops", "read_gbs", "fma_spread",
+               "weights_mb", "max_live_mb", "spill_mb", "S_mib", "fma_gflops", "read_gbs", "fma_gflops_now",
+               "read_gbs_now", "fma_spread",
                "read_spread", "rounds", "note"]
 COLUMNS = ["network", "layer", "spec", "level", "S", "processors", "R", "bound_eq7", "bound_best",
            "best_kind", "compulsory", "gemm_leading", "tile_x", "tile_y", "tile_z", "tile_fits",
@@ -114,14 +115,15 @@ def network_rows(nets: list[str], engines: list[str], maco_models: dict[str, str
     out: list[dict[str, object]] = []
     for net in nets:
         ceil = measure_ceilings(target, 5)  # per network: the floor of the moment its engines run in
-        f = floor_of(net, target, batch, ceil["fma_gflops"] * 1e9, ceil["read_gbs"] * 1e9)
+        f = floor_of(net, target, batch, ceil["fma_gflops_best"] * 1e9, ceil["read_gbs_best"] * 1e9)
         base = {"network": net, "floor_ms": round(f.t * 1e3, 3), "binds": f.binds,
                 "compute_ms": round(f.t_compute * 1e3, 3), "memory_ms": round(f.t_memory * 1e3, 3),
                 "memory_cold_ms": round(f.t_memory_cold * 1e3, 3), "layers_sum_ms": round(f.t_layers * 1e3, 3),
                 "gflop": round(f.flops / 1e9, 4), "gflop_direct": round(f.flops_direct / 1e9, 4),
                 "weights_mb": round(f.weights * 4 / 1e6, 2), "max_live_mb": round(f.max_live * 4 / 1e6, 3),
                 "spill_mb": round(f.spill * 4 / 1e6, 3), "S_mib": round(f.S * 4 / 2**20, 2),
-                "fma_gflops": round(ceil["fma_gflops"], 2), "read_gbs": round(ceil["read_gbs"], 2),
+                "fma_gflops": round(ceil["fma_gflops_best"], 2), "read_gbs": round(ceil["read_gbs_best"], 2),
+                "fma_gflops_now": round(ceil["fma_gflops"], 2), "read_gbs_now": round(ceil["read_gbs"], 2),
                 "fma_spread": round(ceil["fma_spread"], 3), "read_spread": round(ceil["read_spread"], 3)}
         out.append(dict(base, engine="floor", note="the network floor (maco.bounds.network)"))
         for engine in engines:

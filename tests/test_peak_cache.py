@@ -71,9 +71,12 @@ def test_the_cache_never_falls(fake):
     assert cpu_peak.measure_peak(HOST) == 91.0
 
 
-def test_measure_ceilings_times_both_in_the_same_rounds(monkeypatch):
+def test_measure_ceilings_times_both_in_the_same_rounds(monkeypatch, tmp_path):
     if HOST.isa not in ("avx2", "avx512"):
         pytest.skip(f"the read probe needs AVX2 or AVX-512 intrinsics; this host is {HOST.isa}")
+    path = tmp_path / "peak.json"
+    path.write_text(json.dumps({_key(): 90.0}))
+    monkeypatch.setattr(cpu_peak, "_cache_file", lambda target: str(path))
     order = []
     real_read = cpu_peak.read_bandwidth
     monkeypatch.setattr(cpu_peak, "best_gflops", lambda run, flops, repeats: order.append("fma") or 50.0)
@@ -83,6 +86,9 @@ def test_measure_ceilings_times_both_in_the_same_rounds(monkeypatch):
     assert order == ["fma", "read"] * 3
     assert got["fma_gflops"] == 50.0 and got["read_gbs"] == 10.0 and got["fma_spread"] == 1.0
     assert got["read_bytes"] >= 8 * (32 << 10)
+    # the best ever measured: the cached peak beats this (busy) round, the bandwidth is new
+    assert got["fma_gflops_best"] == 90.0 and got["read_gbs_best"] == 10.0
+    assert json.loads(path.read_text())[_key() + "|dram_read_gbs"] == 10.0
     with pytest.raises(MacoError, match="rounds"):
         cpu_peak.measure_ceilings(HOST, rounds=0)
     # the probe itself, small: a buffer in L2 reads faster than one from DRAM would not be

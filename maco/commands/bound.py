@@ -134,13 +134,14 @@ def run_network(args: argparse.Namespace) -> int:
         from maco.kernels.cpu_peak import measure_ceilings
 
         measured = measure_ceilings(target, args.rounds)
-        peak = peak if peak is not None else measured["fma_gflops"]
-        bw = bw if bw is not None else measured["read_gbs"]
+        peak = peak if peak is not None else measured["fma_gflops_best"]
+        bw = bw if bw is not None else measured["read_gbs_best"]
     f = floor_of(args.layer, target, args.n, peak * 1e9, bw * 1e9, S, {} if args.direct else WINOGRAD_TILES)
     where = (f"S = {S} elements ({S * 4 / 2**20:.3g} MiB: " +
              ("--S" if args.S is not None else f"every cache of {target.name} ({target.model})") + ")")
     source = ("given" if not measured else
-              f"measured now in {int(measured['rounds'])} rounds, spreads "
+              f"the best this host has measured; now, in {int(measured['rounds'])} rounds: "
+              f"{measured['fma_gflops']:.4g} GFLOP/s and {measured['read_gbs']:.4g} GB/s, spreads "
               f"{measured['fma_spread']:.2f} / {measured['read_spread']:.2f}"
               + (" (busy: figures low)" if max(measured["fma_spread"], measured["read_spread"]) > 1.3 else ""))
     tiles = {} if args.direct else _predicted_tiles(f, peak * 1e9, bw * 1e9)
