@@ -118,8 +118,10 @@ class MacoSegment(nn.Module):
 
     maco_leaf = True
 
-    def __init__(self, steps: list[Step], guards: list[tuple[int, Port]], n_inputs: int, target: Target):
+    def __init__(self, steps: list[Step], guards: list[tuple[int, Port]], n_inputs: int, target: Target,
+                 share_memory: bool = True):
         super().__init__()
+        self._share_memory = share_memory  # False: each value its own bytes (to measure what sharing gains)
         self._steps = steps  # a plain list: the modules stay registered where the model has them
         self._n_inputs = n_inputs
         self._guards = guards
@@ -153,7 +155,8 @@ class MacoSegment(nn.Module):
         for j in sorted(last, key=lambda j: (-self._steps[j].out.numel, j)):
             size = self._steps[j].out.numel
             off = 0
-            for o, s, lo, hi in sorted(p for p in placed if p[2] <= last[j] and j <= p[3]):
+            live = [p for p in placed if not self._share_memory or (p[2] <= last[j] and j <= p[3])]
+            for o, s, lo, hi in sorted(live):
                 if off + size <= o:
                     break
                 off = max(off, -(-(o + s) // ALIGN) * ALIGN)
@@ -322,11 +325,12 @@ def find_runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return [r for r in runs if len(r) >= MIN_STEPS]
 
 
-def use_segments(gm: fx.GraphModule, target: Target) -> list[str]:
+def use_segments(gm: fx.GraphModule, target: Target, *, share_memory: bool = True) -> list[str]:
     """Replace (in place) each run of MACO kernel modules in `gm` (find_runs) by one MacoSegment
-    call; returns the new modules' names. The modules stay registered at their paths."""
+    call; returns the new modules' names. The modules stay registered at their paths.
+    share_memory=False gives every value of a run bytes of its own (no liveness plan)."""
     runs = find_runs(gm)
-    plans = [_segment_of(gm, run, target) for run in runs]  # escape analysis on the graph as it was
+    plans = [_segment_of(gm, run, target, share_memory) for run in runs]  # escape analysis on the graph as it was
     names = []
     now: dict[fx.Node, fx.Node] = {}  # an output of an earlier run -> what stands for it now
     for run, (segment, inputs, exports) in zip(runs, plans):
@@ -354,7 +358,8 @@ def use_segments(gm: fx.GraphModule, target: Target) -> list[str]:
     return names
 
 
-def _segment_of(gm: fx.GraphModule, run: list[fx.Node], target: Target) -> tuple[MacoSegment, list[fx.Node], list[fx.Node]]:
+def _segment_of(gm: fx.GraphModule, run: list[fx.Node], target: Target,
+                share_memory: bool) -> tuple[MacoSegment, list[fx.Node], list[fx.Node]]:
     """The segment for one run, the nodes it reads from outside and the nodes read after it."""
     index = {node: j for j, node in enumerate(run)}
     inputs: list[fx.Node] = []
@@ -378,7 +383,7 @@ def _segment_of(gm: fx.GraphModule, run: list[fx.Node], target: Target) -> tuple
     if not exports:  # nothing reads the run: keep its last output as its result
         steps[-1].export = True
         exports = [run[-1]]
-    return MacoSegment(steps, guards, len(inputs), target), inputs, exports
+    return MacoSegment(steps, guards, len(inputs), target, share_memory), inputs, exports
 
 
 def _free_name(gm: nn.Module, name: str) -> str:

@@ -320,3 +320,19 @@ def test_a_run_reads_an_earlier_runs_output():
     assert len(names) == 2, gm.code
     first, second = segments_of(gm)
     assert len(first._exports) == 2 and second._n_inputs == 2
+
+
+def test_unshared_memory_gives_every_value_its_own_bytes():
+    torch.manual_seed(6)
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    gm, _ = _planned(model, x)
+    use_segments(gm, HOST, share_memory=False)
+    seg = segments_of(gm)[0]
+    internal = [j for j, s in enumerate(seg._steps) if not s.export]
+    spans = sorted((seg._values[j].data_ptr(), seg._values[j].data_ptr() + 4 * seg._steps[j].out.numel)
+                   for j in internal)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    with torch.inference_mode():
+        for w, g in zip(model(x), gm(x)):
+            assert _rel(w, g) < 1e-4
