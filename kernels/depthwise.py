@@ -44,6 +44,7 @@ class DepthwisePlan:
     bias: bool = True
     activation: str = "none"
     threads: int = 1
+    lanes: int = 16  # fp32 lanes of the target's vectors: a channel block is at most one vector
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, ConvSpec) or not is_depthwise(self.spec):
@@ -56,6 +57,8 @@ class DepthwisePlan:
             raise MacoError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise MacoError(f"DepthwisePlan.threads must be a positive int, got {self.threads!r}")
+        if self.lanes not in (1, 2, 4, 8, 16):
+            raise MacoError(f"DepthwisePlan.lanes must be 1, 2, 4, 8 or 16, got {self.lanes!r}")
 
     def pack_weight(self, w: np.ndarray) -> np.ndarray:
         """(C, 1, kh, kw) -> the order the kernel reads: (kh, kw, C) in NHWC, (C, kh, kw) in NCHW."""
@@ -120,7 +123,10 @@ def _nhwc(plan: DepthwisePlan) -> str:
     s = plan.spec
     n, c, h, w, oh, ow = s.n, s.c, s.h, s.w, s.out_h, s.out_w
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-    cb = next(b for b in (16, 8, 4, 2, 1) if c % b == 0)
+    # a block wider than the target's vectors is split by gcc's generic-vector lowering, and its
+    # compare-and-select (vmax, vmin) lowered lane by lane: MobileNetV2's 3x3 layers ran at ~5 GFLOP/s
+    # on an AVX2 host with 16-float blocks
+    cb = next(b for b in (16, 8, 4, 2, 1) if b <= plan.lanes and c % b == 0)
     taps = [(r, q) for r in range(s.kh) for q in range(s.kw)]
     lo = -(-pw // sw)  # first output column whose whole window is inside the image
     hi = max(lo, (w - 1 - (s.kw - 1) * dw + pw) // sw + 1)  # one past the last

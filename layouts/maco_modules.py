@@ -183,7 +183,8 @@ class MacoDepthwise2d(_GeneratedOp):
         if not depthwise_can_run(conv, spec):
             raise MacoError(f"no generated depthwise kernel computes {conv} ({spec})")
         self.spec, self.layout, self.torch_conv = spec, layout, conv
-        self._plan = DepthwisePlan(spec, layout, conv.bias is not None, activation, target.cores)
+        self._plan = DepthwisePlan(spec, layout, conv.bias is not None, activation, target.cores,
+                                   min(16, max(1, target.simd_width)))
         self._kernel = DepthwiseKernel(self._plan, target)
         self._weight = self._plan.pack_weight(conv.weight.detach().numpy())
         self._bias = None if conv.bias is None else conv.bias.detach().numpy().astype("float32")
