@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from typing import Any
 
 from maco.commands.common import positive_float, positive_int, print_table, resolve_layers
 from maco.core.errors import MacoError
@@ -115,7 +116,7 @@ def _predicted_tiles(f: object, peak: float, bandwidth: float) -> dict[str, str]
 
 def run_network(args: argparse.Namespace) -> int:
     """`maco bound NET --network`: the network floor, per layer and in total."""
-    from maco.bounds.network import WINOGRAD_TILES, derive_network
+    from maco.bounds.network import WINOGRAD_TILES
     from maco.layouts.network_floor import fast_memory, floor_of
     from maco.layouts.networks import NETWORKS
 
@@ -126,33 +127,48 @@ def run_network(args: argparse.Namespace) -> int:
         raise MacoError(f"--network takes a network, not the shape flags (got --{', --'.join(given)})")
     target = Target.named(args.target) if args.S is None else Target.host()
     S = args.S if args.S is not None else fast_memory(target)
-    measured: dict[str, float] = {}
-    peak, bw = args.peak, args.bandwidth
-    if peak is None or bw is None:
-        if target.kind != "cpu":
-            raise MacoError(f"give --peak and --bandwidth for target {target.name}: only a CPU host is measured")
-        from maco.kernels.cpu_peak import measure_ceilings
-
-        measured = measure_ceilings(target, args.rounds)
-        peak = peak if peak is not None else measured["fma_gflops_best"]
-        bw = bw if bw is not None else measured["read_gbs_best"]
+    peak, bw, measured = _network_ceilings(args, target)
     f = floor_of(args.layer, target, args.n, peak * 1e9, bw * 1e9, S, {} if args.direct else WINOGRAD_TILES)
     where = (f"S = {S} elements ({S * 4 / 2**20:.3g} MiB: " +
              ("--S" if args.S is not None else f"every cache of {target.name} ({target.model})") + ")")
-    source = ("given" if not measured else
-              f"the best this host has measured; now, in {int(measured['rounds'])} rounds: "
-              f"{measured['fma_gflops']:.4g} GFLOP/s and {measured['read_gbs']:.4g} GB/s, spreads "
-              f"{measured['fma_spread']:.2f} / {measured['read_spread']:.2f}"
-              + (" (busy: figures low)" if max(measured["fma_spread"], measured["read_spread"]) > 1.3 else ""))
     tiles = {} if args.direct else _predicted_tiles(f, peak * 1e9, bw * 1e9)
     if args.json:
         print(json.dumps({"network": args.layer, "batch": args.n, "where": where, "peak_gflops": peak,
                           "read_gbs": bw, "measured": measured or None, "floor": f.to_dict(),
                           "winograd_tile_model": tiles}, indent=1))
         return 0
+    source = ("given" if not measured else
+              f"the best this host has measured; now, in {int(measured['rounds'])} rounds: "
+              f"{measured['fma_gflops']:.4g} GFLOP/s and {measured['read_gbs']:.4g} GB/s, spreads "
+              f"{measured['fma_spread']:.2f} / {measured['read_spread']:.2f}"
+              + (" (busy: figures low)" if max(measured["fma_spread"], measured["read_spread"]) > 1.3 else ""))
+    _print_network(args.layer, f, tiles, f"{args.layer}, batch {args.n}: {where}; FMA peak {peak:.4g} GFLOP/s, "
+                   f"DRAM reads {bw:.4g} GB/s ({source})")
+    return 0
+
+
+def _network_ceilings(args: argparse.Namespace, target: Target) -> tuple[float, float, dict[str, float]]:
+    """(FMA GFLOP/s, DRAM GB/s, what was measured): as given, else the best this CPU host has
+    measured (kernels.cpu_peak.measure_ceilings, timed now in the same rounds)."""
+    peak, bw = args.peak, args.bandwidth
+    if peak is not None and bw is not None:
+        return peak, bw, {}
+    if target.kind != "cpu":
+        raise MacoError(f"give --peak and --bandwidth for target {target.name}: only a CPU host is measured")
+    from maco.kernels.cpu_peak import measure_ceilings
+
+    measured = measure_ceilings(target, args.rounds)
+    return (peak if peak is not None else measured["fma_gflops_best"],
+            bw if bw is not None else measured["read_gbs_best"], measured)
+
+
+def _print_network(name: str, f: Any, tiles: dict[str, int], header: str) -> None:
+    """The floor's formula, `header`, its per-layer table and its totals."""
+    from maco.bounds.network import derive_network
+
     d = derive_network()
     print(f"floor: t >= {d.t_floor}   Q_warm = {d.q_warm}, Q_cold = {d.q_cold}")
-    print(f"{args.layer}, batch {args.n}: {where}; FMA peak {peak:.4g} GFLOP/s, DRAM reads {bw:.4g} GB/s ({source})")
+    print(header)
     rows = []
     for lf in f.layers:
         if lf.spec is None:
@@ -178,8 +194,7 @@ def run_network(args: argparse.Namespace) -> int:
         ("network floor ms (memory overlapping compute)", f"{_ms(f.t)} ({f.binds} binds)"),
         ("sum of per-layer floors ms (no overlap across layers)", _ms(f.t_layers)),
     ]
-    print_table(f"{args.layer}: the network floor", ["name", "value"], total)
-    return 0
+    print_table(f"{name}: the network floor", ["name", "value"], total)
 
 
 def run(args: argparse.Namespace) -> int:
