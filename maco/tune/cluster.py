@@ -101,7 +101,7 @@ class Cluster:
     """A connection to a Ray cluster (close() or `with`: disconnects if it connected)."""
 
     def __init__(self, address: str):
-        address = check_address(address)
+        address = str(check_address(address))  # ray.init takes a str, not a subclass
         if ray is None:
             raise MacoError("--cluster needs Ray: pip install 'maco[cluster]' (Ray on every node too)")
         self.address = address
