@@ -50,18 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="runs per contender per round")
     ap.add_argument("--cubin-dir", default=None, help="nvcc build cache (parallel prebuild)")
+    ap.add_argument("--prebuild-only", metavar="ARCH", default=None,
+                    help="only compile every candidate for ARCH (e.g. sm_90) into --cubin-dir, no GPU "
+                         "needed: a GPU run then loads them instead of spending its time in nvcc")
     args = ap.parse_args(argv)
-    out = out_dir(args)
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    timer = GpuTimer()
-    tag = gpu_tag(timer.name)
     target = Target.h100()
-    peak = target.peak_gflops * 1e9
-    print(f"GPU {timer.name} ({tag}), cuDNN {cudnn_version()}, torch {torch.__version__}, "
-          f"fp32 peak {peak / 1e12:.1f} TFLOP/s", flush=True)
-
-    # every (network, batch) layer, grouped by distinct spec
     configs: list[tuple[ConvSpec, str]] = []
     layers: dict[ConvSpec, list[tuple[str, int, str]]] = {}
     for net in args.networks.split(","):
@@ -75,6 +68,21 @@ def main(argv: list[str] | None = None) -> int:
     plans = {cfg: [CudaPlan(cfg[0], s) for s in candidates(cfg[0], target, cfg[1], args.candidates)]
              for cfg in configs}
     t0 = time.time()
+    if args.prebuild_only:
+        if not args.cubin_dir:
+            ap.error("--prebuild-only needs --cubin-dir")
+        done = cuda_build.build([p for ps in plans.values() for p in ps], args.cubin_dir, args.prebuild_only)
+        print(f"nvcc built {len(done)} kernels for {args.prebuild_only} in {time.time() - t0:.1f} s "
+              f"into {args.cubin_dir}", flush=True)
+        return 0
+    out = out_dir(args)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    timer = GpuTimer()
+    tag = gpu_tag(timer.name)
+    peak = target.peak_gflops * 1e9
+    print(f"GPU {timer.name} ({tag}), cuDNN {cudnn_version()}, torch {torch.__version__}, "
+          f"fp32 peak {peak / 1e12:.1f} TFLOP/s", flush=True)
     built: dict = {}
     if cuda_build.find_nvcc():
         built = prebuild([p for ps in plans.values() for p in ps], args.cubin_dir)

@@ -38,6 +38,13 @@ METRICS = ["gpu__time_duration.sum", "l1tex__t_sector_hit_rate.pct", "lts__t_sec
            "regex:sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
            "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio",
            "launch__registers_per_thread", "launch__grid_size", "launch__block_size"]
+# where MACO's reuse happens: shared memory (its wavefronts and bank conflicts) against the global
+# sectors that fed it, by plain loads or cp.async (LDGSTS); regexes, so that a name this ncu lacks
+# drops out instead of failing the run (without them the run is retried on METRICS alone)
+SHARED = ["regex:l1tex__data_pipe_lsu_wavefronts_mem_shared_op_(ld|st)\\.sum",
+          "regex:l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_(ld|st)\\.sum",
+          "regex:smsp__inst_executed_op_(shared_ld|shared_st|ldgsts|global_ld)\\.sum",
+          "regex:l1tex__t_sectors_pipe_lsu_mem_global_op_(ld|ldgsts)\\.sum"]
 
 
 def worker(layers: list[str]) -> None:
@@ -115,13 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     m = re.search(r"(H100|H200|A100|L40S?|B200|V100)", name, re.I)
     tag = (m.group(1) if m else re.sub(r"[^a-z0-9]", "", name.lower())[:12] or "gpu").lower()
     rep = out / "fig17_ncu"
-    cmd = [ncu, "--profile-from-start", "off", "--force-overwrite", "--export", str(rep)]
-    cmd += ["--metrics", ",".join(METRICS)]
-    cmd += [sys.executable, __file__, "--worker", "--layers", args.layers]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    runs_line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RUNS ")]
-    if proc.returncode or not runs_line:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+    for metrics in (METRICS + SHARED, METRICS):
+        cmd = [ncu, "--profile-from-start", "off", "--force-overwrite", "--export", str(rep)]
+        cmd += ["--metrics", ",".join(metrics)]
+        cmd += [sys.executable, __file__, "--worker", "--layers", args.layers]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        runs_line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RUNS ")]
+        if not proc.returncode and runs_line:
+            break
+        print(f"ncu failed with {len(metrics)} metrics:", proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+    else:
         return 1
     runs = [tuple(item.split(",")) for item in runs_line[0][5:].split(";")]
     raw = Path(f"{rep}_raw.csv")
@@ -166,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', float('nan')):6.1f} "
               f"{r.get('smsp__issue_active.avg.pct_of_peak_sustained_active', float('nan')):7.1f} "
               f"{r.get('sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active', float('nan')):6.1f}")
+    shared = [k for k in keys if "mem_shared" in k or "op_ldgsts" in k or "op_global_ld" in k]
+    if shared:  # the reuse L1 cannot see: shared wavefronts per global sector, and bank conflicts
+        print("shared memory:", ", ".join(shared))
+        for r in rows:
+            print(f"  {r['layer'] + ' ' + r['layout']:37s} {r['impl']:6s} "
+                  + " ".join(f"{k.split('__', 1)[1].replace('.sum', '')}={r.get(k, float('nan')):.3g}" for k in shared))
     stalls = sorted(k for k in keys if "issue_stalled" in k)
     for r in rows:
         if r["impl"] == "maco":

@@ -162,17 +162,27 @@ class CudaConv:
         """y = relu?(conv(x) + bias? + residual?). x, residual, out: torch CUDA tensors with the
         logical NCHW shape (channels_last memory for NHWC), or CuPy arrays in the layout's own
         shape ((N, C, H, W) or (N, H, W, C)), C-contiguous. Returns the same kind as x."""
-        launch, out = self._prepare(x, residual, out)
-        if type(x).__module__.startswith("torch"):
+        if type(x).__module__.startswith("torch") and x.is_cuda:
             import torch
 
             stream = torch.cuda.current_stream(x.device).cuda_stream
-            if stream:
+            if stream:  # torch's stream, also for the DLPack views: no cross-stream sync, so a CUDA graph can capture it
                 with cupy_module().cuda.ExternalStream(stream):
+                    launch, out = self._prepare(x, residual, out)
                     launch()
                 return out
+        launch, out = self._prepare(x, residual, out)
         launch()
         return out
+
+    run_tensor = __call__  # a model's per-call path (layouts.maco_modules.MacoConv2d)
+
+    def output(self) -> Any:
+        """A new torch CUDA output tensor: the logical shape, the kernel's memory format."""
+        import torch
+
+        fmt = torch.channels_last if self.kernel.layout == "NHWC" else torch.contiguous_format
+        return torch.empty(self.kernel.spec.output_shape, device="cuda", memory_format=fmt)
 
     def prepare(self, x: Any, residual: Any = None, out: Any = None) -> Callable[[], None]:
         """A no-argument launcher with every check and conversion done up front (for timing

@@ -44,16 +44,18 @@ def epilogue_of(conv: nn.Conv2d) -> tuple[str, str]:
     return (conv.activation, conv.residual) if isinstance(conv, FusedConv2d) else ("none", "none")
 
 
-def kernel_can_run(conv: nn.Conv2d) -> bool:
+def kernel_can_run(conv: nn.Conv2d, target: Target | None = None) -> bool:
     """Whether a generated kernel computes this module's epilogue (bias, a residual added before
-    the activation, an activation of kernels.epilogue.ACTIVATIONS)."""
+    the activation, an activation of kernels.epilogue.ACTIVATIONS; on CUDA relu alone)."""
     activation, residual = epilogue_of(conv)
-    return activation in ACTIVATIONS and residual in ("none", "before") and conv.padding_mode == "zeros"
+    acts = ("none", "relu") if target is not None and target.kind == "cuda" else ACTIVATIONS
+    return activation in acts and residual in ("none", "before") and conv.padding_mode == "zeros"
 
 
 class MacoConv2d(nn.Module):
     """`conv` (a Conv2d or FusedConv2d) run by a compiled MACO kernel for the one input shape it
-    was tuned for; any other input runs `conv` itself, with the same weights."""
+    was tuned for, on the target's device (a CPU or a CUDA GPU); any other input runs `conv`
+    itself, with the same weights."""
 
     maco_leaf = True
 
@@ -66,6 +68,7 @@ class MacoConv2d(nn.Module):
                                        activation=activation, residual=residual == "before")
         self._conv = self._kernel.bind(conv.weight.detach(), None if conv.bias is None else conv.bias.detach())
         self._format = torch.channels_last if self.layout == "NHWC" else torch.contiguous_format
+        self._device = "cuda" if target.kind == "cuda" else "cpu"
         self._out = self._conv.output() if preallocate else None
 
     @property
@@ -74,7 +77,7 @@ class MacoConv2d(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        if (tuple(x.shape) != s.input_shape or x.dtype != torch.float32 or x.device.type != "cpu"
+        if (tuple(x.shape) != s.input_shape or x.dtype != torch.float32 or x.device.type != self._device
                 or (residual is not None and (tuple(residual.shape) != s.output_shape
                                               or residual.dtype != torch.float32))):
             return self.torch_conv(x) if residual is None else self.torch_conv(x, residual)
@@ -305,7 +308,7 @@ def use_maco_kernels(gm: fx.GraphModule, plan: LayoutPlan, chosen: dict[ConvSpec
         spec = ConvSpec.parse(layer.spec)
         schedule = chosen.get(spec, {}).get(layer.layout)
         conv = gm.get_submodule(layer.target)
-        if schedule is None or layer.target in swapped or not kernel_can_run(conv):
+        if schedule is None or layer.target in swapped or not kernel_can_run(conv, target):
             continue
         sites = calls.get(layer.target, [])
         preallocate = len(sites) == 1 and not escapes(gm, sites[0])

@@ -297,3 +297,42 @@ def test_gpu_prebuilt_cubins_and_errors(tmp_path):
         conv(torch.randn(SPECS[1].input_shape, device="cuda", dtype=torch.float64))
     with pytest.raises(MacoError, match="expected \\(1, 8, 12, 12\\)"):
         conv(torch.randn(1, 8, 12, 13, device="cuda"))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_gpu_model_module_runs_in_and_out_of_a_cuda_graph(layout, strict_fp32):
+    """The whole-network path: a MacoConv2d on CUDA (bias and relu fused, preallocated output)
+    equals torch's conv called directly and replayed from a CUDA graph; another input shape,
+    or a CPU input, runs torch's conv."""
+    from maco.layouts.fusion import FusedConv2d
+    from maco.layouts.maco_modules import MacoConv2d
+
+    spec = SPECS[1]
+    conv = torch.nn.Conv2d(spec.c, spec.k, 3, padding=1).cuda().eval()
+    fused = FusedConv2d(conv, conv.weight.detach(), conv.bias.detach(), activation="relu")
+    fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+    mod = MacoConv2d(fused, spec, default_schedule(spec, layout=layout), Target.h100(), preallocate=True)
+    x = torch.randn(spec.input_shape, device="cuda").contiguous(memory_format=fmt)
+    with torch.inference_mode():
+        want = torch.relu(conv(x))
+        assert _rel_err(mod(x).cpu(), want.cpu()) < 1e-5
+        static_x = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            mod(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = mod(static_x)
+        x2 = torch.randn_like(x)
+        static_x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(static_y.cpu(), torch.relu(conv(x2)).cpu()) < 1e-5
+        other = torch.randn(1, spec.c, spec.h + 1, spec.w, device="cuda")
+        assert _rel_err(mod(other).cpu(), torch.relu(conv(other)).cpu()) < 1e-5
+        cpu_mod, xc = mod.cpu(), x.cpu()
+        assert _rel_err(cpu_mod(xc), torch.relu(conv.cpu()(xc))) < 1e-5

@@ -70,7 +70,7 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     plan = plan_layouts(fused, example_input, layouts=layouts, latency=table, device=device, target=target)
     models: dict[str, Any] = {"default": model, "fused": fused, "planned_torch": plan.apply(fused)}
     planned_maco = plan.apply(fused)
-    swapped = use_maco_kernels(planned_maco, plan, chosen, target) if cpu else []
+    swapped = use_maco_kernels(planned_maco, plan, chosen, target)  # CPU or CUDA kernels
     linears = faster_linears(planned_maco, example_input, target) if cpu else {}
     pools = faster_pools(planned_maco, example_input, target) if cpu else {}
     depthwise = faster_depthwise(planned_maco, example_input, target) if cpu else {}
@@ -151,7 +151,7 @@ def run_pipeline(model: nn.Module, example_input: Any, target: Target, store: Re
     else:
         specs = [layer.spec for layer in layers]
         tuned = _tune_missing(specs, target, store, tuning, layouts) if tuning is not None else []
-        torch_seconds = planning_seconds(specs, layouts, store.baselines)
+        torch_seconds = planning_seconds(specs, layouts, store.baselines, device)
         candidates = _with_defaults(specs, layouts, store.best, target)
     if on_tuned is not None:
         on_tuned()
@@ -204,19 +204,20 @@ def _with_defaults(specs: list[ConvSpec], layouts: tuple[str, ...], best: Mappin
 
 
 def planning_seconds(specs: list[ConvSpec], layouts: tuple[str, ...],
-                     stored: Mapping[tuple[ConvSpec, str], Baseline]) -> dict[tuple[ConvSpec, str], float]:
+                     stored: Mapping[tuple[ConvSpec, str], Baseline],
+                     device: str = "cpu") -> dict[tuple[ConvSpec, str], float]:
     """torch's seconds per (spec, layout) to plan with: the records' baseline seconds as stored,
     exactly what `maco optimize` plans with from the same file (its tuner's worker timed them;
     timing torch here, right after MACO kernels ran, read up to 1.5x slower and moved the plan).
     Stored seconds, not rescaled by the reference: rescaling would need the reference timed in
     this process, the very timing avoided. A spec without a baseline in every layout is timed
     here in all of them, so its layouts are compared on one clock (the fastest of 9 runs: medians
-    of a few short runs at compile time strayed up to 2x)."""
+    of a few short runs at compile time strayed up to 2x), on `device`, where the model runs."""
     seconds = {}
     for spec in specs:
         if all((spec, layout) in stored for layout in layouts):
             seconds.update({(spec, layout): stored[(spec, layout)].seconds for layout in layouts})
             continue
-        timed = measure_layouts(spec, layouts, "cpu", rounds=3, repeats=3, min_run_time=2e-3)
+        timed = measure_layouts(spec, layouts, device, rounds=3, repeats=3, min_run_time=2e-3)
         seconds.update({(spec, layout): timed[layout].min for layout in layouts})
     return seconds

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 39 on a lent GPU machine (H100/H200 with 16 CPU cores), in one call: every part under its
+# own time limit, so that a slow part costs only its own results. Run from the repository root:
+#   bash experiments/device_run.sh            (carry .whl and .cubin: the xgboost wheel, prebuilt cubins)
+# Writes $OUT/log.txt (every part's tail) and $OUT/device.tgz (full logs, CSVs, plots, records).
+set -u
+OUT=${OUT:-/tmp/device-out}
+R=/tmp/dev
+mkdir -p "$OUT" "$R/res"
+LOG=$OUT/log.txt
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+START=$SECONDS
+
+part() {  # part NAME LIMIT_S COMMAND...: the command's output in $R/NAME.log, its tail in the log
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    echo "=== $name (limit ${limit} s, at $((SECONDS - START)) s): $*" | tee -a "$LOG"
+    timeout -k 5 "$limit" "$@" > "$R/$name.log" 2>&1
+    rc=$?
+    tail -c 5000 "$R/$name.log" >> "$LOG"
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+{
+    date -u; nvidia-smi -L; nproc; lscpu | grep -E 'Model name|^CPU\(s\)|Flags' | cut -c1-200
+    python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, 'cudnn', torch.backends.cudnn.version())"
+    command -v ncu gcc nvcc
+} >> "$LOG" 2>&1
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >> "$LOG" 2>&1
+    export PYTHONPATH=$PWD:/tmp/site
+fi
+
+# part 4 at 2 cores, beside the GPU parts (cores 0-1 here, 2-15 for them; noted with the results)
+(timeout -k 5 240 taskset -c 0-1 python3 experiments/threads_cpu.py --out "$R/res" --engines onnxruntime,maco \
+    --rounds 5 > "$R/cpu2.log" 2>&1; echo "=== cpu2: exit $?" >> "$R/cpu2.log") &
+CPU2=$!
+G="taskset -c 2-15"
+# part 1: today's code on the GPU
+part tests 60 $G python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernels_cuda.py tests/test_target_schedule.py
+part fig15 130 $G python3 experiments/fig15_kernels_gpu.py --out "$R/res" --cubin-dir .cubin/fig15
+part fig17 70 $G python3 experiments/fig17_cache.py --out "$R/res"
+# part 2: a whole network on the GPU (a short tuning run first, whose records the network uses)
+part tune 55 $G python3 -m maco.cli tune resnet18 --target cuda --trials 44 --round 11 --records "$R/res/records_cuda_resnet18.jsonl"
+wait $CPU2
+echo "=== cpu2 (2 cores, run beside the GPU parts)" >> "$LOG"; tail -c 3000 "$R/cpu2.log" >> "$LOG"
+part network 150 python3 experiments/network_gpu.py --out "$R/res" --records "$R/res/records_cuda_resnet18.jsonl"
+# part 4: every CPU core (ONNX Runtime and MACO first: Inductor compiles for a minute)
+part cpu16 100 python3 experiments/threads_cpu.py --out "$R/res" --engines onnxruntime,maco,inductor --rounds 5
+
+echo "=== done after $((SECONDS - START)) s" | tee -a "$LOG"
+tar czf "$OUT/device.tgz" -C "$R" .
