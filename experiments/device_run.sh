@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 39 on a lent GPU machine (H100/H200 with 16 CPU cores), in one call: every part under its
 # own time limit, so that a slow part costs only its own results. Run from the repository root:
-#   bash experiments/device_run.sh            (carry .whl and .cubin: the xgboost wheel, prebuilt cubins)
+#   bash experiments/device_run.sh     (carry .whl, the xgboost wheel, and .carry/fig15cubin.tgz, the cubins
+#   `fig15_kernels_gpu.py --prebuild-only sm_90 --cubin-dir .cubin/fig15` built here, *.cubin and *.sha256 tarred)
 # Writes $OUT/log.txt (every part's tail) and $OUT/device.tgz (full logs, CSVs, plots, records).
 set -u
 OUT=${OUT:-/tmp/device-out}
@@ -31,6 +32,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     export PYTHONPATH=$PWD:/tmp/site
 fi
 
+if [ -f .carry/fig15cubin.tgz ]; then mkdir -p .cubin/fig15 && tar xzf .carry/fig15cubin.tgz -C .cubin/fig15; fi
 # part 4 at 2 cores, beside the GPU parts (cores 0-1 here, 2-15 for them; noted with the results)
 (timeout -k 5 240 taskset -c 0-1 python3 experiments/threads_cpu.py --out "$R/res" --engines onnxruntime,maco \
     --rounds 5 > "$R/cpu2.log" 2>&1; echo "=== cpu2: exit $?" >> "$R/cpu2.log") &
