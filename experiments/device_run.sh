@@ -3,8 +3,11 @@
 # own time limit, so that a slow part costs only its own results. Run from the repository root:
 #   bash experiments/device_run.sh     (carry .whl, the xgboost wheel, and .carry/fig15cubin.tgz, the cubins
 #   `fig15_kernels_gpu.py --prebuild-only sm_90 --cubin-dir .cubin/fig15` built here, *.cubin and *.sha256 tarred)
+# PARTS (default: all of tests fig15 fig17 tune cpu2 network cpu16) picks the parts; RECORDS names
+# CUDA records for the network part (default: the tune part's).
 # Writes $OUT/log.txt (every part's tail) and $OUT/device.tgz (full logs, CSVs, plots, records).
 set -u
+PARTS=${PARTS:-tests fig15 fig17 tune cpu2 network cpu16}
 OUT=${OUT:-/tmp/device-out}
 R=/tmp/dev
 mkdir -p "$OUT" "$R/res"
@@ -12,9 +15,11 @@ LOG=$OUT/log.txt
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 START=$SECONDS
 
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 part() {  # part NAME LIMIT_S COMMAND...: the command's output in $R/NAME.log, its tail in the log
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
+    want "$name" || return 0
     echo "=== $name (limit ${limit} s, at $((SECONDS - START)) s): $*" | tee -a "$LOG"
     timeout -k 5 "$limit" "$@" > "$R/$name.log" 2>&1
     rc=$?
@@ -34,21 +39,26 @@ fi
 
 if [ -f .carry/fig15cubin.tgz ]; then mkdir -p .cubin/fig15 && tar xzf .carry/fig15cubin.tgz -C .cubin/fig15; fi
 # part 4 at 2 cores, beside the GPU parts (cores 0-1 here, 2-15 for them; noted with the results)
-(timeout -k 5 240 taskset -c 0-1 python3 experiments/threads_cpu.py --out "$R/res" --engines onnxruntime,maco \
-    --rounds 5 > "$R/cpu2.log" 2>&1; echo "=== cpu2: exit $?" >> "$R/cpu2.log") &
-CPU2=$!
+CPU2=
+if want cpu2; then
+    (timeout -k 5 240 taskset -c 0-1 python3 experiments/threads_cpu.py --out "$R/res" --engines onnxruntime,maco \
+        --rounds 5 > "$R/cpu2.log" 2>&1; echo "=== cpu2: exit $?" >> "$R/cpu2.log") &
+    CPU2=$!
+fi
 G="taskset -c 2-15"
 # part 1: today's code on the GPU
-part tests 60 $G python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernels_cuda.py tests/test_target_schedule.py
+part tests 60 $G python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernels_cuda.py tests/test_target_schedule.py tests/test_cuda_graph.py
 part fig15 130 $G python3 experiments/fig15_kernels_gpu.py --out "$R/res" --cubin-dir .cubin/fig15
 part fig17 70 $G python3 experiments/fig17_cache.py --out "$R/res"
 # part 2: a whole network on the GPU (a short tuning run first, whose records the network uses)
 part tune 55 $G python3 -m maco.cli tune resnet18 --target cuda --trials 44 --round 11 --records "$R/res/records_cuda_resnet18.jsonl"
-wait $CPU2
-echo "=== cpu2 (2 cores, run beside the GPU parts)" >> "$LOG"; tail -c 3000 "$R/cpu2.log" >> "$LOG"
-part network 150 python3 experiments/network_gpu.py --out "$R/res" --records "$R/res/records_cuda_resnet18.jsonl"
+if [ -n "$CPU2" ]; then
+    wait $CPU2
+    echo "=== cpu2 (2 cores, run beside the GPU parts)" >> "$LOG"; tail -c 3000 "$R/cpu2.log" >> "$LOG"
+fi
+part network ${NETWORK_S:-150} python3 experiments/network_gpu.py --out "$R/res" --records "${RECORDS:-$R/res/records_cuda_resnet18.jsonl}"
 # part 4: every CPU core (ONNX Runtime and MACO first: Inductor compiles for a minute)
-part cpu16 100 python3 experiments/threads_cpu.py --out "$R/res" --engines onnxruntime,maco,inductor --rounds 5
+part cpu16 ${CPU16_S:-100} python3 experiments/threads_cpu.py --out "$R/res" --engines ${CPU16_ENGINES:-onnxruntime,maco,inductor} --rounds 5
 
 echo "=== done after $((SECONDS - START)) s" | tee -a "$LOG"
 tar czf "$OUT/device.tgz" -C "$R" .

@@ -3,13 +3,14 @@ epilogues fused, layouts planned), strict fp32 (TF32 off everywhere), against wh
 user would run instead:
 
   eager            torch eager, cuDNN benchmark mode
-  eager_graph      the same under a CUDA graph (one replay per call)
-  maco             the variant maco.deploy.pipeline.run_pipeline hands back: a MACO kernel where a
-                   record of --records (e.g. `maco tune resnet18 --target cuda`) beats cuDNN's time
-                   (the records' baseline, else timed here), cuDNN elsewhere; layouts planned
-  maco_graph       the same under a CUDA graph
-  maco_every       the same plan with every conv on a MACO kernel, whether or not it beats cuDNN
-                   (its best record, else its default schedule); maco_every_graph under a CUDA graph
+  eager_graph      the same replayed from a CUDA graph (maco.layouts.cuda_graph)
+  maco             the variant maco.deploy.pipeline.run_pipeline hands back, replayed from a CUDA
+                   graph: each conv on a MACO kernel (its best record of --records, e.g. from
+                   `maco tune resnet18 --target cuda`, else its default schedule) where that kernel
+                   beats cuDNN's timed here, cuDNN elsewhere; layouts planned
+  maco_every       the same plan with every conv on a MACO kernel, whether or not it beats cuDNN,
+                   called module by module (the Python of each call shows); maco_every_graph the
+                   same replayed from a CUDA graph
   compiled         torch.compile(mode="max-autotune"): Triton's templates where they apply, CUDA
                    graphs of its own; timed last, with every contender again, at --compile-batches
                    (it compiles for minutes)
@@ -37,34 +38,13 @@ from maco.deploy.pipeline import run_pipeline
 from maco.experiments.common import out_dir, parser, write_csv
 from maco.experiments.fig15_kernels_gpu import gpu_tag
 from maco.kernels.cuda import default_schedule
+from maco.layouts.cuda_graph import CudaGraphed, unwrap
 from maco.layouts.end_to_end import time_models
 from maco.layouts.maco_modules import use_maco_kernels
 from maco.layouts.networks import example_input, load_model
 from maco.tune.records import RecordStore
 
 RTOL = 1e-4
-
-
-def graphed(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable[[torch.Tensor], Any]:
-    """`fn` captured once in a CUDA graph on a static copy of `x`; each call copies its input in
-    and replays the graph (torch.cuda.graphs' documented whole-network recipe)."""
-    static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(3):
-            fn(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode():
-        static_y = fn(static_x)
-
-    def run(inp: torch.Tensor) -> Any:
-        static_x.copy_(inp)
-        graph.replay()
-        return static_y
-
-    return run
 
 
 def contenders(net: str, x: torch.Tensor, store: RecordStore, log: Callable[[str], Any]) -> dict[str, Any]:
@@ -77,18 +57,8 @@ def contenders(net: str, x: torch.Tensor, store: RecordStore, log: Callable[[str
         f"MACO kernels; pipeline's own times (ms): "
         + ", ".join(f"{k} {run.times.timing(k).median * 1e3:.3f}" for k in run.times.rounds))
     every = every_conv_on_maco(run, store)
-    out: dict[str, Any] = {"eager": model}
-    for label, fn in (("eager_graph", model), ("maco", maco), ("maco_graph", maco), ("maco_every", every),
-                      ("maco_every_graph", every)):
-        if not label.endswith("_graph"):
-            out[label] = fn
-            continue
-        try:
-            out[label] = graphed(fn, x)
-        except Exception as exc:  # noqa: BLE001 - a capture that fails is a result to report
-            log(f"  {label}: CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:300]}")
-            torch.cuda.synchronize()
-    return out
+    return {"eager": model, "eager_graph": CudaGraphed(model), "maco": maco, "maco_every": every,
+            "maco_every_graph": CudaGraphed(every)}
 
 
 def every_conv_on_maco(run: Any, store: RecordStore) -> Any:
@@ -96,7 +66,7 @@ def every_conv_on_maco(run: Any, store: RecordStore) -> Any:
     cuDNN: its best record where the records hold one, else its default schedule."""
     target = Target.h100()
     plan = run.built.plan
-    model = plan.apply(run.built.models["fused"])
+    model = plan.apply(unwrap(run.built.models["fused"]))
     chosen: dict[ConvSpec, dict[str, Any]] = {}
     for lp in plan.convs:
         spec = ConvSpec.parse(lp.spec)

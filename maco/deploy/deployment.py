@@ -29,6 +29,7 @@ from maco.layouts.layout_plan import LayoutPlan
 from maco.deploy.kernel_choice import POOLS
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
+from maco.layouts.cuda_graph import unwrap
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
                                        call_sites, depthwise_can_run, escapes, kernel_can_run, swap_module,
                                        winograd_module_can_run)
@@ -127,7 +128,7 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Write the optimized model of an OptimizeResult, or a model `load` returned, to one file."""
     if isinstance(obj, OptimizeResult):
-        dep = describe(obj.model, obj.chosen, obj.example, obj.target or host_target(), obj.plan)
+        dep = describe(unwrap(obj.model), obj.chosen, obj.example, obj.target or host_target(), obj.plan)
     elif isinstance(getattr(obj, "meta", None), dict) and isinstance(obj.meta.get("maco"), Deployment):
         dep = obj.meta["maco"]
     else:

@@ -2,7 +2,6 @@
 as the model will run it, and kept only where it still wins."""
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any, Callable, Mapping
 
@@ -35,30 +34,51 @@ def faster_kernels(torch_seconds: dict[tuple[ConvSpec, str], float],
                    target: Target) -> tuple[dict[tuple[ConvSpec, str], float], Chosen, Ratios]:
     """Per (spec, layout) of torch_seconds: the latency table for the planner (the faster of
     torch and MACO's best record or candidate schedule), the MACO schedules to run (spec ->
-    layout -> schedule) and their in-process ratios. On a CPU every candidate is re-timed beside
-    torch in this process and chosen when it wins by MIN_GAIN; its table entry is torch's time
-    over that ratio, so both entries share this process's clock (records taken in a slower or
-    faster spell of the machine would otherwise be compared with torch timed now). On a GPU the
-    records are trusted as they are (a bare schedule, untimed, is not chosen there)."""
+    layout -> schedule) and their in-process ratios. Every candidate is re-timed beside torch in
+    this process (on a CPU as the model calls it, on a GPU its kernel time: confirm_on_gpu) and
+    chosen when it wins by MIN_GAIN; its table entry is torch's time over that ratio, so both
+    entries share this process's clock (records taken in a slower or faster spell of the
+    machine would otherwise be compared with torch timed now)."""
     table = dict(torch_seconds)
-    cpu = target.kind == "cpu"
     candidates: Chosen = {}
     for (spec, layout), torch_s in torch_seconds.items():
         rec = best.get((spec, layout))
-        if isinstance(rec, Schedule) and cpu:
-            candidates.setdefault(spec, {})[layout] = rec
-        elif isinstance(rec, Record) and (cpu or rec.seconds < torch_s):
-            candidates.setdefault(spec, {})[layout] = rec.schedule
-    ratios = confirm_in_process(candidates, target) if cpu else {}
+        if isinstance(rec, (Schedule, Record)):
+            candidates.setdefault(spec, {})[layout] = rec if isinstance(rec, Schedule) else rec.schedule
+    ratios = confirm_in_process(candidates, target) if target.kind == "cpu" else confirm_on_gpu(candidates, target)
     chosen: Chosen = {}
     for spec, by_layout in candidates.items():
         for layout, schedule in by_layout.items():
-            ratio = ratios.get(spec, {}).get(layout, math.inf)
+            ratio = ratios.get(spec, {}).get(layout, 0.0)
             if ratio >= MIN_GAIN:
                 chosen.setdefault(spec, {})[layout] = schedule
-                table[(spec, layout)] = (torch_seconds[(spec, layout)] / ratio if cpu
-                                         else best[(spec, layout)].seconds)
+                table[(spec, layout)] = torch_seconds[(spec, layout)] / ratio
     return table, chosen, ratios
+
+
+def confirm_on_gpu(chosen: Chosen, target: Target, rounds: int = 3) -> Ratios:
+    """cuDNN's kernel time (strict fp32, its best algorithm) over MACO's for each candidate,
+    timed here with CUDA events in interleaved rounds: the time a CUDA-graphed model pays per
+    conv (a call's Python is replayed away: layouts.cuda_graph)."""
+    from maco import kernels
+    from maco.tune.gpu_measure import CudnnConv, GpuTimer
+
+    timer, ratios = GpuTimer(), {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for spec, by_layout in chosen.items():
+        x = torch.randn(spec.input_shape, device="cuda", generator=gen)
+        w = torch.randn(spec.weight_shape, device="cuda", generator=gen)
+        for layout, schedule in by_layout.items():
+            fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+            conv = kernels.compile(spec, schedule, target).bind(w)
+            runs = {"torch": CudnnConv(spec, layout, True).prepare(x, w),
+                    "maco": conv.prepare(x.contiguous(memory_format=fmt), out=conv.output())}
+            per: dict[str, list[float]] = {k: [] for k in runs}
+            for _ in range(rounds):
+                for k, fn in runs.items():
+                    per[k].append(timer.time(fn, repeats=5).median)
+            ratios.setdefault(spec, {})[layout] = statistics.median(t / m for t, m in zip(per["torch"], per["maco"]))
+    return ratios
 
 
 def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratios:

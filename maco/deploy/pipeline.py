@@ -16,6 +16,7 @@ from maco import kernels
 from maco.core.errors import MacoError
 from maco.deploy.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears,
                                 faster_pools, faster_winograd, with_winograd)
+from maco.layouts.cuda_graph import CudaGraphed
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
@@ -82,6 +83,8 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
                if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
     if cpu and segments:
         use_segments(planned_maco, target)  # each run of kernel modules as one call
+    if device == "cuda":  # every variant, torch's too, replayed from a CUDA graph (layouts.cuda_graph)
+        models = {label: CudaGraphed(m) for label, m in models.items()}
     return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd)
 
 
