@@ -25,6 +25,7 @@ part() {  # part NAME LIMIT_S COMMAND...: the command's output in $R/NAME.log, i
     rc=$?
     tail -c 5000 "$R/$name.log" >> "$LOG"
     echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+    tar czf "$OUT/device.tgz" -C "$R" .  # after every part: a call cut short still brings these back
 }
 
 {
