@@ -35,7 +35,7 @@ import torch
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.deploy.pipeline import run_pipeline
-from maco.experiments.common import out_dir, parser, write_csv
+from maco.experiments.common import Figure, num, out_dir, parser, write_csv
 from maco.experiments.fig15_kernels_gpu import gpu_tag
 from maco.kernels.cuda import default_schedule
 from maco.layouts.cuda_graph import CudaGraphed, unwrap
@@ -45,6 +45,12 @@ from maco.layouts.networks import example_input, load_model
 from maco.tune.records import RecordStore
 
 RTOL = 1e-4
+
+FIGURE = Figure(
+    "network_gpu", "(not in the paper: it timed kernels, not networks, on its GPU)",
+    "ResNet-18 whole on the GPU, strict fp32, against torch eager with cuDNN benchmark mode, eager under "
+    "a CUDA graph and torch.compile max-autotune, in the same rounds", csv=("network_gpu_*.csv",),
+    gpu=True, quick=False)
 
 
 def contenders(net: str, x: torch.Tensor, store: RecordStore, log: Callable[[str], Any]) -> dict[str, Any]:
@@ -131,6 +137,22 @@ def main(argv: list[str] | None = None) -> int:
             write_csv(path, rows)
             _print(new, log)
     return 0
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: per network and batch, MACO's time and its speedup over each other contender."""
+    parts = []
+    for key in dict.fromkeys((r["network"], r["batch"]) for r in rows):
+        mine = {r["engine"]: r for r in rows if (r["network"], r["batch"]) == key}  # the last timing wins
+        if "maco" not in mine:
+            continue
+        maco = num(mine["maco"], "median_ms")
+        others = ", ".join(f"{e} {num(r, 'median_ms'):.3f} ms ({num(r, 'median_ms') / maco:.2f}x)"
+                           for e, r in mine.items() if e in ("eager", "eager_graph", "compiled"))
+        ok = all(r.get("output_ok") == "True" for r in mine.values())
+        parts.append(f"{key[0]} batch {key[1]}: MACO {maco:.3f} ms; {others}"
+                     + ("" if ok else " (an output differs)"))
+    return "; ".join(parts) + " (MACO's speedup over each, same rounds)"
 
 
 def _print(rows: list[dict[str, Any]], log: Callable[[str], Any]) -> None:

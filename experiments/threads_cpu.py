@@ -33,9 +33,14 @@ from maco.core.target import Target
 from maco.deploy.deployment import describe
 from maco.deploy.engines import Job, compare
 from maco.deploy.pipeline import run_pipeline
-from maco.experiments.common import out_dir, parser, write_csv
+from maco.experiments.common import Figure, num, out_dir, parser, write_csv
 from maco.layouts.networks import example_input, load_model
 from maco.tune.records import RecordStore
+
+FIGURE = Figure(
+    "threads", "(not in the paper) MACO beside the engines at 2 cores and at every core of a larger host",
+    "run by hand on a many-core host (twice: under `taskset -c 0-1` and on every core); MACO on its "
+    "default schedules", csv=("threads_cpu.csv", "threads_cpu_xeon*.csv"), quick=False, in_all=False)
 
 COLUMNS = ["network", "cores", "engine", "eager_ms", "engine_ms", "speedup", "outputs_ok", "max_rel_err",
            "compile_s", "note"]
@@ -80,6 +85,24 @@ def split_balance(net: str, target: Target) -> list[dict[str, Any]]:
                          parallel_axes="".join(SPATIAL_AXES[:sched.parallel]),
                          balance=chunks / (waves * target.cores)))
     return rows
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: per network and core count, each engine's milliseconds; MACO's scaling."""
+    parts = []
+    for net in dict.fromkeys(r["network"] for r in rows):
+        by_cores: dict[str, dict[str, float]] = {}
+        for r in rows:
+            if r["network"] == net and num(r, "engine_ms") > 0:
+                by_cores.setdefault(r["cores"], {})[r["engine"]] = num(r, "engine_ms")
+        cells = [f"{cores} cores: " + ", ".join(f"{e} {ms:.2f} ms" for e, ms in sorted(t.items(), key=lambda kv: kv[1]))
+                 for cores, t in by_cores.items()]
+        lo, hi = min(by_cores, key=int, default=None), max(by_cores, key=int, default=None)
+        if lo != hi and "maco" in by_cores[lo] and "maco" in by_cores[hi]:
+            gain = by_cores[lo]["maco"] / by_cores[hi]["maco"]
+            cells.append(f"MACO {gain:.2f}x from {lo} to {hi} cores ({gain * int(lo) / int(hi):.0%} per core)")
+        parts.append(f"{net}: " + "; ".join(cells))
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
