@@ -94,3 +94,13 @@ def test_tune_retime_command(tmp_path, capsys) -> None:
     assert main(["tune", "resnet18", "--retime", "--records", str(path)]) == 2
     assert main(["tune", "--retime", "--records", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_tune_prints_progress_lines_into_a_log(tmp_path, capsys) -> None:
+    """Where stdout is no terminal (a log file, CI), rich draws no live bar: the tuner prints
+    plain progress lines instead, the last one when the budget is spent."""
+    path = tmp_path / "r.jsonl"
+    assert main(["tune", "n1_c4_h6_w6_k8_r3_p1", "--trials", "4", "--round", "2", "--records", str(path),
+                 "--no-baseline"]) == 0
+    out = capsys.readouterr().out
+    assert "tuning 4/4 measurements; n1_c4_h6_w6_k8_r3x3_p1: " in out

@@ -25,6 +25,7 @@ from maco.core.timing import environment
 
 # Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
 BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
+PLAIN_EVERY_S = 10.0  # where stdout is no terminal (a log), a progress line at most this often
 
 
 @dataclass
@@ -193,10 +194,15 @@ def tune_layers(layers: list[tuple[str, ConvSpec]], target: Target, trials: int,
             TextColumn("{task.description}"), transient=False))
         job = bar.add_task("", total=trials)
 
+        plain, last = not bar.console.is_terminal, [time.monotonic()]  # a log file sees no live bar
+
         def progress(done: int, total: int, task: Task, state: TaskState) -> None:
             best = state.best
             gf = f"{best.gflops:.1f} GFLOP/s" if best else "no valid kernel yet"
             bar.update(job, completed=min(done, total), description=f"{task.name}: {gf}")
+            if plain and (time.monotonic() - last[0] >= PLAIN_EVERY_S or done >= total):
+                last[0] = time.monotonic()
+                bar.console.print(f"tuning {min(done, total)}/{total} measurements; {task.name}: {gf}")
 
         file, known = store.resume(records) if store is not None else (records, None)
         result = tune(tasks, target, trials, measurer, records=file, config=config, seed=seed,
