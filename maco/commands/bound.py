@@ -132,10 +132,12 @@ def run_network(args: argparse.Namespace) -> int:
     where = (f"S = {S} elements ({S * 4 / 2**20:.3g} MiB: " +
              ("--S" if args.S is not None else f"every cache of {target.name} ({target.model})") + ")")
     tiles = {} if args.direct else _predicted_tiles(f, peak * 1e9, bw * 1e9)
+    s_core = args.S if args.S is not None else target.level_bytes("L2", 1 << 20) // 4
+    blocks = _chains(args.layer, args.n, s_core, peak * 1e9, bw * 1e9)
     if args.json:
         print(json.dumps({"network": args.layer, "batch": args.n, "where": where, "peak_gflops": peak,
                           "read_gbs": bw, "measured": measured or None, "floor": f.to_dict(),
-                          "winograd_tile_model": tiles}, indent=1))
+                          "winograd_tile_model": tiles, "fused_blocks_S": s_core, "fused_blocks": blocks}, indent=1))
         return 0
     source = ("given" if not measured else
               f"the best this host has measured; now, in {int(measured['rounds'])} rounds: "
@@ -144,7 +146,47 @@ def run_network(args: argparse.Namespace) -> int:
               + (" (busy: figures low)" if max(measured["fma_spread"], measured["read_spread"]) > 1.3 else ""))
     _print_network(args.layer, f, tiles, f"{args.layer}, batch {args.n}: {where}; FMA peak {peak:.4g} GFLOP/s, "
                    f"DRAM reads {bw:.4g} GB/s ({source})")
+    _print_chains(args.layer, blocks, s_core)
     return 0
+
+
+def _chains(name: str, batch: int, S: int, peak: float, bandwidth: float) -> list[dict[str, Any]]:
+    """The chain bound (maco.bounds.chain) of each fusable block of the network at S elements,
+    its fused tile priced at the FMA peak and DRAM bandwidth (flop/s, bytes/s)."""
+    from maco.bounds.chain import chain_bound, chains
+    from maco.layouts.network_floor import network_dag
+
+    if batch != 1:
+        return []
+    layers, _ = network_dag(name, batch)
+    out = []
+    for run in chains(layers):
+        b = chain_bound([layer.spec for layer in run], S, [layer.name for layer in run], peak=peak,
+                        bandwidth=bandwidth)
+        out.append(dict(block=" + ".join(b.names), kind=b.kind, separate=b.q_separate, unfused=b.q_unfused,
+                        fused_floor=b.q_fused_floor, tile=list(b.tile) if b.tile else None, tiled=b.q_tiled,
+                        weights_resident=b.weights_resident, recompute_share=(b.recompute_flops / b.flops
+                                                                              if b.tile else None),
+                        saved_us=b.saved_s * 1e6 if b.saved_s is not None else None, pays=b.pays))
+    return out
+
+
+def _print_chains(name: str, blocks: list[dict[str, Any]], S: int) -> None:
+    if not blocks:
+        return
+    rows = [(b["block"], b["kind"], _mb(b["separate"]), _mb(b["unfused"]), _mb(b["fused_floor"]),
+             "x".join(map(str, b["tile"])) if b["tile"] else "none fits", _mb(b["tiled"]),
+             {True: "yes", False: "per tile", None: "-"}[b["weights_resident"]],
+             f"{100 * b['recompute_share']:.1f}" if b["recompute_share"] is not None else "-",
+             f"{b['saved_us']:.1f}" if b["saved_us"] is not None else "-", "yes" if b["pays"] else "no")
+            for b in blocks]
+    print_table(f"{name}: fused blocks (maco.bounds.chain) at S = {S} elements ({S * 4 / 2**20:.3g} MiB, one "
+                "core's L2 unless --S)", ["block", "convs", "separate MB", "unfused floor MB", "fused floor MB",
+                                          "fused tile", "tiled MB", "weights kept", "recompute %", "saved us", "pays"], rows)
+    print("separate: kernels that keep no intermediate on chip; unfused floor: any one-kernel-at-a-time "
+          "schedule; fused floor: any schedule; fused tile: least traffic/bandwidth + recompute/peak; tiled: its "
+          "traffic (achievable); recompute %: the halos' extra flops; saved: the traffic time it saves against "
+          "separate kernels less its recompute time; pays: saved > 0")
 
 
 def _network_ceilings(args: argparse.Namespace, target: Target) -> tuple[float, float, dict[str, float]]:
