@@ -91,59 +91,11 @@ def _kernels_alone(model: torch.nn.Module, x: torch.Tensor) -> Any:
 
 
 def planned_on_defaults(net: str, x: torch.Tensor) -> torch.nn.Module:
-    """What `maco optimize` builds for the planned_maco variant without tuning or timing: every
-    layer NHWC, every conv a kernel runs on its bound-derived default schedule, depthwise convs
-    and pooling layers on the generated kernels (as tests/test_segments.py builds them)."""
+    """What `maco optimize` builds for the planned_maco variant without tuning or timing."""
     from maco import kernels
-    from maco.core.errors import MacoError
-    from maco.core.spec import ConvSpec
-    from maco.deploy.kernel_choice import POOLS
-    from maco.kernels.depthwise import is_depthwise
-    from maco.kernels.pool import plan_for
-    from maco.layouts import fuse
-    from maco.layouts.deploy import plan
-    from maco.layouts.maco_modules import (MacoDepthwise2d, MacoPool2d, call_sites, depthwise_can_run, escapes,
-                                           swap_module, use_maco_kernels)
-    from maco.layouts.networks import conv_layers, distinct_convs
+    from maco.deploy.kernel_choice import kernels_everywhere
 
-    host = kernels.host_target()
-    model = build(net).eval()
-    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
-    fused = fuse(model, x)
-    p = plan(fused, x, latency={(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")},
-             conversion=lambda shape, a, b: 1e-9)
-    gm = p.apply(fused)
-    chosen = {}
-    for s in specs:
-        if not is_depthwise(s):
-            try:
-                chosen[s] = {"NHWC": kernels.default_schedule(s, host, "NHWC")}
-            except MacoError:
-                pass
-    use_maco_kernels(gm, p, chosen, host)
-    seen: dict[str, tuple[int, ...]] = {}
-    calls = call_sites(gm)
-
-    def keep(path: str) -> Any:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            seen.setdefault(path, tuple(args[0].shape))
-        return hook
-    hooks = [gm.get_submodule(path).register_forward_pre_hook(keep(path)) for path in calls]
-    with torch.inference_mode():
-        gm(x)
-    for h in hooks:
-        h.remove()
-    for path, shape in seen.items():
-        mod = gm.get_submodule(path)
-        own = len(calls[path]) == 1 and not escapes(gm, calls[path][0])
-        conv = getattr(mod, "torch_conv", mod)
-        if isinstance(conv, torch.nn.Conv2d) and len(shape) == 4:
-            spec = ConvSpec.from_module(conv, shape)
-            if depthwise_can_run(conv, spec):
-                swap_module(gm, path, MacoDepthwise2d(conv, spec, "NHWC", host, own))
-        elif isinstance(mod, POOLS) and plan_for(mod, shape, "NHWC", host.cores) is not None:
-            swap_module(gm, path, MacoPool2d(mod, shape, "NHWC", host, own))
-    return gm
+    return kernels_everywhere(build(net).eval(), x, kernels.host_target())[0]
 
 
 def per_kernel(model: torch.nn.Module, x: torch.Tensor, rounds: int) -> list[dict[str, Any]]:

@@ -14,9 +14,9 @@ from maco.deploy.deployment import Deployment, describe, load, save
 from maco.core.errors import MacoError
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
-from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, swap_module, use_maco_kernels
+from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, swap_module
 from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
-from maco.deploy.kernel_choice import faster_linears, faster_pools
+from maco.deploy.kernel_choice import faster_linears, faster_pools, kernels_everywhere
 
 HOST = kernels.host_target()
 
@@ -24,13 +24,7 @@ HOST = kernels.host_target()
 def _planned(model: nn.Module, x: torch.Tensor):
     """The planned_maco GraphModule of `model` on default NHWC schedules (no tuning) and its plan:
     what maco optimize builds before it picks linears and pools (tests/test_deploy_safety.py too)."""
-    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
-    fused = fuse(model, x)
-    table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
-    p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-9)
-    gm = p.apply(fused)
-    use_maco_kernels(gm, p, {s: {"NHWC": kernels.default_schedule(s, HOST, "NHWC")} for s in specs}, HOST)
-    return gm, p
+    return kernels_everywhere(model, x, HOST, others=False)
 
 
 def _optimized(net: str):

@@ -15,67 +15,21 @@ from torch.nn import functional as F
 import maco
 from maco import kernels
 from maco.core.errors import MacoError
-from maco.core.spec import ConvSpec
 from maco.deploy.deployment import describe
-from maco.kernels.depthwise import is_depthwise
-from maco.layouts import fuse
-from maco.layouts.deploy import plan
 from maco.layouts.end_to_end import conv_share
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoPool2d, MacoWinograd2d, call_sites,
-                                       depthwise_can_run, escapes, swap_module, use_maco_kernels,
-                                       winograd_module_can_run)
-from maco.layouts.networks import build, conv_layers, distinct_convs, example_input
+from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d, MacoPool2d, MacoWinograd2d
+from maco.layouts.networks import build, example_input
 from maco.layouts.segments import find_runs, segments_of, use_segments
-from maco.kernels.pool import plan_for
-from maco.deploy.kernel_choice import POOLS
+from maco.deploy.kernel_choice import kernels_everywhere
 
 HOST = kernels.host_target()
 
 
 def _planned(model: nn.Module, x: torch.Tensor, winograd: bool = False):
     """A planned model with MACO kernels everywhere one runs (NHWC, default schedules, generated
-    depthwise and pooling kernels, Winograd where asked), swapped without timing; and its plan."""
-    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
-    fused = fuse(model, x)
-    table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
-    p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-9)
-    gm = p.apply(fused)
-    chosen = {}
-    for s in specs:
-        if not is_depthwise(s):
-            try:
-                chosen[s] = {"NHWC": kernels.default_schedule(s, HOST, "NHWC")}
-            except MacoError:
-                pass
-    use_maco_kernels(gm, p, chosen, HOST)
-    seen: dict[str, tuple[int, ...]] = {}
-    calls = call_sites(gm)
-    def keep(path: str):
-        def hook(module: nn.Module, args: tuple) -> None:
-            seen.setdefault(path, tuple(args[0].shape))
-        return hook
-
-    hooks = [gm.get_submodule(path).register_forward_pre_hook(keep(path)) for path in calls]
-    with torch.inference_mode():
-        gm(x)
-    for h in hooks:
-        h.remove()
-    capable = 0
-    for path, shape in seen.items():
-        mod = gm.get_submodule(path)
-        own = len(calls[path]) == 1 and not escapes(gm, calls[path][0])
-        conv = mod.torch_conv if isinstance(mod, MacoConv2d) else mod
-        if isinstance(conv, nn.Conv2d) and len(shape) == 4:
-            spec = ConvSpec.from_module(conv, shape)
-            if depthwise_can_run(conv, spec):
-                swap_module(gm, path, MacoDepthwise2d(conv, spec, "NHWC", HOST, own))
-            elif winograd and winograd_module_can_run(conv, spec, HOST):
-                capable += 1
-                if capable % 2 == 1:
-                    swap_module(gm, path, MacoWinograd2d(conv, spec, HOST, own, m=2))
-        elif isinstance(mod, POOLS) and plan_for(mod, shape, "NHWC", HOST.cores) is not None:
-            swap_module(gm, path, MacoPool2d(mod, shape, "NHWC", HOST, own))
-    return gm, p
+    depthwise and pooling kernels, Winograd F(2x2) on every other capable conv where asked),
+    swapped without timing; and its plan."""
+    return kernels_everywhere(model, x, HOST, winograd=(lambda i: i % 2 == 0) if winograd else None)
 
 
 def _rel(want: torch.Tensor, got: torch.Tensor) -> float:

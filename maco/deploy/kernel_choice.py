@@ -9,13 +9,20 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from maco import kernels
+from maco.core.errors import MacoError
 from maco.kernels.baselines import torch_conv
+from maco.kernels.depthwise import is_depthwise
 from maco.kernels.linear import MAX_BATCH
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
                                        call_sites, depthwise_can_run, escapes, swap_module,
-                                       winograd_module_can_run)
+                                       use_maco_kernels, winograd_module_can_run)
+from maco.layouts.deploy import plan
+from maco.layouts.fusion import fuse
+from maco.layouts.layout_plan import LayoutPlan
+from maco.layouts.networks import conv_layers, distinct_convs
 from maco.tune.records import Record
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
@@ -60,7 +67,6 @@ def confirm_on_gpu(chosen: Chosen, target: Target, rounds: int = 3) -> Ratios:
     """cuDNN's kernel time (strict fp32, its best algorithm) over MACO's for each candidate,
     timed here with CUDA events in interleaved rounds: the time a CUDA-graphed model pays per
     conv (a call's Python is replayed away: layouts.cuda_graph)."""
-    from maco import kernels
     from maco.tune.gpu_measure import CudnnConv, GpuTimer
 
     timer, ratios = GpuTimer(), {}
@@ -268,3 +274,56 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
             sites = calls[path]
             swap_module(gm, path, make(module, args[0], len(sites) == 1 and not escapes(gm, sites[0])))
     return ratios
+
+
+def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, others: bool = True,
+                       winograd: Callable[[int], bool] | None = None) -> tuple[fx.GraphModule, LayoutPlan]:
+    """The planned MACO model without tuning or timing, and its plan: every layer NHWC, every conv
+    a direct kernel runs on its bound-derived default schedule, and with `others` the depthwise
+    convs and pooling layers on the generated kernels too; `winograd(i)` picks which of the
+    Winograd-capable convs (i counts them) run MACO's Winograd F(2x2) instead. What `maco optimize`
+    builds before it times anything: for experiments and tests that need MACO kernels everywhere."""
+    specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
+    fused = fuse(model, x)
+    table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
+    p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-9)
+    gm = p.apply(fused)
+    chosen = {}
+    for s in specs:
+        if not (others and is_depthwise(s)):
+            try:
+                chosen[s] = {"NHWC": kernels.default_schedule(s, target, "NHWC")}
+            except MacoError:
+                pass  # no direct kernel for it: torch runs it
+    use_maco_kernels(gm, p, chosen, target)
+    if not others and winograd is None:
+        return gm, p
+    shapes: dict[str, tuple[int, ...]] = {}
+    calls = call_sites(gm)
+
+    def record(path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple) -> None:  # None: a pre-hook's result would replace args
+            shapes.setdefault(path, tuple(args[0].shape))
+        return hook
+
+    hooks = [gm.get_submodule(path).register_forward_pre_hook(record(path)) for path in calls]
+    with torch.inference_mode():
+        gm(x)
+    for h in hooks:
+        h.remove()
+    capable = 0
+    for path, shape in shapes.items():
+        mod = gm.get_submodule(path)
+        own = len(calls[path]) == 1 and not escapes(gm, calls[path][0])
+        conv = mod.torch_conv if isinstance(mod, MacoConv2d) else mod
+        if isinstance(conv, nn.Conv2d) and len(shape) == 4:
+            spec = ConvSpec.from_module(conv, shape)
+            if others and depthwise_can_run(conv, spec):
+                swap_module(gm, path, MacoDepthwise2d(conv, spec, "NHWC", target, own))
+            elif winograd is not None and winograd_module_can_run(conv, spec, target):
+                capable += 1
+                if winograd(capable - 1):
+                    swap_module(gm, path, MacoWinograd2d(conv, spec, target, own, m=2))
+        elif others and isinstance(mod, POOLS) and plan_for(mod, shape, "NHWC", target.cores) is not None:
+            swap_module(gm, path, MacoPool2d(mod, shape, "NHWC", target, own))
+    return gm, p
