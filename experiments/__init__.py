@@ -14,6 +14,7 @@ FIGURES: dict[str, str] = {
     "kernels_cpu": "kernels_cpu",
     "ceiling": "register_ceiling",
     "winograd": "winograd_cpu",
+    "winograd_tiles": "winograd_tiles",
     "fig12": "fig12_layout_plan",
     "fig13": "fig13_predictor_r2",
     "fig14": "fig14_error_threshold",

@@ -1,0 +1,115 @@
+"""Issue 40 item 2: Winograd's tile size predicted from the bound (maco.bounds.winograd.predict_tile,
+from this host's FMA peak and DRAM read bandwidth) against the tile size timing picks, on every
+distinct 3x3 and 5x5 stride-1 conv of ResNet-18, AlexNet, VGG-11, ResNet-50 and MobileNetV2 at
+batch 1 (MobileNetV2 has none: its 3x3 convs are depthwise or strided).
+
+The timed choice is the one `maco optimize` makes (deploy.kernel_choice.with_winograd): each tile
+size's kernel (layouts.maco_modules.MacoWinograd2d, NHWC) called with the caches evicted first,
+as inside a model, where the transformed filters come from DRAM; both tile sizes in the same
+interleaved rounds, the faster by the median of per-round ratios. The peak and the bandwidth are
+measured in this process first (kernels.cpu_peak.measure_ceilings: this host's best).
+
+    flock /tmp/maco-timing.lock python experiments/winograd_tiles.py --out results
+
+Writes winograd_tiles.csv and .env.json under --out.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from maco import kernels
+from maco.bounds.winograd import predict_tile
+from maco.core.timing import CacheEvictor, interleaved_rounds, steady_allocator
+from maco.experiments.common import Figure, num, out_dir, parser, write_csv, write_env
+from maco.kernels.cpu_peak import measure_ceilings
+from maco.kernels.winograd import TILE_SIZES
+from maco.layouts.maco_modules import MacoWinograd2d, winograd_module_can_run
+from maco.layouts.networks import distinct_convs, network_convs
+
+FIGURE = Figure(
+    "winograd_tiles", "(not in the paper) Winograd's tile size predicted from the bound against timing",
+    "the model prices F(m x m) as max(compute at the FMA peak, its traffic with the transformed filters "
+    "from DRAM); timing evicts the caches before each call, as a model's call finds them",
+    csv=("winograd_tiles.csv",))
+
+NETWORKS = "resnet18,alexnet,vgg11,resnet50,mobilenet_v2"
+TIE = 0.05  # tile sizes timed closer than this are a coin flip on a shared VM (results/label_repeat.csv)
+
+
+def time_tiles(spec: Any, target: Any, rounds: int) -> dict[int, float]:
+    """{m: median seconds} of each tile size's kernel, caches evicted before every call, and the
+    median per-round ratio F(2)/F(m) under key -m (how much faster m is than the smallest)."""
+    conv = nn.Conv2d(spec.c, spec.k, (spec.kh, spec.kw), spec.stride, spec.padding, spec.dilation,
+                     spec.groups, bias=False).eval()
+    x = torch.randn(spec.input_shape, generator=torch.Generator().manual_seed(0)).contiguous(
+        memory_format=torch.channels_last)
+    mods = {m: MacoWinograd2d(conv, spec, target, m=m) for m in TILE_SIZES[spec.kh]}
+    with torch.inference_mode():
+        for mod in mods.values():
+            mod(x)
+        timed = interleaved_rounds({m: (lambda mod=mod: mod(x)) for m, mod in mods.items()}, rounds,
+                                   repeats=3, min_run_time=5e-3, warmup=2, before=CacheEvictor.for_target(target))
+    first = min(mods)
+    out: dict[int, float] = {m: statistics.median(t.min for t in ts) for m, ts in timed.items()}
+    for m in mods:
+        out[-m] = statistics.median(a.min / b.min for a, b in zip(timed[first], timed[m]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--networks", default=NETWORKS)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    out = out_dir(args)
+    target = kernels.host_target()
+    torch.set_num_threads(target.cores)
+    steady_allocator()
+    ceilings = measure_ceilings(target, 5)
+    peak, bw = ceilings["fma_gflops_best"] * 1e9, ceilings["read_gbs_best"] * 1e9
+    print(f"{target.model}, {target.cores} cores: FMA peak {peak / 1e9:.1f} GFLOP/s, DRAM reads {bw / 1e9:.1f} GB/s "
+          f"(this host's best; now {ceilings['fma_gflops']:.1f} and {ceilings['read_gbs']:.1f})", flush=True)
+    rows, seen = [], set()
+    for net in args.networks.split(","):
+        for spec, names in distinct_convs(network_convs(net, 1)):
+            conv = nn.Conv2d(spec.c, spec.k, (spec.kh, spec.kw), spec.stride, spec.padding, spec.dilation, spec.groups)
+            if spec in seen or not winograd_module_can_run(conv, spec, target):
+                continue
+            seen.add(spec)
+            predicted, model_s = predict_tile(spec, peak, bw)
+            t = time_tiles(spec, target, args.rounds)
+            sizes = [m for m in t if m > 0]
+            timed = max(sizes, key=lambda m: (t[-m], -m))  # the largest speedup over the smallest tile
+            rows.append(dict(network=net, layer=names[0], spec=str(spec), predicted=predicted, timed=timed,
+                             agree=predicted == timed, **{f"f{m}_ms": t[m] * 1e3 for m in sizes},
+                             **{f"model_f{m}_ms": s * 1e3 for m, s in model_s.items()},
+                             **{f"f2_over_f{m}": t[-m] for m in sizes if m != min(sizes)},
+                             peak_gflops=peak / 1e9, read_gbs=bw / 1e9))
+            r = rows[-1]
+            print(f"{net:12s} {names[0]:28s} {str(spec):34s} predicted F({predicted}) timed F({timed})"
+                  f"{'' if r['agree'] else '  DIFFER'}  " + ", ".join(f"F({m}) {t[m] * 1e3:.3f} ms" for m in sizes),
+                  flush=True)
+            write_csv(out / "winograd_tiles.csv", rows)
+    write_env(out / "winograd_tiles.csv", peak_gflops=peak / 1e9, read_gbs=bw / 1e9)
+    print(summarise([{k: str(v) for k, v in r.items()} for r in rows]))
+    return 0
+
+
+def summarise(rows: list[dict[str, str]]) -> str:
+    """REPORT.md: how often the predicted tile size is the timed one."""
+    agree = sum(r["agree"] == "True" for r in rows)
+    clear = [r for r in rows if abs(num(r, "f2_over_f4") - 1) > TIE]
+    differ = [f"{r['spec']} (F({r['predicted']}) predicted, F({r['timed']}) timed, "
+              f"F(2)/F(4) {num(r, 'f2_over_f4'):.2f})" for r in rows if r["agree"] != "True"]
+    return (f"tile model = timed choice on {agree} of {len(rows)} convs ({100 * agree / max(len(rows), 1):.0f}%); "
+            f"where the two tile sizes differ by more than {100 * TIE:.0f}%: {sum(r['agree'] == 'True' for r in clear)} "
+            f"of {len(clear)}" + (f"; differ: {'; '.join(differ)}" if differ else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
