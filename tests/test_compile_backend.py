@@ -196,6 +196,9 @@ def test_with_baselines_the_backend_plans_as_optimize_does(tmp_path, monkeypatch
     _records_with_baselines(path, specs)
     before = path.read_bytes()
     timed, plans = _spy_backend(monkeypatch)
+    # the per-layer plan from the records; whether a kernel in every conv beats it end to end is
+    # timing's call (tests/test_pipeline.py checks that comparison)
+    monkeypatch.setattr("maco.deploy.pipeline._everywhere_if_faster", lambda *a, **k: None)
     fast = _compiled(model, records=str(path), tune="none")
     with torch.inference_mode():
         assert _rel(model(x), fast(x)) < 1e-4

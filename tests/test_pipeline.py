@@ -164,3 +164,51 @@ def test_saving_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, monk
         deployment.save(saved, path)
     monkeypatch.undo()
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["model.maco"]
+
+
+class _Slow(nn.Module):
+    """`model` with a sleep after it: any other model of its output is faster end to end."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        import time
+
+        time.sleep(0.03)
+        return self.model(x)
+
+
+class _Cached(nn.Module):
+    """The model's output handed back without computing it: faster than any model of it."""
+
+    def __init__(self, out: torch.Tensor):
+        super().__init__()
+        self.out = out
+
+    def forward(self, x):
+        return self.out
+
+
+def test_a_kernel_in_every_conv_is_taken_only_where_it_is_faster_end_to_end():
+    """pipeline._everywhere_if_faster: the all-NHWC model with a MACO kernel in every conv replaces
+    the per-layer choices when it runs faster end to end, with its own plan; not otherwise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval()
+    x = torch.randn(1, 3, 24, 24)
+    host, lines = kernels.host_target(), []
+    taken = pipeline._everywhere_if_faster(model, x, host, _Slow(model), True, lines.append)
+    assert taken is not None and "taken" in lines[-1]
+    everywhere, plan = taken
+    assert {lp.layout for lp in plan.convs} == {"NHWC"}
+    from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d
+
+    kinds = [type(m) for m in everywhere.modules() if isinstance(m, (MacoConv2d, MacoDepthwise2d))]
+    assert kinds.count(MacoConv2d) == 2 and kinds.count(MacoDepthwise2d) == 1
+    with torch.inference_mode():
+        want = model(x)
+        assert float((everywhere(x) - want).abs().max() / want.abs().max()) < 1e-4
+        assert pipeline._everywhere_if_faster(model, x, host, _Cached(want), True, lines.append) is None
+    assert "per-layer choices kept" in lines[-1]

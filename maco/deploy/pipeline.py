@@ -15,7 +15,7 @@ from torch import nn
 from maco import kernels
 from maco.core.errors import MacoError
 from maco.deploy.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears,
-                                faster_pools, faster_winograd, with_winograd)
+                                faster_pools, faster_winograd, kernels_everywhere, with_winograd)
 from maco.layouts.cuda_graph import CudaGraphed
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
@@ -83,9 +83,36 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
                if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
     if cpu and segments:
         use_segments(planned_maco, target)  # each run of kernel modules as one call
+    if cpu:
+        everywhere = _everywhere_if_faster(model, example_input, target, models.get("planned_maco", models["planned_torch"]),
+                                           segments, log)
+        if everywhere is not None:
+            planned_maco, plan = everywhere
+            models["planned_torch"], models["planned_maco"] = plan.apply(fused), planned_maco
+            swapped = [path for path, mod in planned_maco.named_modules()
+                       if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
     if device == "cuda":  # every variant, torch's too, replayed from a CUDA graph (layouts.cuda_graph)
         models = {label: CudaGraphed(m) for label, m in models.items()}
     return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd)
+
+
+def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, chosen: nn.Module,
+                          segments: bool, log: Callable[[str], Any]) -> tuple[nn.Module, LayoutPlan] | None:
+    """The model with a MACO kernel on its default schedule wherever one runs (all NHWC,
+    kernel_choice.kernels_everywhere), with its plan, where it runs at least MIN_GAIN faster end
+    to end than `chosen`, the model built from the per-layer choices; else None. Each layer's
+    choice is timed alone, and a conv left to torch can cost its neighbours more than it saves:
+    it splits a run of kernels and brings layout conversions (results/segments_cpu.md, §5)."""
+    everywhere, plan = kernels_everywhere(model, example_input, target)
+    faster_linears(everywhere, example_input, target)
+    if segments:
+        use_segments(everywhere, target)
+    times = time_models({"chosen": chosen, "everywhere": everywhere}, example_input, rounds=3)
+    gain = times.speedup("everywhere", "chosen")
+    taken = times.max_rel_diff["everywhere"] <= OUTPUT_RTOL and gain >= MIN_GAIN
+    log(f"      a MACO kernel in every conv (default schedules, all NHWC) runs {gain:.2f}x the per-layer choices "
+        f"end to end: {'taken' if taken else 'the per-layer choices kept'}")
+    return (everywhere, plan) if taken else None
 
 
 def fastest(models: Mapping[str, Any], example_input: Any, rounds: int = 3) -> tuple[str, ModelTimes]:
