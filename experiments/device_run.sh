@@ -4,7 +4,7 @@
 #   bash experiments/device_run.sh     (carry .whl, the xgboost wheel, and .carry/fig15cubin.tgz, the cubins
 #   `fig15_kernels_gpu.py --prebuild-only sm_90 --cubin-dir .cubin/fig15` built here, *.cubin and *.sha256 tarred)
 # PARTS (default: all of tests fig15 fig17 tune cpu2 network cpu16) picks the parts; RECORDS names
-# CUDA records for the network part (default: the tune part's).
+# CUDA records for the network part (default: the tune part's); CPU_NETWORKS the CPU parts' networks.
 # Writes $OUT/log.txt (every part's tail) and $OUT/device.tgz (full logs, CSVs, plots, records).
 set -u
 PARTS=${PARTS:-tests fig15 fig17 tune cpu2 network cpu16}
@@ -42,7 +42,7 @@ if [ -f .carry/fig15cubin.tgz ]; then mkdir -p .cubin/fig15 && tar xzf .carry/fi
 # part 4 at 2 cores, beside the GPU parts (cores 0-1 here, 2-15 for them; noted with the results)
 CPU2=
 if want cpu2; then
-    (timeout -k 5 240 taskset -c 0-1 python3 experiments/threads_cpu.py --out "$R/res" --engines onnxruntime,maco \
+    (timeout -k 5 240 taskset -c 0-1 python3 experiments/threads_cpu.py --out "$R/res" --networks ${CPU_NETWORKS:-resnet18} --engines onnxruntime,maco \
         --rounds 5 > "$R/cpu2.log" 2>&1; echo "=== cpu2: exit $?" >> "$R/cpu2.log") &
     CPU2=$!
 fi
@@ -59,7 +59,7 @@ if [ -n "$CPU2" ]; then
 fi
 part network ${NETWORK_S:-150} python3 experiments/network_gpu.py --out "$R/res" --records "${RECORDS:-$R/res/records_cuda_resnet18.jsonl}"
 # part 4: every CPU core (ONNX Runtime and MACO first: Inductor compiles for a minute)
-part cpu16 ${CPU16_S:-100} python3 experiments/threads_cpu.py --out "$R/res" --engines ${CPU16_ENGINES:-onnxruntime,maco,inductor} --rounds 5
+part cpu16 ${CPU16_S:-100} python3 experiments/threads_cpu.py --out "$R/res" --networks ${CPU_NETWORKS:-resnet18} --engines ${CPU16_ENGINES:-onnxruntime,maco,inductor} --rounds 5
 
 echo "=== done after $((SECONDS - START)) s" | tee -a "$LOG"
 tar czf "$OUT/device.tgz" -C "$R" .
