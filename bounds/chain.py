@@ -154,14 +154,12 @@ def chain_bound(specs: Sequence[ConvSpec], S: int, names: Sequence[str] = (), *,
             flops = sum(2 * (c - a) * s.c_per_group * s.kh * s.kw for s, c, a in zip(specs[:-1], computed, mids))
             key = ((4 * q / bandwidth + flops / peak) if priced else q, recompute, -x * y)
             if best is None or key < best[0]:
-                best = (key, (x, y), resident, recompute, flops)
+                best = (key, (x, y), q, resident, recompute, flops)
+    separate = X + out + weights + 2 * sum(mids)
     if best is None:
-        return ChainBound(tuple(names), tuple(specs), S, q_unfused, X + out + weights + 2 * sum(mids),
-                          X + out + weights, None, None, None, None, None, priced)
-    (_, (x, y), resident, recompute, flops), separate = best, X + out + weights + 2 * sum(mids)
-    regions = _regions(specs, x, y)
-    tiles = ceil(last.out_h / y) * ceil(last.out_w / x)
-    q = tiles * first.c * regions[0][0] * regions[0][1] + out + weights * (1 if resident else tiles)
+        return ChainBound(tuple(names), tuple(specs), S, q_unfused, separate, X + out + weights,
+                          None, None, None, None, None, priced)
+    _, (x, y), q, resident, recompute, flops = best
     saved = 4 * (separate - q) / bandwidth - flops / peak if priced else None
     return ChainBound(tuple(names), tuple(specs), S, q_unfused, separate, X + out + weights, (x, y), q,
                       resident, recompute, flops, priced, saved)

@@ -50,8 +50,8 @@ def faster_kernels(torch_seconds: dict[tuple[ConvSpec, str], float],
     candidates: Chosen = {}
     for (spec, layout), torch_s in torch_seconds.items():
         rec = best.get((spec, layout))
-        if isinstance(rec, (Schedule, Record)):
-            candidates.setdefault(spec, {})[layout] = rec if isinstance(rec, Schedule) else rec.schedule
+        if rec is not None:
+            candidates.setdefault(spec, {})[layout] = rec.schedule if isinstance(rec, Record) else rec
     ratios = confirm_in_process(candidates, target) if target.kind == "cpu" else confirm_on_gpu(candidates, target)
     chosen: Chosen = {}
     for spec, by_layout in candidates.items():

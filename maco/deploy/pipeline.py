@@ -79,8 +79,6 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values(),
                                               *winograd.values())):
         models["planned_maco"] = planned_maco
-    swapped = [path for path, mod in planned_maco.named_modules()
-               if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
     if cpu and segments:
         use_segments(planned_maco, target)  # each run of kernel modules as one call
     if cpu:
@@ -89,8 +87,8 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         if everywhere is not None:
             planned_maco, plan = everywhere
             models["planned_torch"], models["planned_maco"] = plan.apply(fused), planned_maco
-            swapped = [path for path, mod in planned_maco.named_modules()
-                       if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
+    swapped = [path for path, mod in planned_maco.named_modules()
+               if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
     if device == "cuda":  # every variant, torch's too, replayed from a CUDA graph (layouts.cuda_graph)
         models = {label: CudaGraphed(m) for label, m in models.items()}
     return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd)
