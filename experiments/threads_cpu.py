@@ -19,7 +19,6 @@ conv's default parallel split fills the cores.
 from __future__ import annotations
 
 import csv
-import json
 import sys
 import tempfile
 import time
@@ -28,9 +27,8 @@ from typing import Any
 
 import torch
 
-from maco.core.files import write_atomic
 from maco.core.target import Target
-from maco.deploy.deployment import describe
+from maco.deploy.deployment import describe, save
 from maco.deploy.engines import Job, compare
 from maco.deploy.pipeline import run_pipeline
 from maco.experiments.common import Figure, num, out_dir, parser, write_csv
@@ -55,8 +53,7 @@ def save_default_model(net: str, path: Path) -> tuple[str, float]:
     x = example_input(1)
     _, model = load_model(net)
     run = run_pipeline(model.eval(), x, target, RecordStore([], target), log=lambda m: None)
-    dep = describe(run.built.models[run.pick], run.pick, x, target, run.built.plan)
-    write_atomic(path, json.dumps(dep.to_dict(), indent=1))
+    save(describe(run.built.models[run.pick], run.pick, x, target, run.built.plan), path)
     return run.pick, time.perf_counter() - start
 
 

@@ -10,6 +10,7 @@ CuPy or a GPU those calls raise a MacoError that says which is missing.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -162,17 +163,16 @@ class CudaConv:
         """y = relu?(conv(x) + bias? + residual?). x, residual, out: torch CUDA tensors with the
         logical NCHW shape (channels_last memory for NHWC), or CuPy arrays in the layout's own
         shape ((N, C, H, W) or (N, H, W, C)), C-contiguous. Returns the same kind as x."""
+        on = contextlib.nullcontext()
         if type(x).__module__.startswith("torch") and x.is_cuda:
             import torch
 
             stream = torch.cuda.current_stream(x.device).cuda_stream
             if stream:  # torch's stream, also for the DLPack views: no cross-stream sync, so a CUDA graph can capture it
-                with cupy_module().cuda.ExternalStream(stream):
-                    launch, out = self._prepare(x, residual, out)
-                    launch()
-                return out
-        launch, out = self._prepare(x, residual, out)
-        launch()
+                on = cupy_module().cuda.ExternalStream(stream)
+        with on:
+            launch, out = self._prepare(x, residual, out)
+            launch()
         return out
 
     run_tensor = __call__  # a model's per-call path (layouts.maco_modules.MacoConv2d)

@@ -10,7 +10,7 @@ from torch import nn
 
 import maco
 from maco import kernels
-from maco.deploy.deployment import Deployment, describe, load, save
+from maco.deploy.deployment import describe, load, save
 from maco.core.errors import MacoError
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
@@ -36,14 +36,10 @@ def _optimized(net: str):
     return model, x, gm, describe(gm, "planned_maco", x, HOST, p)
 
 
-def _save(dep: Deployment, path) -> None:
-    path.write_text(json.dumps(dep.to_dict()))
-
-
 @pytest.mark.parametrize("net", ["resnet18", "alexnet"])
 def test_a_saved_model_loads_to_the_same_outputs(tmp_path, net):
     model, x, gm, dep = _optimized(net)
-    _save(dep, tmp_path / "m.maco")
+    save(dep, tmp_path / "m.maco")
     start = time.perf_counter()
     loaded = maco.load(tmp_path / "m.maco", build(net))
     took = time.perf_counter() - start
@@ -63,7 +59,7 @@ def test_a_saved_model_loads_to_the_same_outputs(tmp_path, net):
 def test_another_machine_is_named_or_runs_the_defaults(tmp_path):
     model, x, gm, dep = _optimized("resnet18")
     dep.target = {**dep.target, "model": "Some Other CPU", "cores": 64}
-    _save(dep, tmp_path / "m.maco")
+    save(dep, tmp_path / "m.maco")
     with pytest.raises(MacoError, match="Some Other CPU.*this is"):
         load(tmp_path / "m.maco", build("resnet18"))
     loaded = load(tmp_path / "m.maco", build("resnet18"), other_machine="defaults")
@@ -73,7 +69,7 @@ def test_another_machine_is_named_or_runs_the_defaults(tmp_path):
 
 def test_another_thread_count_is_named(tmp_path):
     model, x, gm, dep = _optimized("resnet18")
-    _save(dep, tmp_path / "m.maco")
+    save(dep, tmp_path / "m.maco")
     saved = torch.get_num_threads()
     assert dep.threads == saved == dep.target["cores"]
     torch.set_num_threads(saved + 1)
@@ -88,7 +84,7 @@ def test_another_thread_count_is_named(tmp_path):
 
 def test_another_model_is_refused(tmp_path):
     _, _, _, dep = _optimized("resnet18")
-    _save(dep, tmp_path / "m.maco")
+    save(dep, tmp_path / "m.maco")
     with pytest.raises(MacoError, match="another model"):
         load(tmp_path / "m.maco", build("resnet50"))
     other = build("resnet18")
@@ -135,7 +131,7 @@ def test_pooling_kernels_are_saved_and_checked_on_load(tmp_path):
         swap_module(gm, "maxpool", MacoPool2d(gm.get_submodule("maxpool"), (1, 64, 112, 112), "NHWC", HOST))
     dep = describe(gm, "planned_maco", x, HOST, p)
     assert {k: dep.pools["maxpool"][k] for k in ("shape", "layout")} == {"shape": [1, 64, 112, 112], "layout": "NHWC"}
-    _save(dep, tmp_path / "m.maco")
+    save(dep, tmp_path / "m.maco")
     loaded = load(tmp_path / "m.maco", build("resnet18"))
     assert isinstance(loaded.get_submodule("maxpool"), MacoPool2d)
     with torch.inference_mode():
@@ -143,10 +139,10 @@ def test_pooling_kernels_are_saved_and_checked_on_load(tmp_path):
     for bad, match in (({"shape": [1, 64, "112", 112], "layout": "NHWC"}, "no valid input shape"),
                        ({"shape": [1, 64, 112, 112], "layout": "NCWH"}, "no generated kernel runs pooling")):
         dep.pools["maxpool"] = bad
-        _save(dep, tmp_path / "bad.maco")
+        save(dep, tmp_path / "bad.maco")
         with pytest.raises(MacoError, match=match):
             load(tmp_path / "bad.maco", build("resnet18"))
     dep.pools = {"layer1": {"shape": [1, 64, 56, 56], "layout": "NHWC"}}
-    _save(dep, tmp_path / "bad.maco")
+    save(dep, tmp_path / "bad.maco")
     with pytest.raises(MacoError, match="no MaxPool2d/AvgPool2d"):
         load(tmp_path / "bad.maco", build("resnet18"))

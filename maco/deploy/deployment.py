@@ -126,13 +126,16 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
 
 
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """Write the optimized model of an OptimizeResult, or a model `load` returned, to one file."""
-    if isinstance(obj, OptimizeResult):
+    """Write the optimized model of an OptimizeResult, a model `load` returned, or a Deployment
+    `describe` made, to one file."""
+    if isinstance(obj, Deployment):
+        dep = obj
+    elif isinstance(obj, OptimizeResult):
         dep = describe(unwrap(obj.model), obj.chosen, obj.example, obj.target or host_target(), obj.plan)
     elif isinstance(getattr(obj, "meta", None), dict) and isinstance(obj.meta.get("maco"), Deployment):
         dep = obj.meta["maco"]
     else:
-        raise MacoError(f"save takes what maco.deploy.optimize returned or a model maco.load built, got {type(obj).__name__}")
+        raise MacoError(f"save takes what maco.deploy.optimize returned, a model maco.load built or a Deployment, got {type(obj).__name__}")
     check_writable(path, "saved model")
     try:
         write_atomic(path, json.dumps(dep.to_dict(), indent=1))

@@ -232,6 +232,28 @@ def _layout(x: torch.Tensor) -> str | None:
     return "NCHW" if x.is_contiguous() else "NHWC" if x.is_contiguous(memory_format=torch.channels_last) else None
 
 
+def arguments_seen(gm: fx.GraphModule, example_input: Any, paths: list[str]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The arguments (copies) each module at `paths` gets at its first call in one run of `gm`:
+    the input, and a fused conv's residual."""
+    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+    seen: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def keep(path: str) -> Callable[[nn.Module, tuple], None]:
+        def hook(mod: nn.Module, args: tuple) -> None:  # None: a pre-hook's result would replace args
+            seen.setdefault(path, tuple(a.detach().clone(memory_format=torch.preserve_format)
+                                        if isinstance(a, torch.Tensor) else a for a in args))
+        return hook
+
+    hooks = [gm.get_submodule(path).register_forward_pre_hook(keep(path)) for path in paths]
+    try:
+        with torch.inference_mode():
+            gm(*inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
 def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, ...],
                     make: Callable[[nn.Module, torch.Tensor, bool], nn.Module | None],
                     rounds: int, before: Callable[[], Any] | None = None) -> ModuleRatios:
@@ -240,26 +262,12 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
     the arguments it gets there (`before` runs before each timed call); swapped in place where MACO
     wins by MIN_GAIN (its output preallocated when the module is called once and its output stays
     inside the model)."""
-    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
-    seen: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]] = {}
-
-    def keep(path: str) -> Callable[[nn.Module, tuple], None]:
-        def hook(mod: nn.Module, args: tuple) -> None:  # the input, and a fused conv's residual
-            seen.setdefault(path, (mod, tuple(a.detach().clone(memory_format=torch.preserve_format) for a in args)))
-        return hook
-
     calls = call_sites(gm)
-    hooks = [gm.get_submodule(path).register_forward_pre_hook(keep(path)) for path in calls
-             if isinstance(gm.get_submodule(path), types)]
-    try:
-        with torch.inference_mode():
-            gm(*inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    seen = arguments_seen(gm, example_input, [p for p in calls if isinstance(gm.get_submodule(p), types)])
     steady_allocator()
     ratios: ModuleRatios = {}
-    for path, (module, args) in seen.items():
+    for path, args in seen.items():
+        module = gm.get_submodule(path)
         maco = make(module, args[0], False)
         if maco is None:
             continue
@@ -298,21 +306,11 @@ def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, oth
     use_maco_kernels(gm, p, chosen, target)
     if not others and winograd is None:
         return gm, p
-    shapes: dict[str, tuple[int, ...]] = {}
     calls = call_sites(gm)
-
-    def record(path: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple) -> None:  # None: a pre-hook's result would replace args
-            shapes.setdefault(path, tuple(args[0].shape))
-        return hook
-
-    hooks = [gm.get_submodule(path).register_forward_pre_hook(record(path)) for path in calls]
-    with torch.inference_mode():
-        gm(x)
-    for h in hooks:
-        h.remove()
     capable = 0
-    for path, shape in shapes.items():
+    wanted = [p for p in calls if isinstance(gm.get_submodule(p), (nn.Conv2d, MacoConv2d, *POOLS))]
+    for path, args in arguments_seen(gm, x, wanted).items():
+        shape = tuple(args[0].shape)
         mod = gm.get_submodule(path)
         own = len(calls[path]) == 1 and not escapes(gm, calls[path][0])
         conv = mod.torch_conv if isinstance(mod, MacoConv2d) else mod
