@@ -30,6 +30,31 @@ def test_summary_ranks_engines_per_network():
                            "fastest onnxruntime, MACO 2 of 3; alexnet: maco 1.02x (outputs differ)")
 
 
+def test_the_report_names_the_fastest_by_ratio_and_by_milliseconds_per_batch():
+    rows = [dict(network="resnet50", batch="8", engine="onnxruntime", speedup="1.80", engine_ms="250", outputs_ok="True"),
+            dict(network="resnet50", batch="8", engine="maco", speedup="1.90", engine_ms="260", outputs_ok="True"),
+            dict(network="resnet50", batch="1", engine="maco", speedup="1.50", engine_ms="40", outputs_ok="True")]
+    text = eng.summarise(rows)
+    assert text.startswith("resnet50 b8: maco 1.90x 260.00 ms, onnxruntime 1.80x 250.00 ms; fastest by ratio maco, "
+                           "by ms onnxruntime, MACO 1 of 2; resnet50: maco 1.50x 40.00 ms; fastest maco")
+
+
+def test_an_engines_row_is_the_median_over_its_passes():
+    passes = [dict(engine="maco", engine_ms=10.0, eager_ms=30.0, speedup=3.0, speedup_min=2.9, speedup_max=3.1,
+                   rounds=7, outputs_ok=True, max_rel_err=1e-6, max_abs_diff=1e-5),
+              dict(engine="maco", engine_ms=12.0, eager_ms=33.0, speedup=2.75, speedup_min=2.5, speedup_max=2.8,
+                   rounds=7, outputs_ok=True, max_rel_err=2e-6, max_abs_diff=1e-5),
+              dict(engine="maco", note="worker died (exit 1)")]
+    row = eng.passes_row("maco", passes)
+    assert row["engine_ms"] == 11.0 and row["speedup"] == 2.875 and row["passes"] == 2 and row["rounds"] == 14
+    assert (row["speedup_min"], row["speedup_max"], row["max_rel_err"]) == (2.5, 3.1, 2e-6)
+    assert row["engine_ms_passes"] == "10.000 12.000" and row["outputs_ok"] is True
+    passes[1]["outputs_ok"] = False  # one pass that differs marks the row
+    assert eng.passes_row("maco", passes)["outputs_ok"] is False
+    assert eng.passes_row("maco", passes[2:]) == {"engine": "maco", "passes": 0, "note": "worker died (exit 1)"}
+    assert eng.passes_row("maco", [], "maco optimize failed: X")["note"] == "maco optimize failed: X"
+
+
 def test_csv_and_plot_are_written(tmp_path):
     eng.write_csv(tmp_path / "engines_cpu.csv", ROWS, eng.COLUMNS)
     eng.plot(ROWS, tmp_path / "engines_cpu.png")
@@ -60,7 +85,7 @@ def test_a_worker_that_does_not_start_is_a_row(monkeypatch):
 
 @pytest.mark.slow
 def test_channels_last_through_the_subprocess(tmp_path):
-    assert eng.main(["--networks", "resnet18", "--engines", "channels_last", "--rounds", "1", "--repeats", "1",
+    assert eng.main(["--networks", "resnet18", "--engines", "channels_last", "--rounds", "1", "--passes", "1", "--repeats", "1",
                      "--min-run-time", "0.001", "--warmup", "1", "--patience", "0", "--lock", "",
                      "--out", str(tmp_path)]) == 0
     with open(tmp_path / "engines_cpu.csv", newline="") as fh:
