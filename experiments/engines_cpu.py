@@ -51,7 +51,7 @@ NETWORKS = ",".join(BUILT_IN)
 COLUMNS = ["network", "batch", "engine", "eager_ms", "engine_ms", "speedup", "speedup_min", "speedup_max", "rounds",
            "passes", "engine_ms_passes", "speedup_passes", "compile_s", "max_abs_diff", "max_rel_err", "outputs_ok",
            "load", "note"]
-LOCK = "/tmp/maco-bench.lock"
+LOCK = "/tmp/maco-timing.lock"
 DEFAULT_RECORDS = RESULTS / "records_cpu.jsonl"
 VERSIONS = ("torch", "onnxruntime", "onnx", "openvino")
 

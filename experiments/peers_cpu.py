@@ -87,7 +87,7 @@ DEFAULT_LAYERS = [
 TUNERS = ["torch-nchw", "torch-nhwc", "halide-adams2019", "halide-adams2019-nhwc",
           "halide-li2018", "halide-mullapudi2016", "halide-hand", "tvm-ms", "maco-default", "maco"]
 COLUMNS = ["layer", "tuner", "trials", "tuning_seconds", "gflops", "speedup_vs_torch_best", "note"]
-LOCK = "/tmp/maco-bench.lock"
+LOCK = "/tmp/maco-timing.lock"
 TOL = 2e-3  # max |out - torch| relative to max |torch|
 
 
