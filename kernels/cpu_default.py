@@ -20,7 +20,7 @@ from maco.bounds import optimal_tile
 from maco.core.errors import MacoError
 from maco.core.axes import SPATIAL_AXES, axis_extents
 from maco.core.schedule import LAYOUTS, Schedule
-from maco.core.sketch_cpu import REGISTER_RESERVE
+from maco.core.sketch_cpu import free_registers
 from maco.core.factors import divisors
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -30,7 +30,7 @@ def _register_tiles(spec: ConvSpec, target: Target, layout: str):
     """(score, tile dict, vector axis, width) for every register tile worth considering."""
     W = target.simd_width
     nregs = target.level("registers").elements // W
-    free = nregs - REGISTER_RESERVE
+    free = free_registers(target)
     kpg, oh, ow = spec.k_per_group, spec.out_h, spec.out_w
     fast_ow = layout == "NCHW" and spec.stride[1] == 1 and target.isa in ("avx512", "avx2")
     out = []
@@ -84,7 +84,7 @@ def _distinct(outputs: int, stride: int, taps: int, dilation: int) -> int:
 
 
 def _scalar_tile(spec: ConvSpec, target: Target) -> dict[str, int]:
-    free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
+    free = free_registers(target)
     best = (0, {})
     for y in divisors(spec.out_h):
         for x in divisors(spec.out_w):

@@ -11,7 +11,7 @@ import numpy as np
 from maco.core.axes import SPATIAL_AXES, axis_extents
 from maco.core.factors import divisors
 from maco.core.schedule import LAYOUTS, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule
-from maco.core.sketch_cpu import REGISTER_RESERVE
+from maco.core.sketch_cpu import free_registers
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.space import prune
@@ -60,7 +60,7 @@ def tables(spec: ConvSpec, target: Target, rules) -> CpuTables:
     div_of = [(d[None, :] % d[:, None] == 0) for d in divs]
     g = broadcast_grid(divs)
     outputs = g[0] * g[1] * g[2] * g[3] * g[4]
-    free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
+    free = free_registers(target)
     # with a register share rule the vector axis, the layout and the weight packing decide the
     # loads of a step (maco.space.prune.cpu_share): the tables then run over those triples, weighted by
     # the inner orders each layout allows; else over the vector axis alone

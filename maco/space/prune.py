@@ -98,7 +98,7 @@ from maco.core.factors import divisors
 from maco.core.axes import SPATIAL_AXES
 from maco.core.schedule import Schedule
 from maco.core import sketch_cuda
-from maco.core.sketch_cpu import REGISTER_RESERVE
+from maco.core.sketch_cpu import free_registers
 from maco.core.sketch_cuda import GPU_MAX_THREADS, gpu_max_accumulators
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -306,7 +306,7 @@ def rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, 
             notes.append(f"{name} conditions relaxed {s} step(s)")
         if name == "registers":
             if target.kind == "cpu":
-                free = target.level("registers").elements // target.simd_width - REGISTER_RESERVE
+                free = free_registers(target)
                 if not config.fma_latency:
                     registers = RegisterRule(1, free, 0, s)
                 elif spec.k_per_group % target.simd_width == 0:  # the tile's issue share
