@@ -80,6 +80,9 @@ def run_network(net: str, batch: int, engines: list[str], args: argparse.Namespa
     tuned: tuple[float, str] | None = None
     failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="engines_cpu_") as tmp:
+        if args.keep:  # MACO's records and saved model outlive the run
+            tmp = str(Path(args.keep) / f"{net}_b{batch}")
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for pass_ in range(args.passes):
             for engine in engines:
                 if engine in failed:
@@ -130,7 +133,9 @@ def _optimize(net: str, batch: int, args: argparse.Namespace, tmp: Path) -> tupl
     from maco.deploy.optimize import optimize
 
     records = tmp / "records_cpu.jsonl"
-    if args.records and Path(args.records).is_file():
+    if records.is_file():  # --keep from an earlier run: its tuning goes on
+        given = f"records kept in {records}"
+    elif args.records and Path(args.records).is_file():
         shutil.copyfile(args.records, records)  # tuning appends: never to the file given
         given = f"records copied from {args.records}"
     else:
@@ -216,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1", help="comma-separated batch sizes (default 1), e.g. 1,8")
     ap.add_argument("--passes", type=int, default=None,
                     help="back-to-back passes over the engines, A B A B (default 2, quick 1)")
+    ap.add_argument("--keep", default="", help="a folder that keeps MACO's tuned records and saved model "
+                    "(NET_bBATCH/records_cpu.jsonl, model.maco) for later runs; default: a temporary folder")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7, quick 3)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine and round (default 3)")
     ap.add_argument("--min-run-time", type=float, default=0.05, help="seconds one timed run lasts at least")

@@ -75,6 +75,48 @@ def whole(args: argparse.Namespace, target: Target) -> None:
                     print(f"  {label} over {o}: {times.speedup(label, o):.3f}x (median of per-round ratios)")
 
 
+def winograd_rows(args: argparse.Namespace, target: Target) -> None:
+    """The Winograd kernel's register rows (tiles x filter vectors accumulated), per layer and tile size."""
+    from maco.kernels import winograd
+
+    seen = set()
+    for net in args.networks.split(","):
+        for spec, _ in distinct_convs(network_convs(net, 1)):
+            if spec in seen or not winograd.winograd_can_run(spec, target.simd_width):
+                continue
+            seen.add(spec)
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(spec.input_shape, generator=g).contiguous(memory_format=torch.channels_last)
+            w = torch.randn(spec.weight_shape, generator=g)
+            with torch.no_grad():
+                ref = torch.nn.functional.conv2d(x, w, padding=spec.padding)
+            runs = {}
+            for m in winograd.TILE_SIZES[spec.kh]:
+                for rows in (int(r) for r in args.winograd_rows.split(",")):
+                    before, winograd.ROWS = winograd.ROWS, rows
+                    try:
+                        plan = winograd.WinogradPlan(spec, bias=False, threads=target.cores, lanes=target.simd_width, m=m)
+                        kernel = winograd.WinogradKernel(plan, target)
+                    finally:
+                        winograd.ROWS = before
+                    out = torch.empty_like(ref, memory_format=torch.channels_last)
+                    u = plan.pack_weight(w.numpy())
+                    runs[f"F{m} rows {rows}"] = (lambda k=kernel, u=u, out=out: k(x, u, None, None, out))
+                    runs[f"F{m} rows {rows}"]()
+                    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-3, (spec, m, rows)
+            timed = interleaved_rounds(runs, args.rounds, repeats=5, min_run_time=5e-3, warmup=2)
+            best = {label: statistics.median(t.min for t in ts) for label, ts in timed.items()}
+            ratios = []
+            for m in winograd.TILE_SIZES[spec.kh]:
+                labels = [lab for lab in runs if lab.startswith(f"F{m} ")]
+                base = labels[0]
+                ratios += [f"F{m}: " + ", ".join(
+                    f"{lab.split()[-1]} rows {best[lab] * 1e3:.3f} ms "
+                    f"({statistics.median(a.min / b.min for a, b in zip(timed[base], timed[lab])):.3f}x)"
+                    for lab in labels)]
+            print(f"{str(spec):36s} " + "; ".join(ratios), flush=True)
+
+
 def _channels_last(model: torch.nn.Module) -> Any:
     import copy
 
@@ -96,6 +138,9 @@ def main() -> None:
                     help="instead: these networks whole (comma-separated), a MACO kernel in every conv on "
                     "its default schedule (kernel_choice.kernels_everywhere), made with --reserve and with "
                     "--against-reserve, timed in the same rounds as eager and channels_last")
+    ap.add_argument("--winograd-rows", default="",
+                    help="instead: the Winograd kernel's GEMM with these register rows (e.g. 6,7), F(2x2) and "
+                    "F(4x4), on the 3x3 stride-1 convs of --networks, in the same rounds")
     ap.add_argument("--layers", default="", help="only specs containing one of these comma-separated texts")
     args = ap.parse_args()
     if args.reserve is not None:  # free_registers reads both, at each call
@@ -107,6 +152,9 @@ def main() -> None:
     evict = CacheEvictor.for_target(target)
     if args.whole:
         whole(args, target)
+        return
+    if args.winograd_rows:
+        winograd_rows(args, target)
         return
     tiles = [dict(part.split("=") for part in t.replace("k", "k=").replace("oh", "oh=").replace("ow", "ow=").split("x"))
              for t in args.tiles.split(",") if t]
