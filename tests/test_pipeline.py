@@ -199,8 +199,9 @@ def test_a_kernel_in_every_conv_is_taken_only_where_it_is_faster_end_to_end():
                           nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval()
     x = torch.randn(1, 3, 24, 24)
     host, lines = kernels.host_target(), []
-    taken = pipeline._everywhere_if_faster(model, x, host, _Slow(model), True, lines.append)
+    taken = pipeline._everywhere_if_faster(model, x, host, _Slow(model), True, False, lines.append)
     assert taken is not None and "taken" in lines[-1]
+    assert "Winograd beats the direct kernel in the model on 0 of 0" in lines[-2]  # no conv it computes
     everywhere, plan = taken
     assert {lp.layout for lp in plan.convs} == {"NHWC"}
     from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d
@@ -210,5 +211,5 @@ def test_a_kernel_in_every_conv_is_taken_only_where_it_is_faster_end_to_end():
     with torch.inference_mode():
         want = model(x)
         assert float((everywhere(x) - want).abs().max() / want.abs().max()) < 1e-4
-        assert pipeline._everywhere_if_faster(model, x, host, _Cached(want), True, lines.append) is None
+        assert pipeline._everywhere_if_faster(model, x, host, _Cached(want), True, True, lines.append) is None
     assert "per-layer choices kept" in lines[-1]

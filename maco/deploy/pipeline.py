@@ -83,7 +83,7 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         use_segments(planned_maco, target)  # each run of kernel modules as one call
     if cpu:
         everywhere = _everywhere_if_faster(model, example_input, target, models.get("planned_maco", models["planned_torch"]),
-                                           segments, log)
+                                           segments, exact, log)
         if everywhere is not None:
             planned_maco, plan = everywhere
             models["planned_torch"], models["planned_maco"] = plan.apply(fused), planned_maco
@@ -95,14 +95,19 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
 
 
 def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, chosen: nn.Module,
-                          segments: bool, log: Callable[[str], Any]) -> tuple[nn.Module, LayoutPlan] | None:
+                          segments: bool, exact: bool, log: Callable[[str], Any]) -> tuple[nn.Module, LayoutPlan] | None:
     """The model with a MACO kernel on its default schedule wherever one runs (all NHWC,
-    kernel_choice.kernels_everywhere), with its plan, where it runs at least MIN_GAIN faster end
-    to end than `chosen`, the model built from the per-layer choices; else None. Each layer's
-    choice is timed alone, and a conv left to torch can cost its neighbours more than it saves:
-    it splits a run of kernels and brings layout conversions (results/segments_cpu.md, §5)."""
+    kernel_choice.kernels_everywhere), Winograd where it beats that kernel in the model (not
+    `exact`), with its plan, where it runs at least MIN_GAIN faster end to end than `chosen`, the
+    model built from the per-layer choices; else None. Each layer's choice is timed alone, and a
+    conv left to torch can cost its neighbours more than it saves: it splits a run of kernels and
+    brings layout conversions (results/segments_cpu.md, §5)."""
     everywhere, plan = kernels_everywhere(model, example_input, target)
     faster_linears(everywhere, example_input, target)
+    if not exact:
+        won = faster_winograd(everywhere, example_input, target)
+        log(f"      every conv on a MACO kernel: Winograd beats the direct kernel in the model on "
+            f"{sum(r >= MIN_GAIN for r in won.values())} of {len(won)} 3x3/5x5 stride-1 convs")
     if segments:
         use_segments(everywhere, target)
     times = time_models({"chosen": chosen, "everywhere": everywhere}, example_input, rounds=3)
