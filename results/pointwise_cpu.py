@@ -63,6 +63,13 @@ def whole(args: argparse.Namespace, target: Target) -> None:
             if reserve is None:
                 continue
             gm, _ = _with_reserve(reserve, lambda: kernels_everywhere(model, x, target))
+            if args.with_winograd:  # and its copy with Winograd where it wins in the model (the pipeline's)
+                from maco.deploy.kernel_choice import faster_winograd
+                wg, _ = _with_reserve(reserve, lambda: kernels_everywhere(model, x, target))
+                won = _with_reserve(reserve, lambda: faster_winograd(wg, x, target))
+                print(f"{net}: Winograd won on {sum(r >= 1.02 for r in won.values())} of {len(won)} convs", flush=True)
+                use_segments(wg, target)
+                models[f"maco reserve {reserve} + winograd"] = wg
             use_segments(gm, target)
             models[f"maco reserve {reserve}"] = gm
         times = time_models(models, x, rounds=args.rounds)
@@ -138,6 +145,8 @@ def main() -> None:
                     help="instead: these networks whole (comma-separated), a MACO kernel in every conv on "
                     "its default schedule (kernel_choice.kernels_everywhere), made with --reserve and with "
                     "--against-reserve, timed in the same rounds as eager and channels_last")
+    ap.add_argument("--with-winograd", action="store_true",
+                    help="--whole: also each MACO model with Winograd where it beats the direct kernel in the model")
     ap.add_argument("--winograd-rows", default="",
                     help="instead: the Winograd kernel's GEMM with these register rows (e.g. 6,7), F(2x2) and "
                     "F(4x4), on the 3x3 stride-1 convs of --networks, in the same rounds")
