@@ -25,8 +25,8 @@ KNOBS: dict[str, type] = {}  # the CPU backend reads no `extra` knobs
 REGISTER_RESERVE = 4  # vector registers left for input broadcasts and weights (32-register ISAs)
 # With 16 vector registers (AVX2) the FMAs take the weight vectors from L1 as memory operands, so
 # the input broadcast and one temporary are all a tile needs beside its accumulators: 14 of them
-# (2 vectors x 7 pixels, which divide the 7x7 to 112x112 maps) ran 1.2-1.5x the 8 that a reserve
-# of 4 leaves, on 1x1 and 3x3 convs alike (results/pointwise_cpu.md)
+# (2 vectors x 7 pixels, which divide the 7x7 to 112x112 maps) beat the 8 that a reserve of 4
+# leaves on 1x1 and 3x3 convs alike (results/pointwise_cpu.md)
 REGISTER_RESERVE_16 = 2
 
 
