@@ -113,7 +113,7 @@ def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, 
     times = time_models({"chosen": chosen, "everywhere": everywhere}, example_input, rounds=3)
     gain = times.speedup("everywhere", "chosen")
     taken = times.max_rel_diff["everywhere"] <= OUTPUT_RTOL and gain >= MIN_GAIN
-    log(f"      a MACO kernel in every conv (default schedules, all NHWC) runs {gain:.2f}x the per-layer choices "
+    log(f"      a MACO kernel in every conv (default schedules, all NHWC{'' if exact else ', Winograd where it won'}) runs {gain:.2f}x the per-layer choices "
         f"end to end: {'taken' if taken else 'the per-layer choices kept'}")
     return (everywhere, plan) if taken else None
 
