@@ -79,10 +79,10 @@ def run_network(net: str, batch: int, engines: list[str], args: argparse.Namespa
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     tuned: tuple[float, str] | None = None
     failed: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="engines_cpu_") as tmp:
-        if args.keep:  # MACO's records and saved model outlive the run
-            tmp = str(Path(args.keep) / f"{net}_b{batch}")
-            Path(tmp).mkdir(parents=True, exist_ok=True)
+    kept = Path(args.keep) / f"{net}_b{batch}" if args.keep else None  # MACO's records and model outlive the run
+    if kept:
+        kept.mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(str(kept)) if kept else tempfile.TemporaryDirectory(prefix="engines_cpu_") as tmp:
         for pass_ in range(args.passes):
             for engine in engines:
                 if engine in failed:
@@ -239,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     args.passes = args.passes or (1 if args.quick else 2)
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        if not batches or min(batches) < 1:
+            raise ValueError(args.batches)
     except ValueError:
-        ap.error(f"--batches takes comma-separated positive integers, got {args.batches!r}")
-    if not batches or min(batches) < 1:
         ap.error(f"--batches takes comma-separated positive integers, got {args.batches!r}")
     if args.passes < 1:
         ap.error(f"--passes must be at least 1, got {args.passes}")

@@ -55,10 +55,10 @@ def target_problems(schedule: Schedule, spec: ConvSpec, target: Target) -> list[
     if schedule.vector_width not in (1, target.simd_width):
         out.append(f"vector_width must be 1 or the target's SIMD width "
                    f"{target.simd_width}, got {schedule.vector_width}")
-    regs = target.level("registers").elements // target.simd_width
-    if schedule.accumulators > free_registers(target):
+    regs, free = target.level("registers").elements // target.simd_width, free_registers(target)
+    if schedule.accumulators > free:
         out.append(f"register tile needs {schedule.accumulators} accumulators but only "
-                   f"{free_registers(target)} of {regs} vector registers are free")
+                   f"{free} of {regs} vector registers are free")
     return out
 
 
