@@ -170,3 +170,29 @@ def test_a_budget_smaller_than_a_batch_per_task_still_measures_every_task():
                                                                     generations=1), seed=0)
     counts = [len(s.records) for s in result.states]
     assert sum(counts) == 15 and counts == [3, 3, 3, 3, 3]
+
+
+def test_a_conv_with_a_negligible_share_of_the_work_gets_its_seeds_and_no_search(tmp_path):
+    """An SE block's 1x1 conv on a 1x1 map (2 kFLOP beside 29 MFLOP) would take a search's
+    rounds for a kernel of microseconds; it gets its seeds, the big conv all the rest."""
+    tiny = ConvSpec.parse("n1_c64_h1_w1_k16_r1")
+    seed = space.sample(tiny, AVX2, 0)
+    tasks = [Task("big", SPEC), Task("tiny", tiny, seeds=(seed,))]
+    path = tmp_path / "records.jsonl"
+    config = SearchConfig(batch=8, population=32, generations=1)
+    result = tune(tasks, AVX2, 40, synthetic(), records=path, config=config, seed=0)
+    assert [len(s.records) for s in result.states] == [39, 1]
+    assert result.states[1].records[0].schedule == seed
+    again = tune(tasks, AVX2, 48, synthetic(), records=path, config=config, seed=0)  # resumed
+    assert [len(s.records) for s in again.states] == [47, 1]
+
+
+def test_budget_trials_caps_the_quick_budget_only():
+    from maco import MacoError
+    from maco.tune.tuning import BUDGET_CAPS, BUDGETS, budget_trials
+
+    assert budget_trials("quick", 2) == 2 * BUDGETS["quick"]
+    assert budget_trials("quick", 46) == BUDGET_CAPS["quick"] < 46 * BUDGETS["quick"]
+    assert budget_trials("thorough", 46) == 46 * BUDGETS["thorough"]
+    with pytest.raises(MacoError, match="unknown budget 'fast'"):
+        budget_trials("fast", 3)

@@ -46,7 +46,6 @@ from maco.core.files import short
 from maco.deploy.kernel_choice import MIN_GAIN
 from maco.deploy.pipeline import Tuning, run_pipeline
 from maco.tune.records import RecordStore
-from maco.tune.tuning import BUDGETS
 
 log = logging.getLogger("maco")
 TUNES = ("none", "quick", "normal")
@@ -308,7 +307,7 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
                   for t in inputs]
     x = inputs[0] if len(inputs) == 1 else tuple(inputs)
     files = opts.get("records") or []
-    tuning = Tuning(BUDGETS[opts["tune"]], files[0]) if opts["tune"] != "none" and files else None
+    tuning = Tuning(opts["tune"], files[0]) if opts["tune"] != "none" and files else None
     run = run_pipeline(model, x, target, RecordStore(files, target), tuning=tuning, layouts=opts["layouts"],
                        exact=opts["exact"], log=log.info)
     built, pick = run.built, run.pick

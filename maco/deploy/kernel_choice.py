@@ -232,16 +232,18 @@ def _layout(x: torch.Tensor) -> str | None:
     return "NCHW" if x.is_contiguous() else "NHWC" if x.is_contiguous(memory_format=torch.channels_last) else None
 
 
-def arguments_seen(gm: fx.GraphModule, example_input: Any, paths: list[str]) -> dict[str, tuple[torch.Tensor, ...]]:
-    """The arguments (copies) each module at `paths` gets at its first call in one run of `gm`:
-    the input, and a fused conv's residual."""
+def arguments_seen(gm: fx.GraphModule, example_input: Any, paths: list[str],
+                   copy: bool = True) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The arguments each module at `paths` gets at its first call in one run of `gm`: the input,
+    and a fused conv's residual. Copies, unless `copy` is False (enough to read their shapes, and
+    no second copy of every activation)."""
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     seen: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def keep(path: str) -> Callable[[nn.Module, tuple], None]:
         def hook(mod: nn.Module, args: tuple) -> None:  # None: a pre-hook's result would replace args
             seen.setdefault(path, tuple(a.detach().clone(memory_format=torch.preserve_format)
-                                        if isinstance(a, torch.Tensor) else a for a in args))
+                                        if copy and isinstance(a, torch.Tensor) else a for a in args))
         return hook
 
     hooks = [gm.get_submodule(path).register_forward_pre_hook(keep(path)) for path in paths]
@@ -309,7 +311,7 @@ def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, oth
     calls = call_sites(gm)
     capable = 0
     wanted = [p for p in calls if isinstance(gm.get_submodule(p), (nn.Conv2d, MacoConv2d, *POOLS))]
-    for path, args in arguments_seen(gm, x, wanted).items():
+    for path, args in arguments_seen(gm, x, wanted, copy=False).items():
         shape = tuple(args[0].shape)
         mod = gm.get_submodule(path)
         own = len(calls[path]) == 1 and not escapes(gm, calls[path][0])

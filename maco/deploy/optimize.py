@@ -25,7 +25,7 @@ from maco.tune.records import Record, RecordStore
 from maco.kernels import resolve_target
 from maco.core.spec import ConvSpec
 from maco.core.target import require_memory
-from maco.tune.tuning import BUDGETS
+from maco.tune.tuning import BUDGETS, budget_trials
 
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
 
@@ -64,12 +64,12 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         raise MacoError(f"{name} has no Conv2d layers to tune")
     log(f"[1/4] tuning {len(layers)} distinct conv layers of {name} (batch {x.shape[0]}) on {tgt.name}"
         + (f" with {tgt.cores} threads" if tgt.kind == "cpu" else "")
-        + f": {BUDGETS[budget] * len(layers)} measurements ({budget} budget), records in {records}")
+        + f": {budget_trials(budget, len(layers))} measurements ({budget} budget), records in {records}")
     # torch's seconds: the records' baselines where present, else the tuner's fresh timings, which
     # it appends there (tuning.measure_baselines): the torch.compile backend plans from the same numbers
     store = RecordStore([records], tgt)
     run = run_pipeline(model, x, tgt, store, layers=layers, device=device, exact=exact, log=log,
-                       tuning=Tuning(BUDGETS[budget], records, every_layer=True, seed=seed, cluster=cluster),
+                       tuning=Tuning(budget, records, every_layer=True, seed=seed, cluster=cluster),
                        on_tuned=lambda: log("[2/4] re-timing the kernels that beat torch in this process; "
                                             "folding BatchNorm, fusing epilogues, planning layouts"),
                        on_variants=lambda built: _variants_built(built, out, log))

@@ -26,7 +26,7 @@ from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d, MacoWinograd2
 from maco.layouts.networks import conv_layers, distinct_convs
 from maco.layouts.segments import use_segments
 from maco.tune.records import Baseline, Record, RecordStore
-from maco.tune.tuning import LayerResult, measure_baselines, tune_layers
+from maco.tune.tuning import LayerResult, budget_trials, measure_baselines, tune_layers
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -142,12 +142,13 @@ def distinct_layers(model: nn.Module, example_input: Any) -> list[Layer]:
 @dataclass(frozen=True)
 class Tuning:
     """How the pipeline tunes into `records` (one of the store's files) before it plans.
-    every_layer (`maco optimize`): each distinct conv gets `per_layer` measurements (records
-    already there count), and the plan uses what the tuner recorded: its kernels and its torch
-    baselines. Otherwise (the backend): only convs without a kernel in the records are tuned,
-    each weighing 1, and torch baselines the records lack are timed by the tuner's worker."""
+    every_layer (`maco optimize`): the distinct convs share `budget`'s measurements
+    (tuning.budget_trials; records already there count), and the plan uses what the tuner
+    recorded: its kernels and its torch baselines. Otherwise (the backend): only convs without a
+    kernel in the records are tuned, each weighing 1, and torch baselines the records lack are
+    timed by the tuner's worker."""
 
-    per_layer: int
+    budget: str
     records: Path
     every_layer: bool = False
     seed: int = 0
@@ -198,7 +199,8 @@ def run_pipeline(model: nn.Module, example_input: Any, target: Target, store: Re
 
 def _tune_every_layer(layers: list[Layer], target: Target, store: RecordStore, tuning: Tuning) -> list[LayerResult]:
     """Each layer's budget, its torch baselines from the records or the tuner's worker."""
-    tuned = tune_layers([(layer.name, layer.spec) for layer in layers], target, tuning.per_layer * len(layers),
+    tuned = tune_layers([(layer.name, layer.spec) for layer in layers], target,
+                        budget_trials(tuning.budget, len(layers)),
                         records=tuning.records, seed=tuning.seed, weights=[layer.weight for layer in layers],
                         cluster=tuning.cluster, store=store)
     store.refresh()
@@ -212,7 +214,7 @@ def _tune_missing(specs: list[ConvSpec], target: Target, store: RecordStore, tun
     missing = [spec for spec in specs if not any(key[0] == spec for key in store.best)]
     tuned = []
     if missing:
-        tuned = tune_layers([(str(s), s) for s in missing], target, tuning.per_layer * len(missing),
+        tuned = tune_layers([(str(s), s) for s in missing], target, budget_trials(tuning.budget, len(missing)),
                             records=tuning.records, layouts=layouts, store=store)
         store.refresh()
     unbased = [spec for spec in specs if any((spec, lay) not in store.baselines for lay in layouts)]

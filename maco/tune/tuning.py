@@ -25,6 +25,12 @@ from maco.core.timing import environment
 
 # Measurements per distinct conv layer. quick: the two bound-derived defaults plus a short search.
 BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
+# quick is a first look: at most this many measurements in all, however many distinct convs a
+# network has (EfficientNet-B0 has 46); the task scheduler spends them where the time is.
+BUDGET_CAPS = {"quick": 400}
+# A conv with less than this share of the network's conv work (weights counted) takes
+# microseconds, where no schedule gains what a search costs: its defaults are measured, no more.
+SEARCH_MIN_SHARE = 1e-3
 PLAIN_EVERY_S = 10.0  # where stdout is no terminal (a log), a progress line at most this often
 
 
@@ -80,6 +86,13 @@ class TuneResult:
         return self.states[index].best
 
 
+def budget_trials(budget: str, layers: int) -> int:
+    """Measurements in all for `layers` distinct convs on `budget` (BUDGETS, BUDGET_CAPS)."""
+    if budget not in BUDGETS:
+        raise MacoError(f"unknown budget {budget!r}; choose one of {', '.join(BUDGETS)}")
+    return min(BUDGETS[budget] * layers, BUDGET_CAPS.get(budget, BUDGETS[budget] * layers))
+
+
 def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFunction,
          records: str | Path | RecordFile | None = None, config: SearchConfig | None = None, seed: int = 0,
          progress: Callable[[int, int, Task, TaskState], None] | None = None, prior=True,
@@ -91,7 +104,7 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFu
     or is measuring (search_round's claims). `prior`: the cost model's ranking of a conv
     without records (CostModel). `known`: the file's entries as the caller read them through
     `records` (a RecordFile that goes on from that read, RecordStore.resume), so it is not read
-    again."""
+    again. A task below SEARCH_MIN_SHARE of the tasks' work gets its seeds measured and no search."""
     if trials < 0:
         raise MacoError(f"trials must be >= 0, got {trials}")
     if not tasks:
@@ -101,6 +114,8 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFu
     store = records if isinstance(records, RecordFile) else RecordFile(records) if records else None
     states = [TaskState(t.spec) for t in tasks]
     sched = TaskScheduler()
+    work = sum(t.weight * t.spec.flops for t in tasks)
+    seeds_only = [t.weight * t.spec.flops < SEARCH_MIN_SHARE * work for t in tasks]
 
     def count(changed: Sequence[int]) -> None:
         for j in changed:
@@ -118,11 +133,14 @@ def tune(tasks: Sequence[Task], target: Target, trials: int, measurer: MeasureFu
     while done < trials:
         i = sched.next_task(tasks)
         state = states[i]
-        all_records = [r for s in states for r in s.records]
-        model.fit(all_records)
-        new = search_round(state, target, model, measurer, rng, config,
-                           n=_round_size(i, sched, len(tasks), config.batch, trials - done),
-                           records=store, seeds=tasks[i].seeds, refresh=refresh)
+        if seeds_only[i] and state.records:
+            new = []  # its defaults measured (now or by an earlier run): no search
+        else:
+            model.fit([r for s in states for r in s.records])
+            n = max(len(tasks[i].seeds), 1) if seeds_only[i] else \
+                _round_size(i, sched, len(tasks), config.batch, trials - done)
+            new = search_round(state, target, model, measurer, rng, config, n=min(n, trials - done),
+                               records=store, seeds=tasks[i].seeds, refresh=refresh)
         if not new:  # the space of this task is exhausted (or every candidate left is another run's)
             sched.record(i, 10**9, state.best_seconds())
             if all(sched.history.get(j, [(0, 0)])[-1][0] >= 10**9 for j in range(len(tasks))):
