@@ -32,7 +32,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.core.geometry import input_window
-from maco.kernels.epilogue import ACTIVATIONS
+from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, scalar_function, vector_function
 from maco.kernels.source_text import comment
 from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES
 from maco.core.schedule import Schedule
@@ -296,6 +296,8 @@ class _Generator:
                 "#include <stdlib.h>", "#include <string.h>"]
         if isa:
             head.append("#include <immintrin.h>")
+        if p.activation in SMOOTH:
+            head += [scalar_function(p.activation)] + ([vector_function(p.activation, p.lanes)] if isa else [])
         return "\n".join(head + ["", self.micro_kernel(), "", self.tile_fn(), "", self.driver(), ""])
 
     # -- micro-kernel ---------------------------------------------------------------------
@@ -419,7 +421,9 @@ class _Generator:
                     emit(f"  {v} = {vadd}({v}, {loadu}(res + {off}));")
                 # max/min return their second operand where either is NaN: v second keeps a NaN
                 # (torch's relu and hardtanh do)
-                if p.activation != "none":
+                if p.activation in SMOOTH:
+                    emit(f"  {v} = ({vt})maco_vact((maco_vf){v});")
+                elif p.activation != "none":
                     emit(f"  {v} = {vmax}(zero, {v});")
                 if p.activation == "relu6":
                     emit(f"  {v} = {VMIN[isa]}({set1}(6.f), {v});")
@@ -434,7 +438,9 @@ class _Generator:
                 line += f" v += bias[{boff} + l*{lane_bias}];"
             if p.residual:
                 line += f" v += res[{off} + l*{lane_out}];"
-            if p.activation != "none":  # a NaN fails both tests and passes, as in torch
+            if p.activation in SMOOTH:
+                line += " v = maco_act(v);"
+            elif p.activation != "none":  # a NaN fails both tests and passes, as in torch
                 line += " v = v < 0.f ? 0.f : v;"
             if p.activation == "relu6":
                 line += " v = v > 6.f ? 6.f : v;"

@@ -19,7 +19,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.epilogue import ACTIVATIONS
+from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, scalar_function, vector_function
 from maco.kernels.source_text import comment
 from maco.core.schedule import LAYOUTS
 from maco.core.spec import ConvSpec
@@ -79,9 +79,10 @@ def _nchw(plan: DepthwisePlan) -> str:
     n, c, h, w, oh, ow = s.n, s.c, s.h, s.w, s.out_h, s.out_w
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
     act = {"none": "v", "relu": "(v < 0.f ? 0.f : v)",  # a NaN fails the tests and passes, as in torch
-           "relu6": "(v < 0.f ? 0.f : (v > 6.f ? 6.f : v))"}[plan.activation]
+           "relu6": "(v < 0.f ? 0.f : (v > 6.f ? 6.f : v))"}.get(plan.activation, "maco_act(v)")
     init = "b[ch]" if plan.bias else "0.f"
-    return f"""void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b,
+    helper = scalar_function(plan.activation) + "\n" if plan.activation in SMOOTH else ""
+    return f"""{helper}void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b,
                     float *restrict y) {{
   #pragma omp parallel for collapse(2) schedule(static) num_threads({plan.threads})
   for (long img = 0; img < {n}; img++)
@@ -133,8 +134,9 @@ def _nhwc(plan: DepthwisePlan) -> str:
     hi = min(hi, ow)
     lo = min(lo, hi)
     # vmax(zero, v) and vmin(six, v) hand back v where a compare with a NaN fails: NaN stays NaN, as in torch
-    act = {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}[plan.activation]
-    L = []
+    act = {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}.get(
+        plan.activation, "(vf)maco_vact((maco_vf)v)")
+    L = [vector_function(plan.activation, cb)] if plan.activation in SMOOTH else []
     e = L.append
     e(f"typedef float vf __attribute__((vector_size({4 * cb}), aligned(4)));")
     e(f"typedef int vi __attribute__((vector_size({4 * cb}), aligned(4)));")

@@ -5,7 +5,67 @@ from __future__ import annotations
 
 from maco.core.errors import MacoError
 
-ACTIVATIONS = ("none", "relu", "relu6")  # relu6 = hardtanh(0, 6), MobileNetV2's
+# relu6 = hardtanh(0, 6), MobileNetV2's; silu EfficientNet's; hardswish MobileNetV3's
+ACTIVATIONS = ("none", "relu", "relu6", "silu", "hardswish")
+SMOOTH = ("silu", "hardswish")  # computed by the C functions below (the others inline, per kernel)
+
+# exp(t) for silu, Cephes' expf: t = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial in r, and
+# 2^n added to the exponent bits. t is clamped to [-87, 88] first (2^n stays a normal float),
+# and t > 88 gives inf afterwards, so silu(-inf) = -inf / inf = NaN, as torch's x / (1 + exp(-x)).
+# Past -87, 1 + exp(t) rounds to 1 either way. A NaN fails both clamps and stays in the numerator.
+_EXP_STEPS = """  t = {sel_hi}; t = {sel_lo};
+  {F} f = t * 1.44269504088896341f + 12582912.f;  /* 1.5 * 2^23: f's low bits hold round(t / ln2) */
+  {F} n = f - 12582912.f;
+  {F} r = t - n * 0.693359375f + n * 2.12194440e-4f;
+  {F} p = r * 1.9875691500e-4f + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;"""
+
+
+def scalar_function(activation: str) -> str:
+    """C `static inline float maco_act(float v)` for a SMOOTH activation, as torch computes it."""
+    if activation == "hardswish":  # x * min(max(x + 3, 0), 6) / 6; a NaN x makes the product NaN
+        return ("static inline float maco_act(float v) {\n  float c = v + 3.f; c = c > 0.f ? c : 0.f; "
+                "c = c < 6.f ? c : 6.f;\n  return v * c / 6.f;\n}")
+    if activation != "silu":
+        raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")
+    steps = _EXP_STEPS.format(F="float", sel_hi="t > 88.f ? 88.f : t", sel_lo="t < -87.f ? -87.f : t")
+    return f"""static inline float maco_act(float v) {{
+  float t = -v;
+  const int big = t > 88.f;
+{steps}
+  unsigned pb, fb;
+  __builtin_memcpy(&pb, &p, 4); __builtin_memcpy(&fb, &f, 4);
+  pb += (fb - 0x4B400000u) << 23;
+  __builtin_memcpy(&p, &pb, 4);
+  return v / (1.f + (big ? __builtin_inff() : p));
+}}"""
+
+
+def vector_function(activation: str, lanes: int) -> str:
+    """C `static inline maco_vf maco_vact(maco_vf v)` on GCC vectors of `lanes` floats (the same
+    type as __m256 / __m512 at 8 / 16: cast those to maco_vf) for a SMOOTH activation; it defines
+    maco_vf and maco_vu first."""
+    head = (f"typedef float maco_vf __attribute__((vector_size({4 * lanes})));\n"
+            f"typedef unsigned maco_vu __attribute__((vector_size({4 * lanes})));\n"
+            "static inline maco_vf maco_sel(maco_vu m, maco_vf a, maco_vf b) "
+            "{ return (maco_vf)(((maco_vu)a & m) | ((maco_vu)b & ~m)); }\n")
+    if activation == "hardswish":
+        return head + ("static inline maco_vf maco_vact(maco_vf v) {\n  const maco_vf zero = {0};\n"
+                       "  maco_vf c = v + 3.f;\n  c = maco_sel((maco_vu)(c > zero), c, zero);\n"
+                       "  c = maco_sel((maco_vu)(c < zero + 6.f), c, zero + 6.f);\n  return v * c / 6.f;\n}")
+    if activation != "silu":
+        raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")
+    steps = _EXP_STEPS.format(F="maco_vf", sel_hi="maco_sel((maco_vu)(t > zero + 88.f), zero + 88.f, t)",
+                              sel_lo="maco_sel((maco_vu)(t < zero - 87.f), zero - 87.f, t)")
+    return head + f"""static inline maco_vf maco_vact(maco_vf v) {{
+  const maco_vf zero = {{0}};
+  maco_vf t = -v;
+  const maco_vu big = (maco_vu)(t > zero + 88.f);
+{steps}
+  p = (maco_vf)((maco_vu)p + (((maco_vu)f - 0x4B400000u) << 23));
+  return v / (1.f + maco_sel(big, zero + __builtin_inff(), p));
+}}"""
 
 
 def activation_of(relu: bool = False, activation: str | None = None) -> str:
@@ -17,3 +77,11 @@ def activation_of(relu: bool = False, activation: str | None = None) -> str:
     if relu and activation != "relu":
         raise MacoError(f"relu=True contradicts activation={activation!r}")
     return activation
+
+
+def torch_activation(activation: str, y):
+    """`activation` applied to the tensor y by torch (the reference the C above matches)."""
+    from torch.nn import functional as F
+
+    return {"none": lambda t: t, "relu": F.relu, "relu6": lambda t: F.hardtanh(t, 0.0, 6.0),
+            "silu": F.silu, "hardswish": F.hardswish}[activation](y)

@@ -44,7 +44,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.epilogue import ACTIVATIONS
+from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, torch_activation, vector_function
 from maco.kernels.source_text import comment
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -227,7 +227,8 @@ def _source(plan: WinogradPlan) -> str:
     per_block, blocks, parts = split.tiles, split.blocks, split.k_parts
     kp = k // parts  # filters of one part
     # vmax(zero, v) and vmin(six, v) hand back v where a compare with a NaN fails: NaN stays NaN, as in torch
-    act = {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}[plan.activation]
+    act = {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}.get(
+        plan.activation, "(vf)maco_vact((maco_vf)v)")
     L: list[str] = []
     e = L.append
     e("#include <stdlib.h>")
@@ -239,6 +240,8 @@ def _source(plan: WinogradPlan) -> str:
     e("static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
     e("static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
     # per-thread block buffers, kept between calls (thread-local pointers: no static TLS blocks)
+    if plan.activation in SMOOTH:
+        e(vector_function(plan.activation, lanes))
     e("static __thread float *block_buffer;")
     # returns 1 where an output of the conv (before residual and activation) was not finite: a NaN or
     # infinity in x (or an overflow) that the transforms may have spread over whole tiles
@@ -380,8 +383,4 @@ def direct(plan: WinogradPlan, x: Any, weight: Any, bias: Any, residual: Any, y:
         out = F.conv2d(x, weight, bias, padding=plan.spec.padding)
         if residual is not None:
             out = out + residual
-        if plan.activation == "relu":
-            out = torch.relu(out)
-        elif plan.activation == "relu6":
-            out = F.hardtanh(out, 0.0, 6.0)
-        return y.copy_(out)
+        return y.copy_(torch_activation(plan.activation, out))

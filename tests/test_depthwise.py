@@ -48,7 +48,8 @@ def test_depthwise_equals_torch(shape, conv, layout):
         torch.testing.assert_close(MacoDepthwise2d(conv, spec, layout, HOST)(x), conv(x), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("activation,torch_act", [("relu", nn.ReLU()), ("relu6", nn.ReLU6()), ("none", nn.Identity())])
+@pytest.mark.parametrize("activation,torch_act", [("relu", nn.ReLU()), ("relu6", nn.ReLU6()), ("none", nn.Identity()),
+                                                  ("silu", nn.SiLU()), ("hardswish", nn.Hardswish())])
 def test_fused_epilogue_equals_torch(activation, torch_act):
     conv = nn.Conv2d(32, 32, 3, 1, 1, groups=32).eval()
     fused = FusedConv2d.__new__(FusedConv2d)

@@ -228,8 +228,10 @@ def test_relu6_epilogue_in_generated_kernels(layout, target):
         kernels.compile(spec, sch, activation="gelu")
 
 
-@pytest.mark.parametrize("batch,inp,out,act", [(1, 9216, 64, "relu"), (3, 37, 1001, "relu6"), (2, 512, 7, "none")])
+@pytest.mark.parametrize("batch,inp,out,act", [(1, 9216, 64, "relu"), (3, 37, 1001, "relu6"), (2, 512, 7, "none"),
+                                               (2, 100, 13, "silu"), (1, 64, 9, "hardswish")])
 def test_generated_linear_kernels_match_torch(batch, inp, out, act):
+    from maco.kernels.epilogue import torch_activation
     from maco.kernels.linear import compile_linear
 
     g = torch.Generator().manual_seed(2)
@@ -237,7 +239,7 @@ def test_generated_linear_kernels_match_torch(batch, inp, out, act):
                torch.randn(out, generator=g))
     y = torch.empty(batch, out)
     compile_linear(batch, inp, out, activation=act)(x, w, b, y)
-    want = {"none": lambda t: t, "relu": torch.relu, "relu6": lambda t: F.hardtanh(t, 0.0, 6.0)}[act](F.linear(x, w, b))
+    want = torch_activation(act, F.linear(x, w, b))
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch.nn import functional as F
 
 from maco import ConvSpec, MemoryLevel, Target, kernels
 from maco.kernels.cpu_codegen import CpuPlan
+from maco.kernels.epilogue import ACTIVATIONS, torch_activation
 from maco.kernels.linear import compile_linear
 from maco.layouts.fusion import FusedConv2d
 from maco.layouts.maco_modules import MacoDepthwise2d, MacoPool2d, MacoWinograd2d
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 HOST = kernels.host_target()
 FORMATS = {"NCHW": torch.contiguous_format, "NHWC": torch.channels_last}
-ACT = {"none": lambda y: y, "relu": torch.relu, "relu6": lambda y: F.hardtanh(y, 0.0, 6.0)}
+ACT = {act: partial(torch_activation, act) for act in ACTIVATIONS}
 NAN, INF = float("nan"), float("inf")
 AVX512 = Target("avx512-test", "cpu", (MemoryLevel("registers", 32 * 16 * 4, 1, 16),
                                        MemoryLevel("L1", 48 << 10, 1, 16), MemoryLevel("L2", 2 << 20, 1, 16)),

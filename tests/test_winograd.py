@@ -25,7 +25,8 @@ from maco.layouts.networks import build, conv_layers, distinct_convs, example_in
 from maco.core.spec import ConvSpec
 
 HOST = kernels.host_target()
-ACT = {"none": lambda y: y, "relu": torch.relu, "relu6": lambda y: y.clamp(0, 6)}
+ACT = {"none": lambda y: y, "relu": torch.relu, "relu6": lambda y: y.clamp(0, 6),
+       "silu": torch.nn.functional.silu, "hardswish": torch.nn.functional.hardswish}
 
 
 def _cases(seed: int, count: int):
@@ -37,7 +38,7 @@ def _cases(seed: int, count: int):
         n, h, w = rng.choice([1, 1, 2]), rng.randint(1, 17), rng.randint(1, 17)
         c, k = lanes * rng.randint(1, 4), lanes * filter_vectors(lanes) * rng.randint(1, 3)
         yield (ConvSpec.parse(f"n{n}_c{c}_h{h}_w{w}_k{k}_r3_p1"), lanes, rng.random() < 0.7,
-               rng.choice(list(ACT)), rng.random() < 0.5)
+               rng.choice(["none", "relu", "relu6"]), rng.random() < 0.5)
 
 
 RESNET = [(s, 16, True, "relu", r) for s, _ in distinct_convs(conv_layers(build("resnet18"), example_input(1)))
@@ -68,7 +69,10 @@ def test_the_transforms_compute_a_correlation_exactly():
 
 
 CASES = RESNET + list(_cases(0, 24)) + [(ConvSpec.parse(t), 16, True, "relu", False) for t in (
-    "n1_c64_h27_w27_k192_r5_p2", "n1_c16_h7_w5_k64_r5_p2", "n2_c32_h3_w9_k128_r5_p2", "n1_c16_h1_w1_k64_r5_p2")]
+    "n1_c64_h27_w27_k192_r5_p2", "n1_c16_h7_w5_k64_r5_p2", "n2_c32_h3_w9_k128_r5_p2", "n1_c16_h1_w1_k64_r5_p2")] + [
+    (ConvSpec.parse("n1_c16_h13_w10_k64_r3_p1"), 16, True, "silu", True),
+    (ConvSpec.parse("n2_c16_h9_w7_k32_r3_p1"), 8, False, "hardswish", False),
+    (ConvSpec.parse("n1_c16_h11_w9_k64_r5_p2"), 16, True, "silu", False)]
 
 
 @pytest.mark.parametrize("m", [2, 4])
