@@ -66,8 +66,8 @@ def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu
             activation: str | None = None) -> CompiledKernel:  # noqa: A001 - the public name
     """A built kernel for `spec` with `schedule` (the default schedule when None); call
     .bind(weight, bias) on it. The epilogue adds the bias, then the residual, then applies the
-    activation ("relu", "relu6"; relu=True is "relu"). MacoError lists the schedule's problems
-    when it is invalid."""
+    activation (kernels.epilogue.ACTIVATIONS; relu=True is "relu"). MacoError lists the
+    schedule's problems when it is invalid."""
     tgt = resolve_target(target)
     if not isinstance(spec, ConvSpec):
         raise MacoError(f"spec must be a maco.ConvSpec, got {type(spec).__name__}")
