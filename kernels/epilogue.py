@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from maco.core.errors import MacoError
 
-# relu6 = hardtanh(0, 6), MobileNetV2's; silu EfficientNet's; hardswish MobileNetV3's
-ACTIVATIONS = ("none", "relu", "relu6", "silu", "hardswish")
-SMOOTH = ("silu", "hardswish")  # computed by the C functions below (the others inline, per kernel)
+# relu6 = hardtanh(0, 6), MobileNetV2's; silu EfficientNet's; hardswish MobileNetV3's; gelu (erf,
+# torch's default) ConvNeXt's
+ACTIVATIONS = ("none", "relu", "relu6", "silu", "hardswish", "gelu")
+SMOOTH = ("silu", "hardswish", "gelu")  # computed by the C functions below (the others inline, per kernel)
 
-# exp(t) for silu, Cephes' expf: t = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial in r, and
-# 2^n added to the exponent bits. t is clamped to [-87, 88] first (2^n stays a normal float),
-# and t > 88 gives inf afterwards, so silu(-inf) = -inf / inf = NaN, as torch's x / (1 + exp(-x)).
-# Past -87, 1 + exp(t) rounds to 1 either way. A NaN fails both clamps and stays in the numerator.
+# exp(t), Cephes' expf: t = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial in r, and 2^n added
+# to the exponent bits. t is clamped to [-87, 88] first (2^n stays a normal float), and t > 88
+# gives inf afterwards, so silu(-inf) = -inf / inf = NaN, as torch's x / (1 + exp(-x)); past -87,
+# 1 + exp(t) rounds to 1 either way. A NaN fails both clamps, and the callers keep it.
 _EXP_STEPS = """  t = {sel_hi}; t = {sel_lo};
   {F} f = t * 1.44269504088896341f + 12582912.f;  /* 1.5 * 2^23: f's low bits hold round(t / ln2) */
   {F} n = f - 12582912.f;
@@ -20,25 +21,45 @@ _EXP_STEPS = """  t = {sel_hi}; t = {sel_lo};
   {F} p = r * 1.9875691500e-4f + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;"""
+# gelu(v) = v / 2 * (1 + erf(v / sqrt 2)), with erfc(z) = t exp(-z^2 + poly(t)), t = 1 / (1 + z / 2)
+# (Numerical Recipes' erfcc: relative error < 1.2e-7 for z >= 0), z = |v| / sqrt 2: 1 + erf is
+# erfc(z) for v < 0 (no cancellation) and 2 - erfc(z) above. gelu(+inf) = inf and gelu(-inf) =
+# -inf * 0 = NaN, as in torch.
+_ERFC = ("t * {exp}(-z * z - 1.26551223f + t * (1.00002368f + t * (0.37409196f + t * (0.09678418f + t * ("
+         "-0.18628806f + t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + "
+         "t * 0.17087277f)))))))))")
+_ACT_BODY = {
+    "silu": "  return v / (1.f + {exp}(-v));",
+    "gelu": ("  const {F} z = {abs_v} * 0.70710678118654752f;\n  const {F} t = 1.f / (1.f + 0.5f * z);\n"
+             "  const {F} c = " + _ERFC + ";\n  return 0.5f * v * {c_or_2_minus_c};"),
+}
+
+
+def _check_smooth(activation: str) -> None:
+    if activation not in SMOOTH:
+        raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")
 
 
 def scalar_function(activation: str) -> str:
     """C `static inline float maco_act(float v)` for a SMOOTH activation, as torch computes it."""
+    _check_smooth(activation)
     if activation == "hardswish":  # x * min(max(x + 3, 0), 6) / 6; a NaN x makes the product NaN
         return ("static inline float maco_act(float v) {\n  float c = v + 3.f; c = c > 0.f ? c : 0.f; "
                 "c = c < 6.f ? c : 6.f;\n  return v * c / 6.f;\n}")
-    if activation != "silu":
-        raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")
     steps = _EXP_STEPS.format(F="float", sel_hi="t > 88.f ? 88.f : t", sel_lo="t < -87.f ? -87.f : t")
-    return f"""static inline float maco_act(float v) {{
-  float t = -v;
+    body = _ACT_BODY[activation].format(F="float", exp="maco_exp", abs_v="(v < 0.f ? -v : v)",
+                                        c_or_2_minus_c="(v < 0.f ? c : 2.f - c)")
+    return f"""static inline float maco_exp(float t) {{
   const int big = t > 88.f;
 {steps}
   unsigned pb, fb;
   __builtin_memcpy(&pb, &p, 4); __builtin_memcpy(&fb, &f, 4);
   pb += (fb - 0x4B400000u) << 23;
   __builtin_memcpy(&p, &pb, 4);
-  return v / (1.f + (big ? __builtin_inff() : p));
+  return big ? __builtin_inff() : p;
+}}
+static inline float maco_act(float v) {{
+{body}
 }}"""
 
 
@@ -46,6 +67,7 @@ def vector_function(activation: str, lanes: int) -> str:
     """C `static inline maco_vf maco_vact(maco_vf v)` on GCC vectors of `lanes` floats (the same
     type as __m256 / __m512 at 8 / 16: cast those to maco_vf) for a SMOOTH activation; it defines
     maco_vf and maco_vu first."""
+    _check_smooth(activation)
     head = (f"typedef float maco_vf __attribute__((vector_size({4 * lanes})));\n"
             f"typedef unsigned maco_vu __attribute__((vector_size({4 * lanes})));\n"
             "static inline maco_vf maco_sel(maco_vu m, maco_vf a, maco_vf b) "
@@ -54,17 +76,20 @@ def vector_function(activation: str, lanes: int) -> str:
         return head + ("static inline maco_vf maco_vact(maco_vf v) {\n  const maco_vf zero = {0};\n"
                        "  maco_vf c = v + 3.f;\n  c = maco_sel((maco_vu)(c > zero), c, zero);\n"
                        "  c = maco_sel((maco_vu)(c < zero + 6.f), c, zero + 6.f);\n  return v * c / 6.f;\n}")
-    if activation != "silu":
-        raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")
     steps = _EXP_STEPS.format(F="maco_vf", sel_hi="maco_sel((maco_vu)(t > zero + 88.f), zero + 88.f, t)",
                               sel_lo="maco_sel((maco_vu)(t < zero - 87.f), zero - 87.f, t)")
-    return head + f"""static inline maco_vf maco_vact(maco_vf v) {{
+    body = _ACT_BODY[activation].format(F="maco_vf", exp="maco_vexp", abs_v="maco_sel((maco_vu)(v < zero), -v, v)",
+                                        c_or_2_minus_c="maco_sel((maco_vu)(v < zero), c, 2.f - c)")
+    return head + f"""static inline maco_vf maco_vexp(maco_vf t) {{
   const maco_vf zero = {{0}};
-  maco_vf t = -v;
   const maco_vu big = (maco_vu)(t > zero + 88.f);
 {steps}
   p = (maco_vf)((maco_vu)p + (((maco_vu)f - 0x4B400000u) << 23));
-  return v / (1.f + maco_sel(big, zero + __builtin_inff(), p));
+  return maco_sel(big, zero + __builtin_inff(), p);
+}}
+static inline maco_vf maco_vact(maco_vf v) {{
+  const maco_vf zero = {{0}}; (void)zero;
+{body}
 }}"""
 
 
@@ -84,4 +109,4 @@ def torch_activation(activation: str, y):
     from torch.nn import functional as F
 
     return {"none": lambda t: t, "relu": F.relu, "relu6": lambda t: F.hardtanh(t, 0.0, 6.0),
-            "silu": F.silu, "hardswish": F.hardswish}[activation](y)
+            "silu": F.silu, "hardswish": F.hardswish, "gelu": F.gelu}[activation](y)

@@ -1,7 +1,7 @@
 """The inference graph pass: fold each BatchNorm into the conv before it, and fuse into that conv the
 elementwise chain only it feeds (a residual add and an activation, in either order), so that a
-network's conv -> bn -> (+ identity) -> relu runs as one op; a Linear takes the ReLU or ReLU6 only
-it feeds the same way.
+network's conv -> bn -> (+ identity) -> relu runs as one op; a Linear takes the activation only it
+feeds the same way (kernels.epilogue.ACTIVATIONS: ReLU, ReLU6, SiLU, hardswish, GELU).
 
 Detection follows MegEngine's JIT fusion: nodes are visited in reverse topological order, and from
 each conv the chain grows through single consumers for as long as the next op is one the fused op
@@ -28,13 +28,13 @@ from maco.layouts.graph import trace_module
 ACTIVATION_MODULES: list[tuple[type, str]] = [(nn.ReLU, "relu"), (nn.ReLU6, "relu6"), (nn.SiLU, "silu"),
                                               (nn.Hardswish, "hardswish")]
 ACTIVATION_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", F.relu6: "relu6", F.silu: "silu",
-                        F.hardswish: "hardswish"}
+                        F.hardswish: "hardswish", F.gelu: "gelu"}  # gelu: not with approximate="tanh" (a kwarg)
 ACTIVATION_METHODS = {"relu": "relu", "relu_": "relu"}
 ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 ADD_METHODS = {"add", "add_"}
 _APPLY = {"none": lambda y: y, "relu": lambda y: F.relu(y, inplace=True),
           "relu6": lambda y: F.hardtanh(y, 0.0, 6.0, inplace=True), "silu": lambda y: F.silu(y, inplace=True),
-          "hardswish": lambda y: F.hardswish(y, inplace=True)}
+          "hardswish": lambda y: F.hardswish(y, inplace=True), "gelu": F.gelu}
 RESIDUAL = ("none", "before", "after")  # no residual, added before the activation, or after it
 
 
@@ -122,7 +122,7 @@ def fuse(model: nn.Module, example_input: Any) -> fx.GraphModule:
     for node in reversed(list(gm.graph.nodes)):
         if node.op == "call_module" and type(modules.get(node.target)) is nn.Linear and len(node.users) == 1:
             user = next(iter(node.users))
-            if (kind := _activation(modules, user, node)) in ("relu", "relu6"):
+            if (kind := _activation(modules, user, node)) in _APPLY and kind != "none":
                 count += 1
                 _replace(gm, [node, user], f"fused_{count}_{str(node.target).replace('.', '_')}",
                          FusedLinear(modules[node.target], kind), (node.args[0],))
@@ -212,6 +212,8 @@ def _activation(modules: dict[str, nn.Module], node: fx.Node, value: fx.Node) ->
         mod = modules.get(node.target)
         if type(mod) is nn.Hardtanh:
             return "relu6" if (mod.min_val, mod.max_val) == (0.0, 6.0) else ""
+        if type(mod) is nn.GELU:
+            return "gelu" if mod.approximate == "none" else ""
         return next((k for t, k in ACTIVATION_MODULES if isinstance(mod, t)), "")
     if node.op == "call_function":
         if set(node.kwargs) - {"inplace"}:

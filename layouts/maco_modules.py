@@ -123,6 +123,44 @@ class MacoLinear(nn.Module):
                 f"activation={getattr(self.torch_linear, 'activation', 'none')}, preallocated={self.preallocated}")
 
 
+class MacoLinearAsConv(nn.Module):
+    """`linear` (a Linear or FusedLinear) applied over the last dimension of an (N, H, W, C)
+    tensor, as ConvNeXt's MLP runs on channels-last activations: the 1x1 conv it is, run by a
+    generated NHWC conv kernel on its bound-derived default schedule. The tensor is, as it lies
+    in memory, a channels_last (N, C, H, W) tensor, so neither side copies. Any other input runs
+    `linear` itself."""
+
+    maco_leaf = True
+
+    def __init__(self, linear: nn.Linear, shape: tuple[int, ...], target: Target, preallocate: bool = False):
+        super().__init__()
+        if len(shape) != 4 or shape[3] != linear.in_features:
+            raise MacoError(f"a linear of {linear.in_features} inputs runs as a 1x1 conv on (N, H, W, "
+                            f"{linear.in_features}) tensors, not on {tuple(shape)}")
+        n, h, w, c = shape
+        k = linear.out_features
+        self.torch_linear, self.shape = linear, tuple(shape)
+        self.spec = ConvSpec(n=n, c=c, h=h, w=w, k=k, kh=1, kw=1)
+        self._kernel = kernels.compile(self.spec, kernels.default_schedule(self.spec, target, "NHWC"), target=target,
+                                       bias=linear.bias is not None, activation=getattr(linear, "activation", "none"))
+        self._conv = self._kernel.bind(linear.weight.detach().reshape(k, c, 1, 1),
+                                       None if linear.bias is None else linear.bias.detach())
+        self._out = self._conv.output() if preallocate else None
+
+    @property
+    def preallocated(self) -> bool:
+        return self._out is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape) != self.shape or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+            return self.torch_linear(x)
+        return self._conv.run_tensor(x.permute(0, 3, 1, 2), None, self._out).permute(0, 2, 3, 1)
+
+    def extra_repr(self) -> str:
+        return (f"{self.shape} -> {self.torch_linear.out_features}, "
+                f"activation={getattr(self.torch_linear, 'activation', 'none')}, preallocated={self.preallocated}")
+
+
 class _GeneratedOp(nn.Module):
     """What a generated pooling or depthwise module shares: one input shape and memory format it
     runs (any other input runs the torch module), and an output buffer it may own."""
@@ -274,7 +312,8 @@ def escapes(gm: fx.GraphModule, node: fx.Node) -> bool:
             if user.op == "output":
                 return True
             fresh = ((user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)),
-                                                              FRESH_MODULES + (MacoConv2d, MacoLinear, _GeneratedOp)))
+                                                              FRESH_MODULES + (MacoConv2d, MacoLinear, MacoLinearAsConv,
+                                                                              _GeneratedOp)))
                      or (user.op == "call_function" and user.target in FRESH_FUNCTIONS))
             if not fresh and user not in seen:
                 seen.add(user)

@@ -146,3 +146,62 @@ def test_pooling_kernels_are_saved_and_checked_on_load(tmp_path):
     save(dep, tmp_path / "bad.maco")
     with pytest.raises(MacoError, match="no MaxPool2d/AvgPool2d"):
         load(tmp_path / "bad.maco", build("resnet18"))
+
+
+def _with_linears_as_convs(net: str, size: int):
+    """`net` on default kernels everywhere, then every Linear that sees an (N, H, W, C) input run as
+    a 1x1 NHWC conv (MacoLinearAsConv), whatever the timing says."""
+    from maco.deploy.kernel_choice import arguments_seen
+    from maco.layouts.maco_modules import MacoLinearAsConv, call_sites
+
+    model = build(net).eval()
+    x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+    gm, p = kernels_everywhere(model, x, HOST)
+    calls = call_sites(gm)
+    seen = arguments_seen(gm, x, [q for q in calls if isinstance(gm.get_submodule(q), nn.Linear)], copy=False)
+    for path, args in seen.items():
+        if args[0].dim() == 4:
+            swap_module(gm, path, MacoLinearAsConv(gm.get_submodule(path), tuple(args[0].shape), HOST))
+    return model, x, gm, p
+
+
+def test_convnext_mlps_run_as_1x1_convs_and_load_back(tmp_path):
+    """ConvNeXt's MLP Linears on channels-last activations are 1x1 NHWC convs in memory (GELU
+    fused into the first): the same outputs as eager, and a saved model rebuilds them."""
+    from maco.layouts.maco_modules import MacoLinearAsConv
+
+    model, x, gm, p = _with_linears_as_convs("convnext_tiny", 64)
+    swapped = [m for m in gm.modules() if isinstance(m, MacoLinearAsConv)]
+    blocks = sum(n for _, n in type(model).STAGES)
+    assert len(swapped) == 2 * blocks  # two per block, the first with its GELU in the kernel
+    assert sum(getattr(m.torch_linear, "activation", "none") == "gelu" for m in swapped) == blocks
+    with torch.inference_mode():
+        want, got = model(x), gm(x)
+    assert float((want - got).abs().max() / want.abs().max()) < 1e-4
+    save(describe(gm, "planned_maco", x, HOST, p), tmp_path / "m.maco")
+    loaded = maco.load(tmp_path / "m.maco", build("convnext_tiny"))
+    assert sum(isinstance(m, MacoLinearAsConv) for m in loaded.modules()) == len(swapped)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(x), got, rtol=1e-5, atol=1e-5)
+    saved = json.loads((tmp_path / "m.maco").read_text())
+    path = next(k for k, v in saved["linears"].items() if "shape" in v)
+    saved["linears"][path]["shape"] = [1, 16, 16, 5]  # not the linear's inputs
+    (tmp_path / "bad.maco").write_text(json.dumps(saved))
+    with pytest.raises(MacoError, match="no valid \\(N, H, W, .*\\[1, 16, 16, 5\\]"):
+        maco.load(tmp_path / "bad.maco", build("convnext_tiny"))
+
+
+def test_a_linear_as_conv_falls_back_on_other_inputs():
+    from maco.layouts.fusion import FusedLinear
+    from maco.layouts.maco_modules import MacoLinearAsConv
+
+    gen = torch.Generator().manual_seed(3)
+    for linear in (nn.Linear(24, 40), FusedLinear(nn.Linear(24, 40), "relu6"), nn.Linear(24, 8, bias=False)):
+        mod = MacoLinearAsConv(linear.eval(), (2, 5, 7, 24), HOST, preallocate=True)
+        x = torch.randn(2, 5, 7, 24, generator=gen) * 4
+        with torch.inference_mode():
+            torch.testing.assert_close(mod(x), linear(x), rtol=1e-5, atol=1e-5)
+            for other in (x[:, :, :6], x.transpose(1, 2), torch.randn(3, 24, generator=gen)):
+                torch.testing.assert_close(mod(other), linear(other), rtol=1e-5, atol=1e-5)
+    with pytest.raises(MacoError, match="on \\(2, 5, 7, 23\\)"):
+        MacoLinearAsConv(nn.Linear(24, 8), (2, 5, 7, 23), HOST)

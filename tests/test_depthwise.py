@@ -49,7 +49,7 @@ def test_depthwise_equals_torch(shape, conv, layout):
 
 
 @pytest.mark.parametrize("activation,torch_act", [("relu", nn.ReLU()), ("relu6", nn.ReLU6()), ("none", nn.Identity()),
-                                                  ("silu", nn.SiLU()), ("hardswish", nn.Hardswish())])
+                                                  ("silu", nn.SiLU()), ("hardswish", nn.Hardswish()), ("gelu", nn.GELU())])
 def test_fused_epilogue_equals_torch(activation, torch_act):
     conv = nn.Conv2d(32, 32, 3, 1, 1, groups=32).eval()
     fused = FusedConv2d.__new__(FusedConv2d)

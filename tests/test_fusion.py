@@ -128,8 +128,8 @@ def test_values_with_several_consumers_keep_what_each_consumer_saw():
 
 
 @pytest.mark.parametrize("act,name", [(nn.ReLU6(), "relu6"), (nn.Hardtanh(0.0, 6.0), "relu6"),
-                                      (nn.SiLU(), "silu"), (nn.Hardswish(), "hardswish"),
-                                      (nn.Hardtanh(-1.0, 1.0), None)])
+                                      (nn.SiLU(), "silu"), (nn.Hardswish(), "hardswish"), (nn.GELU(), "gelu"),
+                                      (nn.GELU(approximate="tanh"), None), (nn.Hardtanh(-1.0, 1.0), None)])
 def test_activations(act, name):
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), act)
     _randomize_bn(model)
@@ -229,7 +229,7 @@ def test_relu6_epilogue_in_generated_kernels(layout, target):
 
 
 @pytest.mark.parametrize("batch,inp,out,act", [(1, 9216, 64, "relu"), (3, 37, 1001, "relu6"), (2, 512, 7, "none"),
-                                               (2, 100, 13, "silu"), (1, 64, 9, "hardswish")])
+                                               (2, 100, 13, "silu"), (1, 64, 9, "hardswish"), (3, 48, 11, "gelu")])
 def test_generated_linear_kernels_match_torch(batch, inp, out, act):
     from maco.kernels.epilogue import torch_activation
     from maco.kernels.linear import compile_linear

@@ -26,7 +26,7 @@ from maco.core.spec import ConvSpec
 
 HOST = kernels.host_target()
 ACT = {"none": lambda y: y, "relu": torch.relu, "relu6": lambda y: y.clamp(0, 6),
-       "silu": torch.nn.functional.silu, "hardswish": torch.nn.functional.hardswish}
+       "silu": torch.nn.functional.silu, "hardswish": torch.nn.functional.hardswish, "gelu": torch.nn.functional.gelu}
 
 
 def _cases(seed: int, count: int):
@@ -72,7 +72,8 @@ CASES = RESNET + list(_cases(0, 24)) + [(ConvSpec.parse(t), 16, True, "relu", Fa
     "n1_c64_h27_w27_k192_r5_p2", "n1_c16_h7_w5_k64_r5_p2", "n2_c32_h3_w9_k128_r5_p2", "n1_c16_h1_w1_k64_r5_p2")] + [
     (ConvSpec.parse("n1_c16_h13_w10_k64_r3_p1"), 16, True, "silu", True),
     (ConvSpec.parse("n2_c16_h9_w7_k32_r3_p1"), 8, False, "hardswish", False),
-    (ConvSpec.parse("n1_c16_h11_w9_k64_r5_p2"), 16, True, "silu", False)]
+    (ConvSpec.parse("n1_c16_h11_w9_k64_r5_p2"), 16, True, "silu", False),
+    (ConvSpec.parse("n1_c8_h6_w12_k16_r3_p1"), 8, True, "gelu", True)]
 
 
 @pytest.mark.parametrize("m", [2, 4])

@@ -30,7 +30,8 @@ from maco.deploy.kernel_choice import POOLS
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.cuda_graph import unwrap
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoLinearAsConv, MacoPool2d,
+                                       MacoWinograd2d,
                                        call_sites, depthwise_can_run, escapes, kernel_can_run, swap_module,
                                        winograd_module_can_run)
 from maco.layouts.segments import use_segments
@@ -59,7 +60,7 @@ class Deployment:
     # load from the model's graph (escape analysis), never read from the file ("preallocate" in
     # files of earlier versions is ignored)
     convs: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, schedule
-    linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch
+    linears: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> batch, or (N, H, W, C) shape
     pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout
     depthwise: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, layout
     winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, tile
@@ -116,6 +117,8 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
             dep.convs[path] = {"spec": str(mod.spec), "schedule": mod._kernel.schedule.to_dict()}
         elif isinstance(mod, MacoLinear):
             dep.linears[path] = {"batch": mod.batch}
+        elif isinstance(mod, MacoLinearAsConv):
+            dep.linears[path] = {"shape": list(mod.shape)}
         elif isinstance(mod, MacoPool2d):
             dep.pools[path] = {"shape": list(mod.shape), "layout": mod.layout}
         elif isinstance(mod, MacoDepthwise2d):
@@ -225,6 +228,13 @@ def _swap_conv(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Targe
 def _swap_linear(gm: nn.Module, path: Any, linear_path: str, entry: Any, host: Target,
                  own_output: Callable[[str], bool]) -> None:
     linear = _submodule(gm, linear_path, nn.Linear)
+    if isinstance(entry, dict) and "shape" in entry:  # run as a 1x1 conv on (N, H, W, C) inputs
+        shape = entry["shape"]
+        if not (_positive_ints(shape) and len(shape) == 4 and shape[3] == linear.in_features):
+            raise MacoError(f"{str(path)!r}: linear {short(linear_path)} has no valid (N, H, W, "
+                            f"{linear.in_features}) input shape: {short(shape)}")
+        swap_module(gm, linear_path, MacoLinearAsConv(linear, tuple(shape), host, own_output(linear_path)))
+        return
     batch = entry.get("batch") if isinstance(entry, dict) else None
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise MacoError(f"{str(path)!r}: linear {short(linear_path)} has no valid batch")

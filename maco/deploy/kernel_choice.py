@@ -16,8 +16,8 @@ from maco.kernels.depthwise import is_depthwise
 from maco.kernels.linear import MAX_BATCH
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
-                                       call_sites, depthwise_can_run, escapes, swap_module,
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoLinearAsConv, MacoPool2d,
+                                       MacoWinograd2d, call_sites, depthwise_can_run, escapes, swap_module,
                                        use_maco_kernels, winograd_module_can_run)
 from maco.layouts.deploy import plan
 from maco.layouts.fusion import fuse
@@ -157,10 +157,16 @@ def _round_ratios(runs: dict[str, Callable[[], Any]], rounds: int,
 
 
 def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
-    """Swap (in place) each Linear of `gm` that a generated kernel (kernels.linear) runs at least
-    MIN_GAIN faster than torch's; returns module path -> torch's time over MACO's for each tried."""
+    """Swap (in place) each Linear of `gm` that a generated kernel runs at least MIN_GAIN faster
+    than torch's: kernels.linear on (batch, features) inputs, a 1x1 NHWC conv kernel on
+    (N, H, W, C) ones (MacoLinearAsConv); returns module path -> torch's time over MACO's for
+    each tried."""
     def make(linear: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
-        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[0] > MAX_BATCH:
+        if x.dtype != torch.float32:
+            return None
+        if x.dim() == 4 and x.is_contiguous() and target.kind == "cpu":
+            return MacoLinearAsConv(linear, tuple(x.shape), target, preallocate=preallocate)
+        if x.dim() != 2 or x.shape[0] > MAX_BATCH:
             return None
         return MacoLinear(linear, x.shape[0], target, preallocate=preallocate)
     return _faster_modules(gm, example_input, (nn.Linear,), make, rounds)

@@ -27,7 +27,7 @@ from maco.core.timing import environment
 BUDGETS = {"quick": 24, "normal": 48, "thorough": 128}
 # quick is a first look: at most this many measurements in all, however many distinct convs a
 # network has (EfficientNet-B0 has 46); the task scheduler spends them where the time is.
-BUDGET_CAPS = {"quick": 400}
+BUDGET_CAPS = {"quick": 320}
 # A conv with less than this share of the network's conv work (weights counted) takes
 # microseconds, where no schedule gains what a search costs: its defaults are measured, no more.
 SEARCH_MIN_SHARE = 1e-3
