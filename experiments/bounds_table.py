@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", nargs="+", default=["L1", "L2"], help="host memory levels (default L1 L2)")
     ap.add_argument("--floor-networks", default=FLOOR_NETWORKS, help=f"networks of the floor rows (default {FLOOR_NETWORKS})")
     ap.add_argument("--engines", default="channels_last", help="engines timed beside torch eager against the floor "
-                    "(maco.deploy.engines; default channels_last; 'maco' tunes first unless --maco-model)")
+                    "(maco.deploy.engines; default channels_last; 'maco' tunes first unless --maco-model, "
+                    "which adds it)")
     ap.add_argument("--maco-model", nargs="*", default=[], help="NET=FILE: a model maco.save wrote on this host")
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds per engine (default 5)")
     ap.add_argument("--floor", action="store_true", help="add the network rows (timed: run under the host's lock)")
@@ -198,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.floor or args.floor_only:
         nets = [n for n in args.floor_networks.split(",") if n]
         engines = [e for e in args.engines.split(",") if e]
-        net_rows = network_rows(nets, engines, _maco_models(args.maco_model), args.rounds, args.batch)
+        maco_models = _maco_models(args.maco_model)
+        if maco_models and "maco" not in engines:
+            engines.append("maco")  # a saved model given is a model to time
+        net_rows = network_rows(nets, engines, maco_models, args.rounds, args.batch)
         suffix = "" if args.batch == 1 else f"_n{args.batch}"
         net_csv = out / f"bounds_network{suffix}.csv"
         write_csv(net_csv, net_rows, NET_COLUMNS)
