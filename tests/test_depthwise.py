@@ -77,7 +77,7 @@ def test_fallbacks_and_refusals():
     with pytest.raises(MacoError, match="one channel and one filter per group"):
         DepthwisePlan(ConvSpec.parse("n1_c8_h10_w10_k8_r3x3"))
     with pytest.raises(MacoError, match="unknown activation"):
-        DepthwisePlan(spec, activation="gelu")
+        DepthwisePlan(spec, activation="mish")
     with pytest.raises(MacoError, match="no generated depthwise kernel"):
         MacoDepthwise2d(nn.Conv2d(8, 16, 3, groups=8), ConvSpec.parse("n1_c8_h10_w10_k16_r3x3_g8"), "NHWC", HOST)
 
