@@ -19,7 +19,8 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, scalar_function, vector_function
+from maco.kernels.epilogue import (ACTIVATIONS, SMOOTH, scalar_expression, scalar_function, vector_expression,
+                                   vector_function)
 from maco.kernels.source_text import comment
 from maco.core.schedule import LAYOUTS
 from maco.core.spec import ConvSpec
@@ -78,8 +79,7 @@ def _nchw(plan: DepthwisePlan) -> str:
     s = plan.spec
     n, c, h, w, oh, ow = s.n, s.c, s.h, s.w, s.out_h, s.out_w
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-    act = {"none": "v", "relu": "(v < 0.f ? 0.f : v)",  # a NaN fails the tests and passes, as in torch
-           "relu6": "(v < 0.f ? 0.f : (v > 6.f ? 6.f : v))"}.get(plan.activation, "maco_act(v)")
+    act = scalar_expression(plan.activation)
     init = "b[ch]" if plan.bias else "0.f"
     helper = scalar_function(plan.activation) + "\n" if plan.activation in SMOOTH else ""
     return f"""{helper}void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b,
@@ -133,9 +133,7 @@ def _nhwc(plan: DepthwisePlan) -> str:
     hi = max(lo, (w - 1 - (s.kw - 1) * dw + pw) // sw + 1)  # one past the last
     hi = min(hi, ow)
     lo = min(lo, hi)
-    # vmax(zero, v) and vmin(six, v) hand back v where a compare with a NaN fails: NaN stays NaN, as in torch
-    act = {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}.get(
-        plan.activation, "(vf)maco_vact((maco_vf)v)")
+    act = vector_expression(plan.activation)
     L = [vector_function(plan.activation, cb)] if plan.activation in SMOOTH else []
     e = L.append
     e(f"typedef float vf __attribute__((vector_size({4 * cb}), aligned(4)));")

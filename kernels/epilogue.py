@@ -35,6 +35,21 @@ _ACT_BODY = {
 }
 
 
+def scalar_expression(activation: str) -> str:
+    """C for `activation` of the float `v` (maco_act(v), from scalar_function, for a SMOOTH one); a
+    NaN fails relu's tests and passes, as in torch."""
+    return {"none": "v", "relu": "(v < 0.f ? 0.f : v)", "relu6": "(v < 0.f ? 0.f : (v > 6.f ? 6.f : v))"}.get(
+        activation, "maco_act(v)")
+
+
+def vector_expression(activation: str) -> str:
+    """C for `activation` of the GCC vector `v` of type vf, in kernels that define vmax, vmin, zero
+    and six (maco_vact, from vector_function, for a SMOOTH one): vmax(zero, v) and vmin(six, v)
+    hand back v where a compare with a NaN fails, so NaN stays NaN, as in torch."""
+    return {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}.get(
+        activation, "(vf)maco_vact((maco_vf)v)")
+
+
 def _check_smooth(activation: str) -> None:
     if activation not in SMOOTH:
         raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")

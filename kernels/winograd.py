@@ -44,7 +44,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, torch_activation, vector_function
+from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, torch_activation, vector_expression, vector_function
 from maco.kernels.source_text import comment
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -226,9 +226,7 @@ def _source(plan: WinogradPlan) -> str:
     split = plan.split
     per_block, blocks, parts = split.tiles, split.blocks, split.k_parts
     kp = k // parts  # filters of one part
-    # vmax(zero, v) and vmin(six, v) hand back v where a compare with a NaN fails: NaN stays NaN, as in torch
-    act = {"none": "v", "relu": "vmax(zero, v)", "relu6": "vmin(six, vmax(zero, v))"}.get(
-        plan.activation, "(vf)maco_vact((maco_vf)v)")
+    act = vector_expression(plan.activation)
     L: list[str] = []
     e = L.append
     e("#include <stdlib.h>")

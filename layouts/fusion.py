@@ -122,7 +122,7 @@ def fuse(model: nn.Module, example_input: Any) -> fx.GraphModule:
     for node in reversed(list(gm.graph.nodes)):
         if node.op == "call_module" and type(modules.get(node.target)) is nn.Linear and len(node.users) == 1:
             user = next(iter(node.users))
-            if (kind := _activation(modules, user, node)) in _APPLY and kind != "none":
+            if kind := _activation(modules, user, node):
                 count += 1
                 _replace(gm, [node, user], f"fused_{count}_{str(node.target).replace('.', '_')}",
                          FusedLinear(modules[node.target], kind), (node.args[0],))

@@ -10,7 +10,7 @@ from maco.core.errors import MacoError
 def register(sub: argparse._SubParsersAction) -> None:
     from maco.commands.common import add_cluster_argument, positive_int
     from maco.deploy.engines import ENGINES
-    from maco.tune.tuning import BUDGET_CAPS, BUDGETS
+    from maco.tune.tuning import BUDGET_CAPS, BUDGETS, SEARCH_MIN_SHARE
 
     p = sub.add_parser(
         "optimize", help="tune a model's convs, plan its layouts and measure it end to end (the main job)",
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default="quick", choices=list(BUDGETS),
                    help="measurements per distinct conv: " +
                    ", ".join(f"{k} {v}" + (f" (at most {BUDGET_CAPS[k]} in all)" if k in BUDGET_CAPS else "")
-                             for k, v in BUDGETS.items()) + " (default quick); convs with under 0.1%% "
+                             for k, v in BUDGETS.items()) + f" (default quick); convs with under {SEARCH_MIN_SHARE * 100:g}%% "
                    "of the network's conv work get their defaults measured, no search")
     p.add_argument("--out", default="maco-out", help="output folder (default maco-out)")
     p.add_argument("--records", default=None, help="tuning records to reuse and extend "
