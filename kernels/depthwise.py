@@ -20,7 +20,7 @@ import numpy as np
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
 from maco.kernels.epilogue import (ACTIVATIONS, SMOOTH, scalar_expression, scalar_function, vector_expression,
-                                   vector_function)
+                                   vector_function, vector_type)
 from maco.kernels.source_text import comment
 from maco.core.schedule import LAYOUTS
 from maco.core.spec import ConvSpec
@@ -136,12 +136,7 @@ def _nhwc(plan: DepthwisePlan) -> str:
     act = vector_expression(plan.activation)
     L = [vector_function(plan.activation, cb)] if plan.activation in SMOOTH else []
     e = L.append
-    e(f"typedef float vf __attribute__((vector_size({4 * cb}), aligned(4)));")
-    e(f"typedef int vi __attribute__((vector_size({4 * cb}), aligned(4)));")
-    e("static inline vf ld(const float *p) { return *(const vf *)p; }")  # vf is 4-byte aligned: vmovups
-    e("static inline void st(float *p, vf v) { *(vf *)p = v; }")
-    e("static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
-    e("static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
+    e(vector_type(cb))
     e(f"void {FUNCTION}(const float *restrict x, const float *restrict w, const float *restrict b, "
       "float *restrict y) {")
     e("  const vf zero = {0}; const vf six = zero + 6.f; (void)six;")

@@ -50,6 +50,29 @@ def vector_expression(activation: str) -> str:
         activation, "(vf)maco_vact((maco_vf)v)")
 
 
+def vector_type(lanes: int) -> str:
+    """C of the GCC vector type vf (and vi) of `lanes` floats at any 4-byte alignment, its load ld and
+    store st, and vmax / vmin with x86's max/min semantics, (a > b ? a : b) / (a < b ? a : b): a
+    NaN in either hands back b, so vmax(zero, v) and vmin(six, v) keep a NaN v. One instruction
+    where the vector is an SSE/AVX/AVX-512 register, a compare and select elsewhere."""
+    intrinsic = {4: ("__SSE__", "_mm_max_ps", "_mm_min_ps", "__m128"),
+                 8: ("__AVX__", "_mm256_max_ps", "_mm256_min_ps", "__m256"),
+                 16: ("__AVX512F__", "_mm512_max_ps", "_mm512_min_ps", "__m512")}.get(lanes)
+    generic = ("static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }\n"
+               "static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
+    head = (f"typedef float vf __attribute__((vector_size({4 * lanes}), aligned(4)));\n"
+            f"typedef int vi __attribute__((vector_size({4 * lanes}), aligned(4)));\n"
+            "static inline vf ld(const float *p) { return *(const vf *)p; }\n"  # 4-byte aligned: vmovups
+            "static inline void st(float *p, vf v) { *(vf *)p = v; }\n")
+    if intrinsic is None:
+        return head + generic
+    macro, vmax, vmin, reg = intrinsic
+    return (head + f"#if defined({macro}) && defined(__x86_64__)\n#include <immintrin.h>\n"
+            f"static inline vf vmax(vf a, vf b) {{ return (vf){vmax}(({reg})a, ({reg})b); }}\n"
+            f"static inline vf vmin(vf a, vf b) {{ return (vf){vmin}(({reg})a, ({reg})b); }}\n"
+            f"#else\n{generic}\n#endif")
+
+
 def _check_smooth(activation: str) -> None:
     if activation not in SMOOTH:
         raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")

@@ -44,7 +44,8 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, torch_activation, vector_expression, vector_function
+from maco.kernels.epilogue import (ACTIVATIONS, SMOOTH, torch_activation, vector_expression, vector_function,
+                                   vector_type)
 from maco.kernels.source_text import comment
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -231,12 +232,7 @@ def _source(plan: WinogradPlan) -> str:
     e = L.append
     e("#include <stdlib.h>")
     e("#include <omp.h>")
-    e(f"typedef float vf __attribute__((vector_size({4 * lanes}), aligned(4)));")
-    e(f"typedef int vi __attribute__((vector_size({4 * lanes}), aligned(4)));")
-    e("static inline vf ld(const float *p) { return *(const vf *)p; }")
-    e("static inline void st(float *p, vf v) { *(vf *)p = v; }")
-    e("static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
-    e("static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
+    e(vector_type(lanes))
     # per-thread block buffers, kept between calls (thread-local pointers: no static TLS blocks)
     if plan.activation in SMOOTH:
         e(vector_function(plan.activation, lanes))

@@ -19,7 +19,7 @@ from torch import nn
 
 from maco.kernels import host_target
 from maco.layouts.latency import strict_cudnn
-from maco.layouts.maco_modules import MacoConv2d, MacoWinograd2d
+from maco.layouts.maco_modules import MacoConv2d, MacoInvertedResidual, MacoWinograd2d
 from maco.layouts.segments import MacoSegment
 from maco.core.target import Target
 from maco.core.timing import CacheEvictor, Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
@@ -183,6 +183,8 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
                 out, res = mod._new_output(), args[1] if len(args) > 1 else None
                 runs[name] = lambda mod=mod, x=args[0], res=res, out=out: mod._kernel(
                     x, mod._weight, mod._bias, res, out)
+            elif isinstance(mod, MacoInvertedResidual):
+                runs[name] = lambda mod=mod, x=args[0], out=mod._new_output(): mod._kernel(x, mod._weight, out)
             else:
                 runs[name] = lambda mod=mod, args=args: mod(*args)
         for fn in runs.values():
@@ -212,7 +214,7 @@ def _weights_in_memory(seen: Mapping[str, tuple[nn.Module, tuple]], runs: Mappin
     return {name: pool_timings(ts).median for name, ts in cold.items()}
 
 
-MACO_CONVS = (MacoConv2d, MacoWinograd2d)  # what runs a conv by a MACO kernel
+MACO_CONVS = (MacoConv2d, MacoWinograd2d, MacoInvertedResidual)  # what runs a conv by a MACO kernel
 
 
 class _Skipping:
@@ -223,7 +225,7 @@ class _Skipping:
     def __init__(self, model: nn.Module):
         self.model = model
         self.convs = [m for m in model.modules() if isinstance(m, MacoConv2d)]
-        self.winograd = [m for m in model.modules() if isinstance(m, MacoWinograd2d)]
+        self.generated = [m for m in model.modules() if isinstance(m, (MacoWinograd2d, MacoInvertedResidual))]
         self.segments = [m for m in model.modules() if isinstance(m, MacoSegment)]
 
     def run(self, inputs: tuple) -> Callable[[], Any]:
@@ -236,8 +238,8 @@ class _Skipping:
         def call() -> Any:
             for c, fn in zip(self.convs, skips):
                 c._conv.run_tensor = fn  # an instance attribute hides the method
-            kernels = [w._kernel for w in self.winograd]
-            for w in self.winograd:
+            kernels = [w._kernel for w in self.generated]
+            for w in self.generated:
                 w._kernel = _no_kernel
             for segment in self.segments:
                 segment.skip_kernels = True
@@ -248,7 +250,7 @@ class _Skipping:
                     segment.skip_kernels = False
                 for c in self.convs:
                     del c._conv.run_tensor
-                for w, kernel in zip(self.winograd, kernels):
+                for w, kernel in zip(self.generated, kernels):
                     w._kernel = kernel
         return call
 

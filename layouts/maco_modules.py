@@ -8,7 +8,7 @@ call at a time (as the tensors it hands back never alias those buffers, its outp
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from maco.kernels.epilogue import ACTIVATIONS
 from maco.kernels.linear import compile_linear
 from maco.core.errors import MacoError
 from maco.kernels.depthwise import MAX_TAPS, DepthwiseKernel, DepthwisePlan, is_depthwise
+from maco.kernels.inverted_residual import BlockKernel, BlockPlan
 from maco.kernels.pool import PoolKernel, plan_for
 from maco.kernels.winograd import WinogradKernel, WinogradPlan, direct, winograd_can_run
 from maco.core.schedule import Schedule
@@ -286,6 +287,91 @@ class MacoWinograd2d(_GeneratedOp):
         return (f"{self.spec}, Winograd F({self.m}x{self.m},{self.spec.kh}x{self.spec.kw}), NHWC, "
                 f"activation={self._plan.activation}, "
                 f"residual={self._plan.residual}, preallocated={self.preallocated}")
+
+
+class MacoInvertedResidual(_GeneratedOp):
+    """An inverted residual (1x1 `expand` conv or None, depthwise conv, 1x1 `project` conv whose
+    residual, if any, is the block's input) run by one generated kernel (kernels.inverted_residual)
+    on NHWC inputs of one shape, its expanded tensor kept in each thread's cache; any other input
+    runs the three torch convs. The convs may be MACO kernel modules: their torch convs are used.
+    It stands where `project` stood in the model (`torch_conv` is project's), and `chain` holds
+    the torch convs in order."""
+
+    def __init__(self, expand: nn.Module | None, depthwise: nn.Module, project: nn.Module,
+                 shape: tuple[int, ...], target: Target, preallocate: bool = False):
+        super().__init__()
+        convs = [None if m is None else getattr(m, "torch_conv", m) for m in (expand, depthwise, project)]
+        self.plan = block_plan(*convs, tuple(shape), target)
+        if self.plan is None:
+            raise MacoError(f"no generated kernel computes the block {[type(c).__name__ for c in convs]} on {shape}")
+        self.torch_conv = convs[2]
+        self.chain = tuple(convs)  # a tuple: the convs stay registered where the model has them
+        self.shape = tuple(shape)
+        self.paths: tuple[str | None, str, str] | None = None  # the convs' paths in the model (layouts.blocks)
+        self._kernel = BlockKernel(self.plan, target)
+        self._weight = self.plan.pack(*[None if c is None else (c.weight.detach().numpy(),
+                                                               None if c.bias is None else c.bias.detach().numpy())
+                                        for c in convs])
+        self._output_in("NHWC", self.plan.output_shape, preallocate)
+
+    def torch_chain(self, x: torch.Tensor) -> torch.Tensor:
+        """The block as the torch convs compute it."""
+        expand, depthwise, project = self.chain
+        h = depthwise(x if expand is None else expand(x))
+        return project(h, x) if self.plan.residual else project(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._runs(x, self.shape):
+            return self.torch_chain(x)
+        out = self._output()
+        # False: a thread could not allocate its buffers (a stand-in kernel, such as end_to_end's
+        # that skips it, returns None: nothing to recompute)
+        if self._kernel(x, self._weight, out) is False:
+            out.copy_(self.torch_chain(x))
+        return out
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return (f"input {self.shape}, {'expand to ' + str(p.m) if p.expand else 'no expand'}, depthwise "
+                f"{p.r}x{p.r}/{p.s}, project to {p.k}, residual={p.residual}, G={p.group}, "
+                f"preallocated={self.preallocated}")
+
+
+def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Module, shape: tuple[int, ...],
+               target: Target) -> BlockPlan | None:
+    """The BlockPlan of three torch convs on an (N, C, H, W) input, None where the kernel does not
+    compute them: 1x1 expand and project convs (stride 1, no padding, one group), a depthwise conv
+    with a square odd window, stride 1 or 2 and padding half the window, zero padding, no residual
+    but project's own "before" one, activations the kernel fuses (at most one smooth kind), a
+    CPU target with vectors."""
+    def pointwise(conv: Any) -> bool:
+        return (isinstance(conv, nn.Conv2d) and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
+                and conv.padding in ((0, 0), "valid") and conv.groups == 1 and conv.padding_mode == "zeros")
+
+    if target.kind != "cpu" or len(shape) != 4 or not pointwise(project) or not isinstance(depthwise, nn.Conv2d):
+        return None
+    if expand is not None and not (pointwise(expand) and epilogue_of(expand)[1] == "none"):
+        return None
+    n, c, h, w = shape
+    m = depthwise.in_channels
+    r, s = depthwise.kernel_size[0], depthwise.stride[0]
+    if ((expand is not None and (expand.in_channels != c or expand.out_channels != m)) or (expand is None and m != c)
+            or depthwise.groups != m or depthwise.out_channels != m or depthwise.kernel_size != (r, r)
+            or depthwise.stride != (s, s) or depthwise.padding != (r // 2, r // 2) or depthwise.dilation != (1, 1)
+            or depthwise.padding_mode != "zeros" or epilogue_of(depthwise)[1] != "none" or project.in_channels != m):
+        return None
+    acts = [epilogue_of(conv)[0] for conv in (expand, depthwise, project) if conv is not None]
+    residual = epilogue_of(project)[1]
+    if residual not in ("none", "before") or any(a not in ACTIVATIONS for a in acts):
+        return None
+    registers = target.level_bytes("registers", 0) // (4 * max(1, target.simd_width))
+    try:
+        return BlockPlan(n=n, c=c, h=h, w=w, m=m, k=project.out_channels, r=r, s=s, expand=expand is not None,
+                         act_expand=acts[0] if expand is not None else "none", act_depthwise=acts[-2],
+                         act_project=acts[-1], residual=residual == "before", threads=target.cores,
+                         lanes=target.simd_width, registers=registers or 16, cache_bytes=target.level_bytes("L2", 1 << 20) // 2)
+    except MacoError:
+        return None
 
 
 def winograd_module_can_run(conv: nn.Module, spec: ConvSpec, target: Target) -> bool:

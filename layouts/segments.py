@@ -37,13 +37,13 @@ from torch import nn
 
 from maco.kernels.sequence import ARGS, CHECKED5, PYTHON, VOID2, VOID4, VOID5, address, sequence_function
 from maco.kernels.winograd import direct
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoPool2d, MacoWinograd2d,
-                                       escapes)
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear, MacoPool2d,
+                                       MacoWinograd2d, escapes)
 from maco.core.target import Target
 
 MIN_STEPS = 2  # a run of one module gains nothing from a segment
 ALIGN = 16  # floats: arena offsets on 64-byte lines
-STEP_MODULES = (MacoConv2d, MacoDepthwise2d, MacoPool2d, MacoLinear, MacoWinograd2d)
+STEP_MODULES = (MacoConv2d, MacoDepthwise2d, MacoPool2d, MacoLinear, MacoWinograd2d, MacoInvertedResidual)
 NCHW, NHWC = torch.contiguous_format, torch.channels_last
 
 
@@ -91,6 +91,8 @@ def ports(module: nn.Module, nargs: int) -> tuple[list[Port], Port] | None:
         return ins, Port(s.output_shape, NHWC)
     if isinstance(module, MacoDepthwise2d) and nargs == 1:
         return [Port(module.spec.input_shape, module._format)], Port(module.spec.output_shape, module._format)
+    if isinstance(module, MacoInvertedResidual) and nargs == 1:
+        return [Port(module.shape, NHWC)], Port(module.plan.output_shape, NHWC)
     if isinstance(module, MacoPool2d) and nargs == 1:
         return [Port(module.shape, module._format)], Port(module._out_shape, module._format)
     if isinstance(module, MacoLinear) and nargs == 1:
@@ -210,6 +212,9 @@ class MacoSegment(nn.Module):
         elif isinstance(mod, MacoDepthwise2d):
             fn, kind = mod._kernel.function, VOID4
             args = [x, mod._weight.ctypes.data, _np_ptr(mod._bias), y, None]
+        elif isinstance(mod, MacoInvertedResidual):
+            fn, kind = mod._kernel.function, CHECKED5
+            args = [x, mod._weight.ctypes.data, None, None, y]
         elif isinstance(mod, MacoPool2d):
             fn, kind = mod._kernel.function, VOID2
             args = [x, y, None, None, None]
@@ -254,9 +259,13 @@ class MacoSegment(nn.Module):
 
     def _in_python(self, j: int, inputs: tuple, values: list) -> None:
         """Step j that the C call stopped at: a Winograd conv whose outputs were not all finite (or
-        whose weights are not), recomputed by torch's direct conv into its output."""
+        whose weights are not), recomputed by torch's direct conv into its output; a block whose
+        kernel could not allocate its buffers, computed by its torch convs."""
         step, mod = self._steps[j], self._steps[j].module
         got = [inputs[k] if kind == "in" else values[k] for kind, k in step.reads]
+        if isinstance(mod, MacoInvertedResidual):
+            values[j].copy_(mod.torch_chain(got[0]))
+            return
         direct(mod._plan, got[0], mod._torch_weight, mod._torch_bias, got[1] if len(got) > 1 else None, values[j])
 
     def _one_by_one(self, inputs: tuple) -> Any:
@@ -280,7 +289,7 @@ class MacoSegment(nn.Module):
 
 def _out_slot(mod: nn.Module) -> int:
     """The argument position of a kernel module's output."""
-    if isinstance(mod, (MacoConv2d, MacoWinograd2d)):
+    if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoInvertedResidual)):
         return 4
     if isinstance(mod, MacoPool2d):
         return 1

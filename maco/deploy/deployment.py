@@ -30,9 +30,10 @@ from maco.deploy.kernel_choice import POOLS
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.cuda_graph import unwrap
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoLinearAsConv, MacoPool2d,
-                                       MacoWinograd2d,
-                                       call_sites, depthwise_can_run, escapes, kernel_can_run, swap_module,
+from maco.layouts.blocks import find_blocks, use_block
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear,
+                                       MacoLinearAsConv, MacoPool2d, MacoWinograd2d, block_plan, call_sites,
+                                       depthwise_can_run, escapes, kernel_can_run, swap_module,
                                        winograd_module_can_run)
 from maco.layouts.segments import use_segments
 from maco.deploy.optimize_report import OptimizeResult
@@ -64,6 +65,8 @@ class Deployment:
     pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout
     depthwise: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, layout
     winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, tile
+    # project conv's path -> expand and depthwise convs' paths, input shape: an inverted residual as one kernel
+    blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         from maco import __version__
@@ -92,7 +95,8 @@ class Deployment:
         if not isinstance(dep.threads, int) or dep.threads < 1:
             raise MacoError(f"threads must be a positive int, got {short(dep.threads)}")
         for name, value in (("target", dep.target), ("convs", dep.convs), ("linears", dep.linears),
-                            ("pools", dep.pools), ("depthwise", dep.depthwise), ("winograd", dep.winograd)):
+                            ("pools", dep.pools), ("depthwise", dep.depthwise), ("winograd", dep.winograd),
+                            ("blocks", dep.blocks)):
             if not isinstance(value, dict):
                 raise MacoError(f"{name} must be an object, got {short(value)}")
         if not isinstance(dep.fusion, list) or not all(isinstance(f, str) for f in dep.fusion):
@@ -112,7 +116,15 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
     if plan is None:
         raise MacoError(f"the {variant} variant needs its layout plan")
     dep.plan = plan.to_dict()
+    inside = set()  # the expand and depthwise convs of a block: the graph no longer calls them
     for path, mod in model.named_modules():
+        if isinstance(mod, MacoInvertedResidual) and mod.paths is not None:
+            expand, depthwise, _ = mod.paths
+            dep.blocks[path] = {"expand": expand, "depthwise": depthwise, "shape": list(mod.shape)}
+            inside.update(p for p in (expand, depthwise) if p is not None)
+    for path, mod in model.named_modules():
+        if path in inside:
+            continue
         if isinstance(mod, MacoConv2d):
             dep.convs[path] = {"spec": str(mod.spec), "schedule": mod._kernel.schedule.to_dict()}
         elif isinstance(mod, MacoLinear):
@@ -211,6 +223,26 @@ def _swap_in_kernels(gm: nn.Module, dep: Deployment, path: Any, host: Target, fo
         _swap_depthwise(gm, path, conv_path, entry, host, own_output)
     for conv_path, entry in dep.winograd.items():
         _swap_winograd(gm, path, conv_path, entry, host, foreign, exact, own_output)
+    if dep.blocks:
+        _swap_blocks(gm, dep, path, host, own_output)
+
+
+def _swap_blocks(gm: Any, dep: Deployment, path: Any, host: Target, own_output: Callable[[str], bool]) -> None:
+    """Each saved inverted residual run as one kernel: its three convs must be a block of this
+    model's graph (layouts.blocks), on the saved input shape."""
+    found = {block.paths[2]: block for block in find_blocks(gm)}
+    for project, entry in dep.blocks.items():
+        block = found.get(project) if isinstance(project, str) else None
+        if not isinstance(entry, dict) or block is None or block.paths != (entry.get("expand"), entry.get("depthwise"), project):
+            raise MacoError(f"{str(path)!r}: the saved block ending in {short(project)} is no inverted residual "
+                            "(expand, depthwise, project convs) of this model")
+        shape = entry.get("shape")
+        mods = [None if p is None else gm.get_submodule(p) for p in block.paths]
+        if not (_positive_ints(shape) and len(shape) == 4) or block_plan(
+                *[None if m is None else getattr(m, "torch_conv", m) for m in mods], tuple(shape), host) is None:
+            raise MacoError(f"{str(path)!r}: no generated kernel runs the block ending in {short(project)} "
+                            f"on an input of shape {short(shape)}")
+        use_block(gm, block, MacoInvertedResidual(*mods, tuple(shape), host, own_output(project)))
 
 
 def _swap_conv(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Target, foreign: bool,

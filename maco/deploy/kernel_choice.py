@@ -16,9 +16,10 @@ from maco.kernels.depthwise import is_depthwise
 from maco.kernels.linear import MAX_BATCH
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoLinear, MacoLinearAsConv, MacoPool2d,
-                                       MacoWinograd2d, call_sites, depthwise_can_run, escapes, swap_module,
-                                       use_maco_kernels, winograd_module_can_run)
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear,
+                                       MacoLinearAsConv, MacoPool2d, MacoWinograd2d, call_sites, depthwise_can_run,
+                                       escapes, swap_module, use_maco_kernels, winograd_module_can_run)
+from maco.layouts.blocks import find_blocks, use_block
 from maco.layouts.deploy import plan
 from maco.layouts.fusion import fuse
 from maco.layouts.layout_plan import LayoutPlan
@@ -218,6 +219,48 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
             if ratio >= MIN_GAIN:
                 won[path] = won.get(path, 1.0) * ratio
     return {path: won.get(path, best) for path, best in tried.items()}
+
+
+def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
+    """Run (in place) each inverted residual of `gm` (layouts.blocks) whose input is channels_last
+    in the model as one generated kernel (MacoInvertedResidual) where that runs at least MIN_GAIN
+    faster than the three modules that run it now, on the input it gets there. Returns the
+    project conv's path -> the three modules' time over the one kernel's, for each block tried."""
+    if target.kind != "cpu":
+        return {}
+    blocks = find_blocks(gm)
+    firsts = {b.paths[0] or b.paths[1]: b for b in blocks}
+    seen = arguments_seen(gm, example_input, list(firsts))
+    calls = call_sites(gm)
+    steady_allocator()
+    ratios: ModuleRatios = {}
+    for first, block in firsts.items():
+        x = seen.get(first, (None,))[0]
+        if not isinstance(x, torch.Tensor) or _layout(x) != "NHWC" or x.dtype != torch.float32:
+            continue
+        mods = [None if p is None else gm.get_submodule(p) for p in block.paths]
+        try:
+            fused = MacoInvertedResidual(*mods, tuple(x.shape), target)
+        except MacoError:
+            continue
+        expand, depthwise, project = mods
+
+        def chain(x: torch.Tensor = x, expand: Any = expand, depthwise: Any = depthwise, project: Any = project,
+                  residual: bool = fused.plan.residual) -> torch.Tensor:
+            h = depthwise(x if expand is None else expand(x))
+            return project(h, x) if residual else project(h)
+
+        runs = {"torch": chain, "maco": lambda fused=fused, x=x: fused(x)}
+        with torch.inference_mode():
+            for fn in runs.values():
+                fn()
+            timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
+        path = block.paths[2]
+        ratios[path] = statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
+        if ratios[path] >= MIN_GAIN:
+            own = len(calls[path]) == 1 and not escapes(gm, block.project)
+            use_block(gm, block, MacoInvertedResidual(*mods, tuple(x.shape), target, preallocate=own))
+    return ratios
 
 
 def _torch_conv_on(conv: nn.Module, x: torch.Tensor,

@@ -122,7 +122,7 @@ def _variants_built(built: Variants, out: Path, log: Callable[[str], Any]) -> No
     """The plan written and the kernels counted, before the variants are timed end to end."""
     save_output(out, "plan.json", built.plan.to_json())
     kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise,
-             "3x3/5x5 convs tried with Winograd": built.winograd}
+             "3x3/5x5 convs tried with Winograd": built.winograd, "inverted residuals tried as one kernel": built.blocks}
     others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
                      for kind, ratios in kinds.items() if ratios)
     log(f"[3/4] {len(built.swapped)} of {len(built.plan.convs)} convs{others} run MACO kernels")

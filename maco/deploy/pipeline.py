@@ -14,15 +14,17 @@ from torch import nn
 
 from maco import kernels
 from maco.core.errors import MacoError
-from maco.deploy.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_depthwise, faster_kernels, faster_linears,
-                                faster_pools, faster_winograd, kernels_everywhere, with_winograd)
+from maco.deploy.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_blocks, faster_depthwise, faster_kernels,
+                                       faster_linears, faster_pools, faster_winograd, kernels_everywhere,
+                                       with_winograd)
 from maco.layouts.cuda_graph import CudaGraphed
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
 from maco.layouts.latency import measure_layouts
 from maco.layouts.layout_plan import LayoutPlan
-from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d, MacoWinograd2d, use_maco_kernels
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoWinograd2d,
+                                       use_maco_kernels)
 from maco.layouts.networks import conv_layers, distinct_convs
 from maco.layouts.segments import use_segments
 from maco.tune.records import Baseline, Record, RecordStore
@@ -47,6 +49,7 @@ class Variants:
     pools: dict[str, float] = field(default_factory=dict)  # pooling path -> torch time / MACO time
     depthwise: dict[str, float] = field(default_factory=dict)  # depthwise conv path -> its time / MACO's
     winograd: dict[str, float] = field(default_factory=dict)  # conv path -> its time / Winograd's
+    blocks: dict[str, float] = field(default_factory=dict)  # project conv path -> its block's time / one kernel's
 
 
 def build_variants(model: nn.Module, example_input: Any, target: Target,
@@ -76,8 +79,9 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     pools = faster_pools(planned_maco, example_input, target) if cpu else {}
     depthwise = faster_depthwise(planned_maco, example_input, target) if cpu else {}
     winograd = faster_winograd(planned_maco, example_input, target) if cpu and not exact else {}
+    blocks = faster_blocks(planned_maco, example_input, target) if cpu else {}
     if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values(),
-                                              *winograd.values())):
+                                              *winograd.values(), *blocks.values())):
         models["planned_maco"] = planned_maco
     if cpu and segments:
         use_segments(planned_maco, target)  # each run of kernel modules as one call
@@ -85,20 +89,22 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         everywhere = _everywhere_if_faster(model, example_input, target, models.get("planned_maco", models["planned_torch"]),
                                            segments, exact, log)
         if everywhere is not None:
-            planned_maco, plan = everywhere
+            planned_maco, plan, blocks = everywhere
             models["planned_torch"], models["planned_maco"] = plan.apply(fused), planned_maco
     swapped = [path for path, mod in planned_maco.named_modules()
-               if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d))]
+               if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d, MacoInvertedResidual))]
     if device == "cuda":  # every variant, torch's too, replayed from a CUDA graph (layouts.cuda_graph)
         models = {label: CudaGraphed(m) for label, m in models.items()}
-    return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd)
+    return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd, blocks)
 
 
 def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, chosen: nn.Module,
-                          segments: bool, exact: bool, log: Callable[[str], Any]) -> tuple[nn.Module, LayoutPlan] | None:
+                          segments: bool, exact: bool,
+                          log: Callable[[str], Any]) -> tuple[nn.Module, LayoutPlan, dict[str, float]] | None:
     """The model with a MACO kernel on its default schedule wherever one runs (all NHWC,
     kernel_choice.kernels_everywhere), Winograd where it beats that kernel in the model (not
-    `exact`), with its plan, where it runs at least MIN_GAIN faster end to end than `chosen`, the
+    `exact`), inverted residuals as one kernel where that beats their three, with its plan and
+    the blocks' ratios, where it runs at least MIN_GAIN faster end to end than `chosen`, the
     model built from the per-layer choices; else None. Each layer's choice is timed alone, and a
     conv left to torch can cost its neighbours more than it saves: it splits a run of kernels and
     brings layout conversions (results/segments_cpu.md, §5)."""
@@ -108,6 +114,10 @@ def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, 
         won = faster_winograd(everywhere, example_input, target)
         log(f"      every conv on a MACO kernel: Winograd beats the direct kernel in the model on "
             f"{sum(r >= MIN_GAIN for r in won.values())} of {len(won)} 3x3/5x5 stride-1 convs")
+    blocks = faster_blocks(everywhere, example_input, target)
+    if blocks:
+        log(f"      one kernel beats the three of an inverted residual on {sum(r >= MIN_GAIN for r in blocks.values())} "
+            f"of {len(blocks)} blocks")
     if segments:
         use_segments(everywhere, target)
     times = time_models({"chosen": chosen, "everywhere": everywhere}, example_input, rounds=3)
@@ -115,7 +125,7 @@ def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, 
     taken = times.max_rel_diff["everywhere"] <= OUTPUT_RTOL and gain >= MIN_GAIN
     log(f"      a MACO kernel in every conv (default schedules, all NHWC{'' if exact else ', Winograd where it won'}) runs {gain:.2f}x the per-layer choices "
         f"end to end: {'taken' if taken else 'the per-layer choices kept'}")
-    return (everywhere, plan) if taken else None
+    return (everywhere, plan, blocks) if taken else None
 
 
 def fastest(models: Mapping[str, Any], example_input: Any, rounds: int = 3) -> tuple[str, ModelTimes]:

@@ -1,0 +1,377 @@
+"""MobileNet's inverted residual as one kernel: 1x1 expand, depthwise, 1x1 project (+ the block's input).
+
+Run as three kernels, the expanded tensor (6x the block's channels) is written to memory by the
+expand conv, read and written again by the depthwise conv, and read by the project conv; at
+MobileNetV2's early resolutions it outgrows the L2 (bounds/chain.py counts what that costs). Here
+each thread takes a band of output rows and computes it in groups of G rows, with the intermediates
+in two buffers of its own sized for its share of L2:
+
+    E  a ring of the expanded input rows the group's windows cover ((G-1)*s + r rows of W + 2p
+       pixels, the p zero columns either side written once), kept from one group to the next,
+       so a row is expanded once per band; rows above or below the image are zeros;
+    D  the group's depthwise outputs (G * Wo pixels), read at once by the project GEMM, which
+       adds the bias and the block's input (the residual) and writes the block's output.
+
+The two 1x1 convs are one register-tiled GEMM (PT pixels x VB vectors of accumulators, an input
+value broadcast against the filter vectors), the depthwise conv one pass per channel vector over
+the ring's rows with its r*r weight vectors named. Layout NHWC throughout; bias and activation of
+each conv fused (kernels.epilogue), so NaN and infinities land where torch puts them. A block
+without an expand conv (expansion 1) copies its input rows into the ring.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from maco.core.errors import MacoError
+from maco.kernels import cpu_build
+from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, vector_expression, vector_function, vector_type
+from maco.kernels.source_text import comment
+from maco.core.target import Target
+
+FUNCTION = "maco_inverted_residual"
+ALIGN = 16  # floats: each packed weight array starts on a 64-byte line
+MAX_TAPS = 49
+L1_BYTES = 32 << 10  # the L1 data cache of the CPUs MACO meets (Zen 3/4: 32 KiB; Intel: 32-48 KiB)
+MAX_PIXELS = 8  # pixels of a GEMM register tile
+DW_TILE = 4  # depthwise outputs of a row computed together (independent sums in flight)
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MacoError(f"BlockPlan.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """One inverted residual on an (n, c, h, w) input: expand to m channels (none when `expand` is
+    False: then m == c), an r x r depthwise conv of stride s and padding r // 2, project to k;
+    each conv's activation; `residual` adds the block's input to the output (s == 1, c == k)."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    m: int
+    k: int
+    r: int = 3
+    s: int = 1
+    expand: bool = True
+    act_expand: str = "relu6"
+    act_depthwise: str = "relu6"
+    act_project: str = "none"
+    residual: bool = False
+    threads: int = 1
+    lanes: int = 8  # fp32 lanes of the target's vectors
+    registers: int = 16  # vector registers
+    cache_bytes: int = 256 << 10  # what one thread's E and D may take
+
+    def __post_init__(self) -> None:
+        for name in ("n", "c", "h", "w", "m", "k", "r", "s", "threads", "lanes", "registers", "cache_bytes"):
+            _positive(name, getattr(self, name))
+        if self.r % 2 == 0 or self.r * self.r > MAX_TAPS:
+            raise MacoError(f"the block's depthwise window must be odd and at most 7x7, got {self.r}x{self.r}")
+        if self.s not in (1, 2):
+            raise MacoError(f"the block's depthwise stride must be 1 or 2, got {self.s}")
+        if not self.expand and self.m != self.c:
+            raise MacoError(f"a block without an expand conv keeps its {self.c} channels, got m={self.m}")
+        if self.residual and (self.s != 1 or self.c != self.k):
+            raise MacoError(f"a residual needs stride 1 and as many outputs as inputs, got stride {self.s}, "
+                            f"{self.c} -> {self.k} channels")
+        for name in ("act_expand", "act_depthwise", "act_project"):
+            if getattr(self, name) not in ACTIVATIONS:
+                raise MacoError(f"unknown activation {getattr(self, name)!r}; choose one of {ACTIVATIONS}")
+        smooth = {self.act_expand, self.act_depthwise, self.act_project} & set(SMOOTH)
+        if len(smooth) > 1:
+            raise MacoError(f"one block kernel computes one smooth activation, got {sorted(smooth)}")
+
+    # -- derived sizes ---------------------------------------------------------------------------
+    @property
+    def pad(self) -> int:
+        return self.r // 2
+
+    @property
+    def out_h(self) -> int:
+        return (self.h + 2 * self.pad - self.r) // self.s + 1
+
+    @property
+    def out_w(self) -> int:
+        return (self.w + 2 * self.pad - self.r) // self.s + 1
+
+    @property
+    def input_shape(self) -> tuple[int, int, int, int]:
+        return (self.n, self.c, self.h, self.w)
+
+    @property
+    def output_shape(self) -> tuple[int, int, int, int]:
+        return (self.n, self.k, self.out_h, self.out_w)
+
+    @property
+    def vector(self) -> int:
+        """The lanes of the C vectors: the widest the target has that divides m and k."""
+        return next(v for v in (16, 8, 4, 2, 1) if v <= self.lanes and self.m % v == 0 and self.k % v == 0)
+
+    @property
+    def bands(self) -> int:
+        """Parts each image's output rows are split into, so that every thread has work."""
+        return min(self.out_h, -(-self.threads // self.n))
+
+    def ring_rows(self, g: int) -> int:
+        return (g - 1) * self.s + self.r
+
+    def scratch_floats(self, g: int) -> int:
+        return self.ring_rows(g) * (self.w + 2 * self.pad) * self.m + g * self.out_w * self.m
+
+    @property
+    def group(self) -> int:
+        """G: output rows computed together, the most whose E and D fit in cache_bytes (at least 1)."""
+        band = -(-self.out_h // self.bands)
+        g = 1
+        while g < band and 4 * self.scratch_floats(g + 1) <= self.cache_bytes:
+            g += 1
+        return g
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Where each packed array starts in the one weight buffer (floats)."""
+        sizes = {"we": self.c * self.m if self.expand else 0, "be": self.m if self.expand else 0,
+                 "wd": self.r * self.r * self.m, "bd": self.m, "wp": self.m * self.k, "bp": self.k}
+        out, at = {}, 0
+        for name, size in sizes.items():
+            out[name] = at
+            at += -(-size // ALIGN) * ALIGN
+        out["end"] = at
+        return out
+
+    def pack(self, expand: tuple[Any, Any] | None, depthwise: tuple[Any, Any],
+             project: tuple[Any, Any]) -> np.ndarray:
+        """The (weight, bias) of each conv (torch shapes; a bias may be None) in the order the
+        kernel reads them: expand (c, m), depthwise (r*r, m), project (m, k), each bias after."""
+        out = np.zeros(self.offsets["end"], dtype=np.float32)
+        o = self.offsets
+
+        def put(name: str, a: Any) -> None:
+            a = np.asarray(a, dtype=np.float32).reshape(-1)
+            out[o[name]:o[name] + a.size] = a
+
+        def bias(name: str, b: Any, size: int) -> None:
+            put(name, np.zeros(size, np.float32) if b is None else np.asarray(b, dtype=np.float32).reshape(size))
+
+        if self.expand:
+            if expand is None:
+                raise MacoError("this block plan has an expand conv: pack needs its weights")
+            put("we", np.asarray(expand[0], dtype=np.float32).reshape(self.m, self.c).T)
+            bias("be", expand[1], self.m)
+        put("wd", np.asarray(depthwise[0], dtype=np.float32).reshape(self.m, self.r * self.r).T)
+        bias("bd", depthwise[1], self.m)
+        put("wp", np.asarray(project[0], dtype=np.float32).reshape(self.k, self.m).T)
+        bias("bp", project[1], self.k)
+        return out
+
+    @cached_property
+    def source(self) -> str:
+        what = (f"MACO inverted residual: n{self.n} c{self.c} h{self.h} w{self.w}, "
+                f"{'expand to ' + str(self.m) if self.expand else 'no expand'} ({self.act_expand}), "
+                f"depthwise {self.r}x{self.r} stride {self.s} ({self.act_depthwise}), project to {self.k} "
+                f"({self.act_project}), residual={self.residual}, {self.threads} threads, G={self.group}")
+        return f"{comment(what)}\n{_source(self)}"
+
+
+def _tile(plan: BlockPlan, n: int) -> tuple[int, int]:
+    """(PT, VB): pixels and vectors of a GEMM register tile for n output channels. Its
+    accumulators, VB filter vectors, a broadcast and the epilogue's three constants (zero, six and
+    a temporary) stay within the target's registers: with fewer, gcc reloads the filter vectors
+    for every FMA and the loop waits on loads. The most accumulators, then the fewest loads."""
+    vectors = n // plan.vector
+    tiles = [(min(MAX_PIXELS, (plan.registers - 4 - vb) // vb), vb) for vb in range(1, 5)
+             if vectors % vb == 0 and plan.registers - 4 - vb >= vb]
+    return max(tiles, key=lambda t: (t[0] * t[1], -(t[0] + t[1])))
+
+
+def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool, row_pixels: int | None) -> list[str]:
+    """C of `static void name(in, W, b, res, out, rows, P)`: for P pixels, out[p][:n] = act(in[p][:red]
+    . W + b (+ res[p])), inputs and residual contiguous; the output contiguous at `out`, or (with
+    row_pixels) pixel p at rows[p / row_pixels] + p % row_pixels. Each register tile sweeps all n
+    columns while its inputs sit in L1; where W outgrows half of L1, each column panel of W sweeps
+    all pixels instead (a panel stays in L1, the pixels come from L2)."""
+    L = plan.vector
+    pt, vb = _tile(plan, n)
+    columns_outer = 4 * red * n > L1_BYTES // 2
+    out = [f"static void {name}(const float *restrict in, const float *restrict W, const float *restrict b, "
+           "const float *restrict res, float *restrict out, float *const *rows, long P) {",
+           "  (void)res; (void)out; (void)rows; const vf zero = {0}; const vf six = zero + 6.f; (void)six;"]
+    e = out.append
+
+    def where(pixel: str) -> str:
+        if row_pixels is None:
+            return f"out + ({pixel}) * {n}"
+        return f"rows[({pixel}) / {row_pixels}] + ({pixel}) % {row_pixels} * {n}"
+
+    def tile(count: int, indent: str) -> None:  # pixels q .. q + count - 1, columns n0 .. n0 + vb * L - 1
+        e(f"{indent}{{")
+        for p in range(count):
+            e(f"{indent}  float *restrict o{p} = {where(f'q + {p}')} + n0;")
+        e(f"{indent}  vf " + ", ".join(f"a{p}_{v} = ld(b + n0 + {v * L})" for p in range(count) for v in range(vb)) + ";")
+        e(f"{indent}  const float *restrict ip = in + q * {red};")
+        e(f"{indent}  for (long c = 0; c < {red}; c++) {{")
+        e(f"{indent}    const float *restrict wr = W + c * {n} + n0;")
+        for v in range(vb):
+            e(f"{indent}    const vf w{v} = ld(wr + {v * L});")
+        for p in range(count):
+            e(f"{indent}    {{ const float x = ip[{p * red} + c];")
+            for v in range(vb):
+                e(f"{indent}      a{p}_{v} += x * w{v};")
+            e(f"{indent}    }}")
+        e(f"{indent}  }}")
+        for p in range(count):
+            for v in range(vb):
+                add = f" + ld(res + (q + {p}) * {n} + n0 + {v * L})" if residual else ""
+                e(f"{indent}  {{ const vf v = a{p}_{v}{add}; st(o{p} + {v * L}, {vector_expression(act)}); }}")
+        e(f"{indent}}}")
+
+    def pixels(indent: str) -> None:  # every pixel tile, then the last pixels in one tile of their count
+        e(f"{indent}long q = 0;")
+        e(f"{indent}for (; q + {pt} <= P; q += {pt})")
+        tile(pt, indent + "  ")
+        for rest in range(1, pt):
+            e(f"{indent}if (P - q == {rest})")
+            tile(rest, indent + "  ")
+
+    columns = f"for (long n0 = 0; n0 < {n}; n0 += {vb * L})"
+    if columns_outer:
+        e(f"  {columns} {{")
+        pixels("    ")
+        e("  }")
+    else:
+        e("  long q = 0;")
+        e(f"  for (; q + {pt} <= P; q += {pt})")
+        e(f"    {columns}")
+        tile(pt, "      ")
+        for rest in range(1, pt):
+            e(f"  if (P - q == {rest})")
+            e(f"    {columns}")
+            tile(rest, "      ")
+    e("}")
+    return out
+
+
+# A code generator kept whole (past 60 lines): the C it emits reads top to bottom here.
+def _source(plan: BlockPlan) -> str:
+    p = plan
+    L, pad, wp = p.vector, p.pad, p.w + 2 * p.pad
+    row = wp * p.m  # floats of one ring row
+    g = p.group
+    nr = p.ring_rows(g)
+    o = p.offsets
+    acts = {p.act_expand, p.act_depthwise, p.act_project} & set(SMOOTH)
+    lines = [vector_function(acts.pop(), L)] if acts else []
+    e = lines.append
+    e("#include <stdlib.h>")
+    e("#include <string.h>")
+    e(vector_type(L))
+    if p.expand:
+        lines.extend(_gemm(p, "expand", p.c, p.m, p.act_expand, False, p.w))
+    lines.extend(_gemm(p, "project", p.m, p.k, p.act_project, p.residual, None))
+    taps = [(a, b) for a in range(p.r) for b in range(p.r)]
+    # depthwise: one output row from the ring rows r0..r{r-1} into d
+    e("static void depthwise(const float *const *rows, const float *restrict wd, const float *restrict bd, "
+      "float *restrict d) {")
+    e("  const vf zero = {0}; const vf six = zero + 6.f; (void)six;")
+    e(f"  for (long c0 = 0; c0 < {p.m}; c0 += {L}) {{")
+    for t in range(len(taps)):
+        e(f"    const vf w{t} = ld(wd + {t * p.m} + c0);")
+    e("    const vf bv = ld(bd + c0);")
+    for a in range(p.r):
+        e(f"    const float *restrict x{a} = rows[{a}] + c0;")
+    def outputs(count: int, indent: str) -> None:  # `count` outputs from column j: independent sums
+        for u in range(count):
+            e(f"{indent}vf v{u} = bv;")
+        for t, (a, b) in enumerate(taps):
+            for u in range(count):
+                e(f"{indent}v{u} += ld(x{a} + ((j + {u}) * {p.s} + {b}) * {p.m}) * w{t};")
+        for u in range(count):
+            e(f"{indent}{{ const vf v = v{u}; st(d + (j + {u}) * {p.m} + c0, {vector_expression(p.act_depthwise)}); }}")
+
+    e("    long j = 0;")
+    e(f"    for (; j + {DW_TILE} <= {p.out_w}; j += {DW_TILE}) {{")
+    outputs(DW_TILE, "      ")
+    e("    }")
+    e(f"    for (; j < {p.out_w}; j++) {{")
+    outputs(1, "      ")
+    e("    }")
+    e("  }")
+    e("}")
+    e(f"int {FUNCTION}(const float *restrict x, const float *restrict w, const void *unused1, "
+      "const void *unused2, float *restrict y) {")
+    e("  (void)unused1; (void)unused2;")
+    e("  int failed = 0;")
+    e(f"  #pragma omp parallel num_threads({p.threads}) reduction(|:failed)")
+    e("  {")
+    e(f"    float *ring = malloc(sizeof(float) * {nr * row}), *d = malloc(sizeof(float) * {g * p.out_w * p.m});")
+    if pad:
+        e(f"    for (long i = 0; ring && i < {nr}; i++) {{")
+        e(f"      memset(ring + i * {row}, 0, sizeof(float) * {pad * p.m});")
+        e(f"      memset(ring + i * {row} + {(pad + p.w) * p.m}, 0, sizeof(float) * {pad * p.m});")
+        e("    }")
+    e("      #pragma omp for schedule(static)")
+    e(f"      for (long item = 0; item < {p.n * p.bands}; item++) {{")
+    e("        if (!ring || !d) { failed = 1; continue; }")
+    e(f"        const long img = item / {p.bands}, band = item % {p.bands};")
+    e(f"        const long lo = band * {p.out_h} / {p.bands}, hi = (band + 1) * {p.out_h} / {p.bands};")
+    e(f"        const float *restrict xi = x + img * {p.h * p.w * p.c};")
+    e("        long have = -1000000;  /* one past the last input row in the ring */")
+    e(f"        for (long i0 = lo; i0 < hi; i0 += {g}) {{")
+    e(f"          const long gr = hi - i0 < {g} ? hi - i0 : {g};")
+    e(f"          const long need_lo = i0 * {p.s} - {pad}, need_hi = (i0 + gr - 1) * {p.s} - {pad} + {p.r};")
+    e(f"          float *fresh[{nr}]; long first = -1, count = 0;  /* the new rows inside the image */")
+    e("          for (long ih = need_lo > have ? need_lo : have; ih < need_hi; ih++) {")
+    e(f"            float *restrict er = ring + ((ih % {nr} + {nr}) % {nr}) * {row} + {pad * p.m};")
+    e(f"            if (ih < 0 || ih >= {p.h}) {{ memset(er, 0, sizeof(float) * {p.w * p.m}); continue; }}")
+    if p.expand:
+        e("            if (first < 0) first = ih;")
+        e("            fresh[count++] = er;")
+    else:
+        e(f"            memcpy(er, xi + ih * {p.w * p.c}, sizeof(float) * {p.w * p.c});")
+    e("          }")
+    if p.expand:
+        e(f"          if (count) expand(xi + first * {p.w * p.c}, w + {o['we']}, w + {o['be']}, 0, 0, fresh, count * {p.w});")
+    else:
+        e("          (void)fresh; (void)first; (void)count;")
+    e("          have = need_hi;")
+    e("          for (long gi = 0; gi < gr; gi++) {")
+    e(f"            const float *rows[{p.r}];")
+    e(f"            for (long a = 0; a < {p.r}; a++) {{")
+    e(f"              const long ih = (i0 + gi) * {p.s} - {pad} + a;")
+    e(f"              rows[a] = ring + ((ih % {nr} + {nr}) % {nr}) * {row};")
+    e("            }")
+    e(f"            depthwise(rows, w + {o['wd']}, w + {o['bd']}, d + gi * {p.out_w * p.m});")
+    e("          }")
+    res = f"xi + i0 * {p.w * p.c}" if p.residual else "0"
+    e(f"          project(d, w + {o['wp']}, w + {o['bp']}, {res}, "
+      f"y + (img * {p.out_h} + i0) * {p.out_w * p.k}, 0, gr * {p.out_w});")
+    e("        }")
+    e("      }")
+    e("    free(ring); free(d);")
+    e("  }")
+    e("  return failed;")
+    e("}")
+    return "\n".join(lines) + "\n"
+
+
+class BlockKernel:
+    """A built inverted-residual kernel; call it with contiguous NHWC tensors."""
+
+    def __init__(self, plan: BlockPlan, target: Target):
+        self.plan = plan
+        self.function = cpu_build.pointer_function(plan.source, target, FUNCTION, 5, "inverted residual")
+        self.function.restype = ctypes.c_int
+
+    def __call__(self, x: Any, packed: np.ndarray, y: Any) -> bool:
+        """y = the block of x; False where a thread could not allocate its buffers (y then holds
+        garbage). The caller has checked shapes, dtype and memory format, and packed the weights
+        with plan.pack."""
+        return self.function(x.data_ptr(), packed.ctypes.data, None, None, y.data_ptr()) == 0

@@ -1,0 +1,219 @@
+"""An inverted residual as one generated kernel (kernels.inverted_residual), the graph pass that finds
+the blocks (layouts.blocks), the module (MacoInvertedResidual), its timing gate, segments and saved
+models: every output checked against eager torch, NaN and infinities where torch puts them."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from maco.core.errors import MacoError
+from maco.deploy import deployment, kernel_choice
+from maco.deploy.kernel_choice import faster_blocks, kernels_everywhere
+from maco.kernels import host_target
+from maco.kernels.epilogue import ACTIVATIONS, torch_activation
+from maco.kernels.inverted_residual import BlockKernel, BlockPlan
+from maco.layouts.blocks import find_blocks
+from maco.layouts.maco_modules import MacoInvertedResidual
+from maco.layouts.networks import build, example_input, trained_like
+from maco.layouts.segments import segments_of, use_segments
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+HOST = host_target()
+NAN, INF = float("nan"), float("inf")
+
+
+def weights(plan: BlockPlan, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(plan.m, plan.c, 1, 1, generator=g) * 0.3, torch.randn(plan.m, generator=g),
+            torch.randn(plan.m, 1, plan.r, plan.r, generator=g) * 0.3, torch.randn(plan.m, generator=g),
+            torch.randn(plan.k, plan.m, 1, 1, generator=g) * 0.1, torch.randn(plan.k, generator=g)]
+
+
+def reference(plan: BlockPlan, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    h = torch_activation(plan.act_expand, F.conv2d(x, w[0], w[1])) if plan.expand else x
+    h = torch_activation(plan.act_depthwise, F.conv2d(h, w[2], w[3], stride=plan.s, padding=plan.pad, groups=plan.m))
+    y = F.conv2d(h, w[4], w[5])
+    return torch_activation(plan.act_project, y + x if plan.residual else y)
+
+
+def run(plan: BlockPlan, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    packed = plan.pack((w[0], w[1]) if plan.expand else None, (w[2], w[3]), (w[4], w[5]))
+    y = torch.full(plan.output_shape, 7.0).contiguous(memory_format=torch.channels_last)
+    assert BlockKernel(plan, HOST)(x.contiguous(memory_format=torch.channels_last), packed, y)
+    return y
+
+
+def plan_of(**kw) -> BlockPlan:
+    kw.setdefault("lanes", HOST.simd_width)
+    kw.setdefault("threads", 2)
+    return BlockPlan(**kw)
+
+
+CASES = [
+    dict(n=1, c=24, h=56, w=56, m=144, k=24, residual=True),  # MobileNetV2's 56x56 block
+    dict(n=1, c=16, h=28, w=20, m=96, k=24, s=2),  # stride 2, odd widths of output
+    dict(n=1, c=32, h=30, w=30, m=32, k=16, expand=False),  # expansion 1: no expand conv
+    dict(n=2, c=16, h=13, w=11, m=48, k=24, r=5, s=2, act_expand="hardswish", act_depthwise="hardswish"),
+    dict(n=3, c=40, h=7, w=9, m=120, k=40, r=5, residual=True, act_expand="silu", act_depthwise="silu",
+         threads=3),
+    dict(n=1, c=8, h=9, w=7, m=48, k=8, r=7, residual=True, act_expand="gelu", act_depthwise="none",
+         act_project="gelu"),
+    dict(n=1, c=16, h=12, w=12, m=64, k=16, residual=True, cache_bytes=1),  # G = 1: a row at a time
+    dict(n=1, c=16, h=10, w=10, m=32, k=24, lanes=16, registers=32, threads=1),  # AVX-512's tiles, portable
+    dict(n=1, c=12, h=6, w=6, m=20, k=12, lanes=4, residual=True, act_expand="relu", act_depthwise="relu"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_the_kernel_equals_torch(case):
+    plan = plan_of(**case)
+    x = torch.randn(plan.input_shape, generator=torch.Generator().manual_seed(1))
+    w = weights(plan)
+    want = reference(plan, x, w)
+    got = run(plan, x, w)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), float((got - want).abs().max())
+
+
+def test_groups_and_bands_cover_every_output_row():
+    """A group and a band of every size the plan can take (rows of the ring kept from one group
+    to the next) give the same output."""
+    for cache, threads in ((1, 1), (40_000, 2), (90_000, 3), (1 << 30, 4)):
+        plan = plan_of(n=1, c=8, h=17, w=13, m=32, k=8, residual=True, cache_bytes=cache, threads=threads)
+        x = torch.randn(plan.input_shape, generator=torch.Generator().manual_seed(cache))
+        w = weights(plan, cache)
+        want = reference(plan, x, w)
+        assert torch.allclose(run(plan, x, w), want, rtol=1e-4, atol=1e-4), (plan.group, plan.bands)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_nan_and_infinities_land_where_torch_puts_them(act):
+    plan = plan_of(n=1, c=8, h=12, w=12, m=32, k=8, residual=True, act_expand=act, act_depthwise=act)
+    x = torch.randn(plan.input_shape, generator=torch.Generator().manual_seed(2))
+    x[0, 0, 0, 0], x[0, 3, 6, 6], x[0, 5, 11, 4] = NAN, INF, -INF
+    w = weights(plan)
+    want, got = reference(plan, x, w), run(plan, x, w)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (dict(r=4), "odd"), (dict(s=3), "stride"), (dict(expand=False, m=64), "without an expand"),
+    (dict(residual=True, k=24), "residual"), (dict(act_expand="mish"), "mish"), (dict(threads=0), "threads"),
+    (dict(act_expand="silu", act_depthwise="gelu"), "smooth"),
+])
+def test_a_bad_plan_is_one_clear_error(bad, needle):
+    kw = dict(n=1, c=16, h=8, w=8, m=64, k=16, lanes=8)
+    kw.update(bad)
+    with pytest.raises(MacoError, match=needle):
+        BlockPlan(**kw)
+
+
+def test_blocks_found_in_mobilenet_v2_and_none_in_resnet18():
+    x = example_input(1)
+    gm, _ = kernels_everywhere(trained_like(build("mobilenet_v2")).eval(), x, HOST, others=False)
+    blocks = find_blocks(gm)
+    assert len(blocks) == 17 and sum(b.expand is None for b in blocks) == 1
+    gm, _ = kernels_everywhere(build("resnet18").eval(), x, HOST, others=False)
+    assert find_blocks(gm) == []
+
+
+class _Peeked(nn.Module):
+    """expand -> depthwise -> project, with the depthwise output also read elsewhere: no block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand, self.dw, self.project = nn.Conv2d(8, 32, 1), nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.Conv2d(32, 8, 1)
+
+    def forward(self, x):
+        d = self.dw(self.expand(x))
+        return self.project(d), d.mean()
+
+
+def test_a_depthwise_output_read_twice_is_no_block():
+    gm, _ = kernels_everywhere(_Peeked().eval(), torch.randn(1, 8, 10, 10), HOST, others=False)
+    assert find_blocks(gm) == []
+
+
+@pytest.fixture(scope="module")
+def fused_mobilenet():
+    """MobileNetV2 with a MACO kernel in every conv and every block as one kernel (the gate's
+    threshold set to 0), run as segments."""
+    torch.manual_seed(0)
+    model = trained_like(build("mobilenet_v2")).eval()
+    x = example_input(1)
+    gm, plan = kernels_everywhere(model, x, HOST)
+    gate = kernel_choice.MIN_GAIN
+    kernel_choice.MIN_GAIN = 0.0
+    try:
+        ratios = faster_blocks(gm, x, HOST, rounds=1)
+    finally:
+        kernel_choice.MIN_GAIN = gate
+    use_segments(gm, HOST)
+    return model, x, gm, plan, ratios
+
+
+def test_every_block_as_one_kernel_equals_eager(fused_mobilenet):
+    model, x, gm, _, ratios = fused_mobilenet
+    assert len(ratios) == 17 and all(r > 0 for r in ratios.values())
+    assert sum(isinstance(m, MacoInvertedResidual) for m in gm.modules()) == 17
+    assert len(segments_of(gm)) == 1  # the blocks run inside the one C call
+    with torch.inference_mode():
+        want, got = model(x), gm(x)
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+        x2 = x.clone()
+        x2[0, 0, 50, 60], x2[0, 2, 3, 3] = NAN, INF
+        want, got = model(x2), gm(x2)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want).any()
+
+
+def test_a_block_falls_back_to_torch_where_its_kernel_cannot_run(fused_mobilenet):
+    model, x, gm, _, _ = fused_mobilenet
+    block = next(m for m in gm.modules() if isinstance(m, MacoInvertedResidual))
+    xb = torch.randn(block.shape).contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        want = block.torch_chain(xb)
+        assert torch.allclose(block(xb.contiguous()), want, atol=1e-5)  # NCHW: torch's convs
+        kernel = block._kernel
+        block._kernel = lambda *args: False  # its buffers could not be allocated
+        try:
+            assert torch.allclose(block(xb), want, atol=1e-5)
+        finally:
+            block._kernel = kernel
+
+
+def test_saved_blocks_load_as_one_kernel(fused_mobilenet, tmp_path):
+    model, x, gm, plan, _ = fused_mobilenet
+    path = tmp_path / "mnv2.maco"
+    deployment.save(deployment.describe(gm, "planned_maco", x, HOST, plan), path)
+    saved = json.loads(path.read_text())
+    assert len(saved["blocks"]) == 17
+    inside = {p for b in saved["blocks"].values() for p in (b["expand"], b["depthwise"]) if p}
+    assert not inside & set(saved["convs"]) and not inside & set(saved["depthwise"])
+    loaded = deployment.load(path, model)
+    assert sum(isinstance(m, MacoInvertedResidual) for m in loaded.modules()) == 17
+    with torch.inference_mode():
+        want = model(x)
+        assert float((loaded(x) - want).abs().max() / want.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("tamper, needle", [
+    (lambda b: b.update(depthwise="fused_0_classifier_1"), "no inverted residual"),
+    (lambda b: b.update(shape=[1, 3, 224, 224]), "no generated kernel"),
+    (lambda b: b.update(shape="big"), "no generated kernel"),
+])
+def test_a_tampered_saved_block_is_one_clear_error(fused_mobilenet, tmp_path, tamper, needle):
+    model, x, gm, plan, _ = fused_mobilenet
+    dep = deployment.describe(gm, "planned_maco", x, HOST, plan)
+    tamper(next(iter(dep.blocks.values())))
+    path = tmp_path / "bad.maco"
+    deployment.save(dep, path)
+    with pytest.raises(MacoError, match=needle):
+        deployment.load(path, model)
