@@ -9,7 +9,8 @@ pointer, its kind and its five pointer arguments, walked here in one call:
 
 runs steps start..n-1 in order and returns n, or the index of the first step that Python must run
 (kind PYTHON) or whose checked kernel reported a problem (kind CHECKED: a Winograd kernel whose
-outputs were not all finite); the caller handles that step and calls again from the next one.
+outputs were not all finite, an inverted residual that could not allocate its buffers); the
+caller handles that step and calls again from the next one.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ What stays as it was: any input of another shape, dtype, device or memory format
 kernels take runs the modules one by one, each of which then falls back to torch as before; a
 Winograd step whose outputs were not all finite stops the C call, is recomputed by torch's direct
 conv (kernels.winograd.direct), and the call goes on from the next step, so NaN and infinities
-land where eager torch puts them. The modules stay where they were in the model (saved models
+land where eager torch puts them; a fused inverted residual whose buffers could not be allocated
+is computed by its torch convs the same way. The modules stay where they were in the model (saved models
 and reports find them by their paths); only the graph calls the segment instead.
 """
 from __future__ import annotations
