@@ -314,6 +314,13 @@ class MacoInvertedResidual(_GeneratedOp):
                                         for c in convs])
         self._output_in("NHWC", self.plan.output_shape, preallocate)
 
+    @property
+    def specs(self) -> tuple[ConvSpec, ...]:
+        """The ConvSpecs of the convs it runs, in order."""
+        p = self.plan
+        shapes = [(p.n, p.c, p.h, p.w), (p.n, p.m, p.h, p.w), (p.n, p.m, p.out_h, p.out_w)]
+        return tuple(ConvSpec.from_module(conv, shape) for conv, shape in zip(self.chain, shapes) if conv is not None)
+
     def torch_chain(self, x: torch.Tensor) -> torch.Tensor:
         """The block as the torch convs compute it."""
         expand, depthwise, project = self.chain

@@ -217,3 +217,43 @@ def test_a_tampered_saved_block_is_one_clear_error(fused_mobilenet, tmp_path, ta
     deployment.save(dep, path)
     with pytest.raises(MacoError, match=needle):
         deployment.load(path, model)
+
+
+BLOCK_NET = '''
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU6())
+        self.expand = nn.Sequential(nn.Conv2d(16, 64, 1), nn.BatchNorm2d(64), nn.ReLU6())
+        self.dw = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, groups=64), nn.BatchNorm2d(64), nn.ReLU6())
+        self.project = nn.Sequential(nn.Conv2d(64, 16, 1), nn.BatchNorm2d(16))
+
+    def forward(self, x):
+        x = self.stem(x)
+        return x + self.project(self.dw(self.expand(x)))
+'''
+
+
+def test_optimize_reports_and_saves_a_block_run_as_one_kernel(tmp_path, monkeypatch):
+    """`maco optimize` end to end with a block kept (the gate's threshold at 0): it reports the block,
+    and the model it saves runs the block as one kernel where it handed back the MACO variant."""
+    from maco.deploy.optimize import optimize
+    from maco.layouts.networks import conv_layers, distinct_convs, load_model
+    from tests.test_compile_backend import _records_with_baselines
+
+    (tmp_path / "net.py").write_text(BLOCK_NET)
+    text = f"{tmp_path / 'net.py'}:Block"
+    x = torch.randn(1, 3, 20, 20)
+    path = tmp_path / "records.jsonl"
+    _records_with_baselines(path, [s for s, _ in distinct_convs(conv_layers(load_model(text)[1], x))])
+    monkeypatch.setattr(kernel_choice, "MIN_GAIN", 0.0)
+    lines: list[str] = []
+    result = optimize(text, out=tmp_path / "out", records=path, input_shape=(1, 3, 20, 20), log=lines.append,
+                      save=tmp_path / "net.maco")
+    assert any("1 of 1 inverted residuals tried as one kernel" in line for line in lines), lines
+    assert (tmp_path / "out" / "report.md").exists()
+    saved = json.loads((tmp_path / "net.maco").read_text())
+    assert len(saved.get("blocks", {})) == (1 if result.chosen == "planned_maco" else 0)

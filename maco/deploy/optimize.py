@@ -132,7 +132,8 @@ def _variants_built(built: Variants, out: Path, log: Callable[[str], Any]) -> No
 def _layer_rows(run: PipelineRun, best: dict[tuple[ConvSpec, str], Record]) -> list[LayerRow]:
     """A report row per tuned conv: its best records, torch's seconds, and what the plan made of it."""
     built = run.built
-    maco_specs = {built.models["planned_maco"].get_submodule(path).spec for path in built.swapped}
+    maco_specs = {spec for mod in built.models["planned_maco"].modules()
+                  for spec in getattr(mod, "specs", (getattr(mod, "spec", None),))} if built.swapped else set()
     rows = []
     for r in run.tuned:
         layouts = {lp.layout for lp in built.plan.convs if lp.spec == str(r.spec)}

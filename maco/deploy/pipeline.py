@@ -91,11 +91,18 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         if everywhere is not None:
             planned_maco, plan, blocks = everywhere
             models["planned_torch"], models["planned_maco"] = plan.apply(fused), planned_maco
-    swapped = [path for path, mod in planned_maco.named_modules()
-               if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d, MacoInvertedResidual))]
+    swapped = _maco_convs(planned_maco)
     if device == "cuda":  # every variant, torch's too, replayed from a CUDA graph (layouts.cuda_graph)
         models = {label: CudaGraphed(m) for label, m in models.items()}
     return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd, blocks)
+
+
+def _maco_convs(model: nn.Module) -> list[str]:
+    """The paths of the convs a MACO kernel runs in `model` (each conv of a block run as one kernel)."""
+    blocks = [mod for mod in model.modules() if isinstance(mod, MacoInvertedResidual)]
+    inside = {p for mod in blocks for p in (mod.paths or ()) if p is not None}
+    return sorted(inside | {path for path, mod in model.named_modules()
+                            if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d)) and path not in inside})
 
 
 def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, chosen: nn.Module,
