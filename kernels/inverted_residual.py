@@ -16,7 +16,8 @@ The two 1x1 convs are one register-tiled GEMM (PT pixels x VB vectors of accumul
 value broadcast against the filter vectors), the depthwise conv one pass per channel vector over
 the ring's rows with its r*r weight vectors named. Layout NHWC throughout; bias and activation of
 each conv fused (kernels.epilogue), so NaN and infinities land where torch puts them. A block
-without an expand conv (expansion 1) copies its input rows into the ring.
+without an expand conv (expansion 1) copies its input rows into the ring; one without a project
+conv (the front half of a block with squeeze-excitation) writes its depthwise rows as its output.
 """
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ def _positive(name: str, value: Any) -> None:
 @dataclass(frozen=True)
 class BlockPlan:
     """One inverted residual on an (n, c, h, w) input: expand to m channels (none when `expand` is
-    False: then m == c), an r x r depthwise conv of stride s and padding r // 2, project to k;
-    each conv's activation; `residual` adds the block's input to the output (s == 1, c == k)."""
+    False: then m == c), an r x r depthwise conv of stride s and padding r // 2, project to k (none
+    when `project` is False: then k == m, the block's front half, where squeeze-excitation reads
+    the depthwise output); each conv's activation; `residual` adds the block's input to the
+    output (s == 1, c == k)."""
 
     n: int
     c: int
@@ -61,6 +64,7 @@ class BlockPlan:
     r: int = 3
     s: int = 1
     expand: bool = True
+    project: bool = True  # False: the block ends with its depthwise conv (k == m), as where SE follows it
     act_expand: str = "relu6"
     act_depthwise: str = "relu6"
     act_project: str = "none"
@@ -79,6 +83,12 @@ class BlockPlan:
             raise MacoError(f"the block's depthwise stride must be 1 or 2, got {self.s}")
         if not self.expand and self.m != self.c:
             raise MacoError(f"a block without an expand conv keeps its {self.c} channels, got m={self.m}")
+        if not self.expand and not self.project:
+            raise MacoError("a block without expand and project convs is a depthwise conv: kernels.depthwise runs it")
+        if not self.project and (self.k != self.m or self.residual or self.act_project != "none"):
+            raise MacoError(f"a block without a project conv hands back its {self.m} depthwise channels, with no "
+                            f"residual or project activation; got k={self.k}, residual={self.residual}, "
+                            f"act_project={self.act_project!r}")
         if self.residual and (self.s != 1 or self.c != self.k):
             raise MacoError(f"a residual needs stride 1 and as many outputs as inputs, got stride {self.s}, "
                             f"{self.c} -> {self.k} channels")
@@ -124,7 +134,7 @@ class BlockPlan:
         return (g - 1) * self.s + self.r
 
     def scratch_floats(self, g: int) -> int:
-        return self.ring_rows(g) * (self.w + 2 * self.pad) * self.m + g * self.out_w * self.m
+        return self.ring_rows(g) * (self.w + 2 * self.pad) * self.m + (g * self.out_w * self.m if self.project else 0)
 
     @property
     def group(self) -> int:
@@ -139,7 +149,8 @@ class BlockPlan:
     def offsets(self) -> dict[str, int]:
         """Where each packed array starts in the one weight buffer (floats)."""
         sizes = {"we": self.c * self.m if self.expand else 0, "be": self.m if self.expand else 0,
-                 "wd": self.r * self.r * self.m, "bd": self.m, "wp": self.m * self.k, "bp": self.k}
+                 "wd": self.r * self.r * self.m, "bd": self.m, "wp": self.m * self.k if self.project else 0,
+                 "bp": self.k if self.project else 0}
         out, at = {}, 0
         for name, size in sizes.items():
             out[name] = at
@@ -148,7 +159,7 @@ class BlockPlan:
         return out
 
     def pack(self, expand: tuple[Any, Any] | None, depthwise: tuple[Any, Any],
-             project: tuple[Any, Any]) -> np.ndarray:
+             project: tuple[Any, Any] | None) -> np.ndarray:
         """The (weight, bias) of each conv (torch shapes; a bias may be None) in the order the
         kernel reads them: expand (c, m), depthwise (r*r, m), project (m, k), each bias after."""
         out = np.zeros(self.offsets["end"], dtype=np.float32)
@@ -168,16 +179,19 @@ class BlockPlan:
             bias("be", expand[1], self.m)
         put("wd", np.asarray(depthwise[0], dtype=np.float32).reshape(self.m, self.r * self.r).T)
         bias("bd", depthwise[1], self.m)
-        put("wp", np.asarray(project[0], dtype=np.float32).reshape(self.k, self.m).T)
-        bias("bp", project[1], self.k)
+        if self.project:
+            if project is None:
+                raise MacoError("this block plan has a project conv: pack needs its weights")
+            put("wp", np.asarray(project[0], dtype=np.float32).reshape(self.k, self.m).T)
+            bias("bp", project[1], self.k)
         return out
 
     @cached_property
     def source(self) -> str:
         what = (f"MACO inverted residual: n{self.n} c{self.c} h{self.h} w{self.w}, "
                 f"{'expand to ' + str(self.m) if self.expand else 'no expand'} ({self.act_expand}), "
-                f"depthwise {self.r}x{self.r} stride {self.s} ({self.act_depthwise}), project to {self.k} "
-                f"({self.act_project}), residual={self.residual}, {self.threads} threads, G={self.group}")
+                f"depthwise {self.r}x{self.r} stride {self.s} ({self.act_depthwise}), "
+                f"{'project to ' + str(self.k) if self.project else 'no project'} ({self.act_project}), residual={self.residual}, {self.threads} threads, G={self.group}")
         return f"{comment(what)}\n{_source(self)}"
 
 
@@ -275,7 +289,8 @@ def _source(plan: BlockPlan) -> str:
     e(vector_type(L))
     if p.expand:
         lines.extend(_gemm(p, "expand", p.c, p.m, p.act_expand, False, p.w))
-    lines.extend(_gemm(p, "project", p.m, p.k, p.act_project, p.residual, None))
+    if p.project:
+        lines.extend(_gemm(p, "project", p.m, p.k, p.act_project, p.residual, None))
     taps = [(a, b) for a in range(p.r) for b in range(p.r)]
     # depthwise: one output row from the ring rows r0..r{r-1} into d
     e("static void depthwise(const float *const *rows, const float *restrict wd, const float *restrict bd, "
@@ -311,7 +326,7 @@ def _source(plan: BlockPlan) -> str:
     e("  int failed = 0;")
     e(f"  #pragma omp parallel num_threads({p.threads}) reduction(|:failed)")
     e("  {")
-    e(f"    float *ring = malloc(sizeof(float) * {nr * row}), *d = malloc(sizeof(float) * {g * p.out_w * p.m});")
+    e(f"    float *ring = malloc(sizeof(float) * {nr * row}), *d = malloc(sizeof(float) * {g * p.out_w * p.m if p.project else 1});")
     if pad:
         e(f"    for (long i = 0; ring && i < {nr}; i++) {{")
         e(f"      memset(ring + i * {row}, 0, sizeof(float) * {pad * p.m});")
@@ -348,11 +363,14 @@ def _source(plan: BlockPlan) -> str:
     e(f"              const long ih = (i0 + gi) * {p.s} - {pad} + a;")
     e(f"              rows[a] = ring + ((ih % {nr} + {nr}) % {nr}) * {row};")
     e("            }")
-    e(f"            depthwise(rows, w + {o['wd']}, w + {o['bd']}, d + gi * {p.out_w * p.m});")
+    # without a project conv, the depthwise rows are the block's output
+    out = f"d + gi * {p.out_w * p.m}" if p.project else f"y + (img * {p.out_h} + i0 + gi) * {p.out_w * p.m}"
+    e(f"            depthwise(rows, w + {o['wd']}, w + {o['bd']}, {out});")
     e("          }")
-    res = f"xi + i0 * {p.w * p.c}" if p.residual else "0"
-    e(f"          project(d, w + {o['wp']}, w + {o['bp']}, {res}, "
-      f"y + (img * {p.out_h} + i0) * {p.out_w * p.k}, 0, gr * {p.out_w});")
+    if p.project:
+        res = f"xi + i0 * {p.w * p.c}" if p.residual else "0"
+        e(f"          project(d, w + {o['wp']}, w + {o['bp']}, {res}, "
+          f"y + (img * {p.out_h} + i0) * {p.out_w * p.k}, 0, gr * {p.out_w});")
     e("        }")
     e("      }")
     e("    free(ring); free(d);")

@@ -2,7 +2,8 @@
 
 A block is three call nodes, each the only reader of the one before: a 1x1 expand conv (absent
 where the block has none), a depthwise conv and a 1x1 project conv, the project conv reading the
-block's input as its residual or nothing else. Whether a generated kernel computes it, on the
+block's input as its residual or nothing else. Where squeeze-excitation reads the depthwise
+output (EfficientNet, MobileNetV3), the block's front half, expand -> depthwise, is one. Whether a generated kernel computes it, on the
 input the model gives it, is maco_modules.block_plan's question; which blocks run as one is
 decided by timing (deploy.kernel_choice.faster_blocks) and saved with the model.
 """
@@ -19,17 +20,22 @@ from maco.layouts.maco_modules import MacoInvertedResidual, swap_module
 
 @dataclass(frozen=True)
 class BlockNodes:
-    """The nodes of one block and the module paths they call."""
+    """The nodes of one block and the module paths they call; without a project conv, the block's
+    front half (expand and depthwise), whose output other nodes read (squeeze-excitation)."""
 
     expand: fx.Node | None
     depthwise: fx.Node
-    project: fx.Node
+    project: fx.Node | None
     source: fx.Node  # the block's input
 
     @property
-    def paths(self) -> tuple[str | None, str, str]:
-        return (None if self.expand is None else str(self.expand.target), str(self.depthwise.target),
-                str(self.project.target))
+    def last(self) -> fx.Node:
+        """The node whose module the block's kernel replaces."""
+        return self.depthwise if self.project is None else self.project
+
+    @property
+    def paths(self) -> tuple[str | None, str, str | None]:
+        return tuple(None if n is None else str(n.target) for n in (self.expand, self.depthwise, self.project))
 
 
 def _conv(gm: fx.GraphModule, node: object) -> nn.Conv2d | None:
@@ -45,43 +51,59 @@ def _only_reader(node: fx.Node, reader: fx.Node) -> bool:
     return list(node.users) == [reader]
 
 
+def _pointwise(conv: nn.Conv2d | None) -> bool:
+    return conv is not None and conv.kernel_size == (1, 1) and conv.groups == 1
+
+
+def _expand_of(gm: fx.GraphModule, dw_node: fx.Node, taken: set[fx.Node]) -> fx.Node | None:
+    """The expand conv's node before a depthwise conv's: a 1x1 conv it alone reads, in no other block."""
+    before = dw_node.args[0]
+    if (isinstance(before, fx.Node) and before not in taken and _pointwise(_conv(gm, before))
+            and len(before.args) == 1 and _only_reader(before, dw_node)):
+        return before
+    return None
+
+
 def find_blocks(gm: fx.GraphModule) -> list[BlockNodes]:
-    """Every expand -> depthwise -> project chain of call nodes in `gm` (see the module docstring)."""
+    """Every expand -> depthwise -> project chain of call nodes in `gm` (see the module docstring),
+    then every expand -> depthwise chain left (a block's front half)."""
     found: list[BlockNodes] = []
-    projects: set[fx.Node] = set()  # a project conv is no later block's expand conv
+    taken: set[fx.Node] = set()  # nodes of a block found: in no other block
     for node in gm.graph.nodes:
-        project = _conv(gm, node)
-        if project is None or project.kernel_size != (1, 1) or project.groups != 1 or len(node.args) not in (1, 2):
+        if not _pointwise(_conv(gm, node)) or len(node.args) not in (1, 2):
             continue
         dw_node = node.args[0]
         depthwise = _conv(gm, dw_node)
-        if depthwise is None or depthwise.groups == 1 or len(dw_node.args) != 1 or not _only_reader(dw_node, node):
+        if (depthwise is None or depthwise.groups == 1 or len(dw_node.args) != 1 or dw_node in taken
+                or not _only_reader(dw_node, node)):
             continue
-        before = dw_node.args[0]
-        expand = _conv(gm, before)
-        expand_node = None
-        if (expand is not None and before not in projects and expand.kernel_size == (1, 1) and expand.groups == 1 and len(before.args) == 1
-                and _only_reader(before, dw_node)):
-            expand_node, source = before, before.args[0]
-        else:
-            source = before
+        expand = _expand_of(gm, dw_node, taken)
+        source = dw_node.args[0] if expand is None else expand.args[0]
         if not isinstance(source, fx.Node) or (len(node.args) == 2 and node.args[1] is not source):
             continue
-        found.append(BlockNodes(expand_node, dw_node, node, source))
-        projects.add(node)
+        found.append(BlockNodes(expand, dw_node, node, source))
+        taken.update(n for n in (expand, dw_node, node) if n is not None)
+    for node in gm.graph.nodes:
+        depthwise = _conv(gm, node)
+        if depthwise is None or depthwise.groups == 1 or len(node.args) != 1 or node in taken:
+            continue
+        expand = _expand_of(gm, node, taken)
+        if expand is not None and isinstance(expand.args[0], fx.Node):
+            found.append(BlockNodes(expand, node, None, expand.args[0]))
+            taken.update((expand, node))
     return found
 
 
 def use_block(gm: fx.GraphModule, block: BlockNodes, module: MacoInvertedResidual) -> None:
-    """Put `module` where the block's project conv was and call it on the block's input; the
-    expand and depthwise calls leave the graph (their modules stay registered at their paths)."""
+    """Put `module` where the block's last conv was and call it on the block's input; the block's
+    other calls leave the graph (their modules stay registered at their paths)."""
     if not isinstance(module, MacoInvertedResidual):
         raise MacoError(f"a block runs as a MacoInvertedResidual, got {type(module).__name__}")
     module.paths = block.paths
-    swap_module(gm, str(block.project.target), module)
-    block.project.args = (block.source,)
-    gm.graph.erase_node(block.depthwise)
-    if block.expand is not None:
-        gm.graph.erase_node(block.expand)
+    swap_module(gm, str(block.last.target), module)
+    block.last.args = (block.source,)
+    for node in (block.depthwise, block.expand):
+        if node is not None and node is not block.last:
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()

@@ -290,24 +290,24 @@ class MacoWinograd2d(_GeneratedOp):
 
 
 class MacoInvertedResidual(_GeneratedOp):
-    """An inverted residual (1x1 `expand` conv or None, depthwise conv, 1x1 `project` conv whose
-    residual, if any, is the block's input) run by one generated kernel (kernels.inverted_residual)
-    on NHWC inputs of one shape, its expanded tensor kept in each thread's cache; any other input
-    runs the three torch convs. The convs may be MACO kernel modules: their torch convs are used.
-    It stands where `project` stood in the model (`torch_conv` is project's), and `chain` holds
-    the torch convs in order."""
+    """An inverted residual (1x1 `expand` conv or None, depthwise conv, 1x1 `project` conv or None,
+    whose residual, if any, is the block's input) run by one generated kernel
+    (kernels.inverted_residual) on NHWC inputs of one shape, its expanded tensor kept in each
+    thread's cache; any other input runs the torch convs. The convs may be MACO kernel modules:
+    their torch convs are used. It stands where its last conv stood in the model (`torch_conv` is
+    that conv), and `chain` holds the torch convs in order."""
 
-    def __init__(self, expand: nn.Module | None, depthwise: nn.Module, project: nn.Module,
+    def __init__(self, expand: nn.Module | None, depthwise: nn.Module, project: nn.Module | None,
                  shape: tuple[int, ...], target: Target, preallocate: bool = False):
         super().__init__()
         convs = [None if m is None else getattr(m, "torch_conv", m) for m in (expand, depthwise, project)]
         self.plan = block_plan(*convs, tuple(shape), target)
         if self.plan is None:
             raise MacoError(f"no generated kernel computes the block {[type(c).__name__ for c in convs]} on {shape}")
-        self.torch_conv = convs[2]
+        self.torch_conv = convs[2] if convs[2] is not None else convs[1]
         self.chain = tuple(convs)  # a tuple: the convs stay registered where the model has them
         self.shape = tuple(shape)
-        self.paths: tuple[str | None, str, str] | None = None  # the convs' paths in the model (layouts.blocks)
+        self.paths: tuple[str | None, str, str | None] | None = None  # the convs' paths in the model (layouts.blocks)
         self._kernel = BlockKernel(self.plan, target)
         self._weight = self.plan.pack(*[None if c is None else (c.weight.detach().numpy(),
                                                                None if c.bias is None else c.bias.detach().numpy())
@@ -325,6 +325,8 @@ class MacoInvertedResidual(_GeneratedOp):
         """The block as the torch convs compute it."""
         expand, depthwise, project = self.chain
         h = depthwise(x if expand is None else expand(x))
+        if project is None:
+            return h
         return project(h, x) if self.plan.residual else project(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -340,14 +342,16 @@ class MacoInvertedResidual(_GeneratedOp):
     def extra_repr(self) -> str:
         p = self.plan
         return (f"input {self.shape}, {'expand to ' + str(p.m) if p.expand else 'no expand'}, depthwise "
-                f"{p.r}x{p.r}/{p.s}, project to {p.k}, residual={p.residual}, G={p.group}, "
+                f"{p.r}x{p.r}/{p.s}, {'project to ' + str(p.k) if p.project else 'no project'}, "
+                f"residual={p.residual}, G={p.group}, "
                 f"preallocated={self.preallocated}")
 
 
-def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Module, shape: tuple[int, ...],
+def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Module | None, shape: tuple[int, ...],
                target: Target) -> BlockPlan | None:
-    """The BlockPlan of three torch convs on an (N, C, H, W) input, None where the kernel does not
-    compute them: 1x1 expand and project convs (stride 1, no padding, one group), a depthwise conv
+    """The BlockPlan of a block's torch convs on an (N, C, H, W) input, None where the kernel does not
+    compute them: 1x1 expand and project convs (stride 1, no padding, one group; at least one of
+    them), a depthwise conv
     with a square odd window, stride 1 or 2 and padding half the window, zero padding, no residual
     but project's own "before" one, activations the kernel fuses (at most one smooth kind), a
     CPU target with vectors."""
@@ -355,7 +359,8 @@ def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Modul
         return (isinstance(conv, nn.Conv2d) and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
                 and conv.padding in ((0, 0), "valid") and conv.groups == 1 and conv.padding_mode == "zeros")
 
-    if target.kind != "cpu" or len(shape) != 4 or not pointwise(project) or not isinstance(depthwise, nn.Conv2d):
+    if (target.kind != "cpu" or len(shape) != 4 or not isinstance(depthwise, nn.Conv2d)
+            or (project is not None and not pointwise(project)) or (expand is None and project is None)):
         return None
     if expand is not None and not (pointwise(expand) and epilogue_of(expand)[1] == "none"):
         return None
@@ -365,17 +370,20 @@ def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Modul
     if ((expand is not None and (expand.in_channels != c or expand.out_channels != m)) or (expand is None and m != c)
             or depthwise.groups != m or depthwise.out_channels != m or depthwise.kernel_size != (r, r)
             or depthwise.stride != (s, s) or depthwise.padding != (r // 2, r // 2) or depthwise.dilation != (1, 1)
-            or depthwise.padding_mode != "zeros" or epilogue_of(depthwise)[1] != "none" or project.in_channels != m):
+            or depthwise.padding_mode != "zeros" or epilogue_of(depthwise)[1] != "none"
+            or (project is not None and project.in_channels != m)):
         return None
     acts = [epilogue_of(conv)[0] for conv in (expand, depthwise, project) if conv is not None]
-    residual = epilogue_of(project)[1]
+    residual = "none" if project is None else epilogue_of(project)[1]
     if residual not in ("none", "before") or any(a not in ACTIVATIONS for a in acts):
         return None
     registers = target.level_bytes("registers", 0) // (4 * max(1, target.simd_width))
     try:
-        return BlockPlan(n=n, c=c, h=h, w=w, m=m, k=project.out_channels, r=r, s=s, expand=expand is not None,
-                         act_expand=acts[0] if expand is not None else "none", act_depthwise=acts[-2],
-                         act_project=acts[-1], residual=residual == "before", threads=target.cores,
+        return BlockPlan(n=n, c=c, h=h, w=w, m=m, k=m if project is None else project.out_channels, r=r, s=s,
+                         expand=expand is not None, project=project is not None,
+                         act_expand=acts[0] if expand is not None else "none",
+                         act_depthwise=acts[1] if expand is not None else acts[0],
+                         act_project=acts[-1] if project is not None else "none", residual=residual == "before", threads=target.cores,
                          lanes=target.simd_width, registers=registers or 16, cache_bytes=target.level_bytes("L2", 1 << 20) // 2)
     except MacoError:
         return None

@@ -38,12 +38,14 @@ def weights(plan: BlockPlan, seed: int = 0) -> list[torch.Tensor]:
 def reference(plan: BlockPlan, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
     h = torch_activation(plan.act_expand, F.conv2d(x, w[0], w[1])) if plan.expand else x
     h = torch_activation(plan.act_depthwise, F.conv2d(h, w[2], w[3], stride=plan.s, padding=plan.pad, groups=plan.m))
+    if not plan.project:
+        return h
     y = F.conv2d(h, w[4], w[5])
     return torch_activation(plan.act_project, y + x if plan.residual else y)
 
 
 def run(plan: BlockPlan, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
-    packed = plan.pack((w[0], w[1]) if plan.expand else None, (w[2], w[3]), (w[4], w[5]))
+    packed = plan.pack((w[0], w[1]) if plan.expand else None, (w[2], w[3]), (w[4], w[5]) if plan.project else None)
     y = torch.full(plan.output_shape, 7.0).contiguous(memory_format=torch.channels_last)
     assert BlockKernel(plan, HOST)(x.contiguous(memory_format=torch.channels_last), packed, y)
     return y
@@ -67,6 +69,8 @@ CASES = [
     dict(n=1, c=16, h=12, w=12, m=64, k=16, residual=True, cache_bytes=1),  # G = 1: a row at a time
     dict(n=1, c=16, h=10, w=10, m=32, k=24, lanes=16, registers=32, threads=1),  # AVX-512's tiles, portable
     dict(n=1, c=12, h=6, w=6, m=20, k=12, lanes=4, residual=True, act_expand="relu", act_depthwise="relu"),
+    dict(n=2, c=24, h=14, w=14, m=144, k=144, r=5, s=2, project=False, act_expand="silu", act_depthwise="silu"),
+    dict(n=1, c=16, h=9, w=9, m=64, k=64, project=False, cache_bytes=1),  # a front half, a row at a time
 ]
 
 
@@ -108,6 +112,7 @@ def test_nan_and_infinities_land_where_torch_puts_them(act):
     (dict(r=4), "odd"), (dict(s=3), "stride"), (dict(expand=False, m=64), "without an expand"),
     (dict(residual=True, k=24), "residual"), (dict(act_expand="mish"), "mish"), (dict(threads=0), "threads"),
     (dict(act_expand="silu", act_depthwise="gelu"), "smooth"),
+    (dict(project=False, k=16), "without a project"), (dict(project=False, expand=False, m=16), "depthwise conv"),
 ])
 def test_a_bad_plan_is_one_clear_error(bad, needle):
     kw = dict(n=1, c=16, h=8, w=8, m=64, k=16, lanes=8)
@@ -116,17 +121,24 @@ def test_a_bad_plan_is_one_clear_error(bad, needle):
         BlockPlan(**kw)
 
 
-def test_blocks_found_in_mobilenet_v2_and_none_in_resnet18():
-    x = example_input(1)
-    gm, _ = kernels_everywhere(trained_like(build("mobilenet_v2")).eval(), x, HOST, others=False)
+@pytest.mark.parametrize("net, whole, front", [("mobilenet_v2", 17, 0), ("efficientnet_b0", 0, 15),
+                                               ("mobilenet_v3_large", 7, 8)])
+def test_blocks_found_whole_or_their_front_half_before_squeeze_excitation(net, whole, front):
+    gm, _ = kernels_everywhere(trained_like(build(net)).eval(), example_input(1), HOST, others=False)
     blocks = find_blocks(gm)
-    assert len(blocks) == 17 and sum(b.expand is None for b in blocks) == 1
+    assert sum(b.project is not None for b in blocks) == whole and sum(b.project is None for b in blocks) == front
+    nodes = [n for b in blocks for n in (b.expand, b.depthwise, b.project) if n is not None]
+    assert len(nodes) == len(set(nodes))  # no conv in two blocks
+
+
+def test_no_blocks_in_resnet18():
+    x = example_input(1)
     gm, _ = kernels_everywhere(build("resnet18").eval(), x, HOST, others=False)
     assert find_blocks(gm) == []
 
 
 class _Peeked(nn.Module):
-    """expand -> depthwise -> project, with the depthwise output also read elsewhere: no block."""
+    """expand -> depthwise -> project, with the depthwise output also read elsewhere."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -137,9 +149,9 @@ class _Peeked(nn.Module):
         return self.project(d), d.mean()
 
 
-def test_a_depthwise_output_read_twice_is_no_block():
+def test_a_depthwise_output_read_twice_ends_its_block():
     gm, _ = kernels_everywhere(_Peeked().eval(), torch.randn(1, 8, 10, 10), HOST, others=False)
-    assert find_blocks(gm) == []
+    assert [b.paths for b in find_blocks(gm)] == [("expand", "dw", None)]
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +269,29 @@ def test_optimize_reports_and_saves_a_block_run_as_one_kernel(tmp_path, monkeypa
     assert (tmp_path / "out" / "report.md").exists()
     saved = json.loads((tmp_path / "net.maco").read_text())
     assert len(saved.get("blocks", {})) == (1 if result.chosen == "planned_maco" else 0)
+
+
+@pytest.mark.parametrize("net", ["efficientnet_b0", "mobilenet_v3_large"])
+def test_front_halves_before_squeeze_excitation_equal_eager(net, monkeypatch, tmp_path):
+    """Every block (whole, or expand -> depthwise where squeeze-excitation reads the depthwise
+    output) as one kernel: the model equals eager, NaN where eager puts it, and a saved model
+    rebuilds the same blocks."""
+    torch.manual_seed(0)
+    model = trained_like(build(net)).eval()
+    x = example_input(1)
+    gm, plan = kernels_everywhere(model, x, HOST)
+    monkeypatch.setattr(kernel_choice, "MIN_GAIN", 0.0)
+    ratios = faster_blocks(gm, x, HOST, rounds=1)
+    use_segments(gm, HOST)
+    assert len(ratios) == 15 and sum(isinstance(m, MacoInvertedResidual) for m in gm.modules()) == 15
+    with torch.inference_mode():
+        want = model(x)
+        assert float((gm(x) - want).abs().max() / want.abs().max()) < 1e-4
+        x2 = x.clone()
+        x2[0, 1, 100, 7] = NAN
+        assert torch.equal(torch.isnan(gm(x2)), torch.isnan(model(x2)))
+        path = tmp_path / "m.maco"
+        deployment.save(deployment.describe(gm, "planned_maco", x, HOST, plan), path)
+        loaded = deployment.load(path, model)
+        assert sum(isinstance(m, MacoInvertedResidual) for m in loaded.modules()) == 15
+        assert float((loaded(x) - want).abs().max() / want.abs().max()) < 1e-4

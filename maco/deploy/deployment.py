@@ -65,7 +65,7 @@ class Deployment:
     pools: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> input shape, layout
     depthwise: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, layout
     winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, tile
-    # project conv's path -> expand and depthwise convs' paths, input shape: an inverted residual as one kernel
+    # an inverted residual as one kernel: its last conv's path -> its convs' paths, input shape
     blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,12 +116,13 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
     if plan is None:
         raise MacoError(f"the {variant} variant needs its layout plan")
     dep.plan = plan.to_dict()
-    inside = set()  # the expand and depthwise convs of a block: the graph no longer calls them
+    inside = set()  # the convs of a block but its last: the graph no longer calls them
     for path, mod in model.named_modules():
         if isinstance(mod, MacoInvertedResidual) and mod.paths is not None:
-            expand, depthwise, _ = mod.paths
-            dep.blocks[path] = {"expand": expand, "depthwise": depthwise, "shape": list(mod.shape)}
-            inside.update(p for p in (expand, depthwise) if p is not None)
+            expand, depthwise, project = mod.paths
+            dep.blocks[path] = {"expand": expand, "depthwise": depthwise, "project": project,
+                                "shape": list(mod.shape)}
+            inside.update(p for p in mod.paths if p is not None and p != path)
     for path, mod in model.named_modules():
         if path in inside:
             continue
@@ -228,21 +229,22 @@ def _swap_in_kernels(gm: nn.Module, dep: Deployment, path: Any, host: Target, fo
 
 
 def _swap_blocks(gm: Any, dep: Deployment, path: Any, host: Target, own_output: Callable[[str], bool]) -> None:
-    """Each saved inverted residual run as one kernel: its three convs must be a block of this
-    model's graph (layouts.blocks), on the saved input shape."""
-    found = {block.paths[2]: block for block in find_blocks(gm)}
-    for project, entry in dep.blocks.items():
-        block = found.get(project) if isinstance(project, str) else None
-        if not isinstance(entry, dict) or block is None or block.paths != (entry.get("expand"), entry.get("depthwise"), project):
-            raise MacoError(f"{str(path)!r}: the saved block ending in {short(project)} is no inverted residual "
+    """Each saved inverted residual run as one kernel: its convs must be a block of this model's
+    graph (layouts.blocks), on the saved input shape."""
+    found = {str(block.last.target): block for block in find_blocks(gm)}
+    for last, entry in dep.blocks.items():
+        block = found.get(last) if isinstance(last, str) else None
+        if (not isinstance(entry, dict) or block is None
+                or block.paths != (entry.get("expand"), entry.get("depthwise"), entry.get("project"))):
+            raise MacoError(f"{str(path)!r}: the saved block ending in {short(last)} is no inverted residual "
                             "(expand, depthwise, project convs) of this model")
         shape = entry.get("shape")
         mods = [None if p is None else gm.get_submodule(p) for p in block.paths]
         if not (_positive_ints(shape) and len(shape) == 4) or block_plan(
                 *[None if m is None else getattr(m, "torch_conv", m) for m in mods], tuple(shape), host) is None:
-            raise MacoError(f"{str(path)!r}: no generated kernel runs the block ending in {short(project)} "
+            raise MacoError(f"{str(path)!r}: no generated kernel runs the block ending in {short(last)} "
                             f"on an input of shape {short(shape)}")
-        use_block(gm, block, MacoInvertedResidual(*mods, tuple(shape), host, own_output(project)))
+        use_block(gm, block, MacoInvertedResidual(*mods, tuple(shape), host, own_output(last)))
 
 
 def _swap_conv(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Target, foreign: bool,

@@ -222,10 +222,11 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
 
 
 def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
-    """Run (in place) each inverted residual of `gm` (layouts.blocks) whose input is channels_last
-    in the model as one generated kernel (MacoInvertedResidual) where that runs at least MIN_GAIN
-    faster than the three modules that run it now, on the input it gets there. Returns the
-    project conv's path -> the three modules' time over the one kernel's, for each block tried."""
+    """Run (in place) each inverted residual of `gm` (layouts.blocks: whole, or its front half where
+    squeeze-excitation follows) whose input is channels_last in the model as one generated kernel
+    (MacoInvertedResidual) where that runs at least MIN_GAIN faster than the modules that run it
+    now, on the input it gets there. Returns the path of each block's last conv -> the modules'
+    time over the one kernel's, for each block tried."""
     if target.kind != "cpu":
         return {}
     blocks = find_blocks(gm)
@@ -248,6 +249,8 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
         def chain(x: torch.Tensor = x, expand: Any = expand, depthwise: Any = depthwise, project: Any = project,
                   residual: bool = fused.plan.residual) -> torch.Tensor:
             h = depthwise(x if expand is None else expand(x))
+            if project is None:
+                return h
             return project(h, x) if residual else project(h)
 
         runs = {"torch": chain, "maco": lambda fused=fused, x=x: fused(x)}
@@ -255,10 +258,10 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
             for fn in runs.values():
                 fn()
             timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
-        path = block.paths[2]
+        path = str(block.last.target)
         ratios[path] = statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
         if ratios[path] >= MIN_GAIN:
-            own = len(calls[path]) == 1 and not escapes(gm, block.project)
+            own = len(calls[path]) == 1 and not escapes(gm, block.last)
             use_block(gm, block, MacoInvertedResidual(*mods, tuple(x.shape), target, preallocate=own))
     return ratios
 
