@@ -39,6 +39,7 @@ ALIGN = 16  # floats: each packed weight array starts on a 64-byte line
 MAX_TAPS = 49
 L1_BYTES = 32 << 10  # the L1 data cache of the CPUs MACO meets (Zen 3/4: 32 KiB; Intel: 32-48 KiB)
 MAX_PIXELS = 8  # pixels of a GEMM register tile
+SPLITS = ("auto", "rows", "channels")
 DW_TILE = 4  # depthwise outputs of a row computed together (independent sums in flight)
 
 
@@ -73,6 +74,7 @@ class BlockPlan:
     lanes: int = 8  # fp32 lanes of the target's vectors
     registers: int = 16  # vector registers
     cache_bytes: int = 256 << 10  # what one thread's E and D may take
+    split: str = "auto"  # "rows": threads take bands of rows; "channels": shares of m; "auto": channel_split
 
     def __post_init__(self) -> None:
         for name in ("n", "c", "h", "w", "m", "k", "r", "s", "threads", "lanes", "registers", "cache_bytes"):
@@ -92,6 +94,10 @@ class BlockPlan:
         if self.residual and (self.s != 1 or self.c != self.k):
             raise MacoError(f"a residual needs stride 1 and as many outputs as inputs, got stride {self.s}, "
                             f"{self.c} -> {self.k} channels")
+        if self.split not in SPLITS:
+            raise MacoError(f"BlockPlan.split must be one of {SPLITS}, got {self.split!r}")
+        if self.split == "channels" and not self.can_split_channels:
+            raise MacoError(f"{self.threads} threads cannot share {self.m} channels in vectors of {self.vector}")
         for name in ("act_expand", "act_depthwise", "act_project"):
             if getattr(self, name) not in ACTIVATIONS:
                 raise MacoError(f"unknown activation {getattr(self, name)!r}; choose one of {ACTIVATIONS}")
@@ -126,15 +132,37 @@ class BlockPlan:
         return next(v for v in (16, 8, 4, 2, 1) if v <= self.lanes and self.m % v == 0 and self.k % v == 0)
 
     @property
+    def can_split_channels(self) -> bool:
+        return self.threads > 1 and self.m % (self.threads * self.vector) == 0
+
+    @property
+    def channel_split(self) -> bool:
+        """Whether the threads share each image's expanded channels (else its rows). Split by rows,
+        every thread reads all the weights and recomputes the expanded rows at its band's edges;
+        by channels, each thread reads its share of the weights and the project convs' partial
+        sums meet in memory. "auto": by channels where fewer images than threads would split
+        rows and the block's output is under four times its weights (the deep MobileNetV2
+        blocks: timing chooses in the model, deploy.kernel_choice.faster_blocks)."""
+        if self.split != "auto":
+            return self.split == "channels"
+        weights = self.c * self.m * self.expand + self.m * self.k * self.project
+        return self.can_split_channels and self.n < self.threads and self.out_h * self.out_w * self.k < 4 * weights
+
+    @property
+    def ms(self) -> int:
+        """Expanded channels one thread computes."""
+        return self.m // self.threads if self.channel_split else self.m
+
+    @property
     def bands(self) -> int:
         """Parts each image's output rows are split into, so that every thread has work."""
-        return min(self.out_h, -(-self.threads // self.n))
+        return 1 if self.channel_split else min(self.out_h, -(-self.threads // self.n))
 
     def ring_rows(self, g: int) -> int:
         return (g - 1) * self.s + self.r
 
     def scratch_floats(self, g: int) -> int:
-        return self.ring_rows(g) * (self.w + 2 * self.pad) * self.m + (g * self.out_w * self.m if self.project else 0)
+        return self.ring_rows(g) * (self.w + 2 * self.pad) * self.ms + (g * self.out_w * self.ms if self.project else 0)
 
     @property
     def group(self) -> int:
@@ -206,10 +234,12 @@ def _tile(plan: BlockPlan, n: int) -> tuple[int, int]:
     return max(tiles, key=lambda t: (t[0] * t[1], -(t[0] + t[1])))
 
 
-def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool, row_pixels: int | None) -> list[str]:
+def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool, row_pixels: int | None,
+          w_stride: int | None = None) -> list[str]:
     """C of `static void name(in, W, b, res, out, rows, P)`: for P pixels, out[p][:n] = act(in[p][:red]
     . W + b (+ res[p])), inputs and residual contiguous; the output contiguous at `out`, or (with
-    row_pixels) pixel p at rows[p / row_pixels] + p % row_pixels. Each register tile sweeps all n
+    row_pixels) pixel p at rows[p / row_pixels] + p % row_pixels; W's rows w_stride apart (n: all
+    of them; more: W is a thread's columns of a wider matrix). Each register tile sweeps all n
     columns while its inputs sit in L1; where W outgrows half of L1, each column panel of W sweeps
     all pixels instead (a panel stays in L1, the pixels come from L2)."""
     L = plan.vector
@@ -232,7 +262,7 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
         e(f"{indent}  vf " + ", ".join(f"a{p}_{v} = ld(b + n0 + {v * L})" for p in range(count) for v in range(vb)) + ";")
         e(f"{indent}  const float *restrict ip = in + q * {red};")
         e(f"{indent}  for (long c = 0; c < {red}; c++) {{")
-        e(f"{indent}    const float *restrict wr = W + c * {n} + n0;")
+        e(f"{indent}    const float *restrict wr = W + c * {w_stride or n} + n0;")
         for v in range(vb):
             e(f"{indent}    const vf w{v} = ld(wr + {v * L});")
         for p in range(count):
@@ -273,43 +303,31 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
     return out
 
 
-# A code generator kept whole (past 60 lines): the C it emits reads top to bottom here.
-def _source(plan: BlockPlan) -> str:
-    p = plan
-    L, pad, wp = p.vector, p.pad, p.w + 2 * p.pad
-    row = wp * p.m  # floats of one ring row
-    g = p.group
-    nr = p.ring_rows(g)
-    o = p.offsets
-    acts = {p.act_expand, p.act_depthwise, p.act_project} & set(SMOOTH)
-    lines = [vector_function(acts.pop(), L)] if acts else []
-    e = lines.append
-    e("#include <stdlib.h>")
-    e("#include <string.h>")
-    e(vector_type(L))
-    if p.expand:
-        lines.extend(_gemm(p, "expand", p.c, p.m, p.act_expand, False, p.w))
-    if p.project:
-        lines.extend(_gemm(p, "project", p.m, p.k, p.act_project, p.residual, None))
+def _depthwise(p: BlockPlan, ms: int) -> list[str]:
+    """C of `static void depthwise(rows, wd, bd, d, stride)`: one output row of `ms` channels from
+    the ring rows rows[0..r-1] (pixels of ms channels) into d (pixels `stride` floats apart); the
+    weights are (r*r, m), offset to the thread's channels."""
+    L = p.vector
     taps = [(a, b) for a in range(p.r) for b in range(p.r)]
-    # depthwise: one output row from the ring rows r0..r{r-1} into d
-    e("static void depthwise(const float *const *rows, const float *restrict wd, const float *restrict bd, "
-      "float *restrict d) {")
-    e("  const vf zero = {0}; const vf six = zero + 6.f; (void)six;")
-    e(f"  for (long c0 = 0; c0 < {p.m}; c0 += {L}) {{")
+    out = ["static void depthwise(const float *const *rows, const float *restrict wd, const float *restrict bd, "
+           "float *restrict d, long stride) {",
+           "  const vf zero = {0}; const vf six = zero + 6.f; (void)six;",
+           f"  for (long c0 = 0; c0 < {ms}; c0 += {L}) {{"]
+    e = out.append
     for t in range(len(taps)):
         e(f"    const vf w{t} = ld(wd + {t * p.m} + c0);")
     e("    const vf bv = ld(bd + c0);")
     for a in range(p.r):
         e(f"    const float *restrict x{a} = rows[{a}] + c0;")
+
     def outputs(count: int, indent: str) -> None:  # `count` outputs from column j: independent sums
         for u in range(count):
             e(f"{indent}vf v{u} = bv;")
         for t, (a, b) in enumerate(taps):
             for u in range(count):
-                e(f"{indent}v{u} += ld(x{a} + ((j + {u}) * {p.s} + {b}) * {p.m}) * w{t};")
+                e(f"{indent}v{u} += ld(x{a} + ((j + {u}) * {p.s} + {b}) * {ms}) * w{t};")
         for u in range(count):
-            e(f"{indent}{{ const vf v = v{u}; st(d + (j + {u}) * {p.m} + c0, {vector_expression(p.act_depthwise)}); }}")
+            e(f"{indent}{{ const vf v = v{u}; st(d + (j + {u}) * stride + c0, {vector_expression(p.act_depthwise)}); }}")
 
     e("    long j = 0;")
     e(f"    for (; j + {DW_TILE} <= {p.out_w}; j += {DW_TILE}) {{")
@@ -320,40 +338,38 @@ def _source(plan: BlockPlan) -> str:
     e("    }")
     e("  }")
     e("}")
-    e(f"int {FUNCTION}(const float *restrict x, const float *restrict w, const void *unused1, "
-      "const void *unused2, float *restrict y) {")
-    e("  (void)unused1; (void)unused2;")
-    e("  int failed = 0;")
-    e(f"  #pragma omp parallel num_threads({p.threads}) reduction(|:failed)")
-    e("  {")
-    e(f"    float *ring = malloc(sizeof(float) * {nr * row}), *d = malloc(sizeof(float) * {g * p.out_w * p.m if p.project else 1});")
-    if pad:
-        e(f"    for (long i = 0; ring && i < {nr}; i++) {{")
-        e(f"      memset(ring + i * {row}, 0, sizeof(float) * {pad * p.m});")
-        e(f"      memset(ring + i * {row} + {(pad + p.w) * p.m}, 0, sizeof(float) * {pad * p.m});")
-        e("    }")
-    e("      #pragma omp for schedule(static)")
-    e(f"      for (long item = 0; item < {p.n * p.bands}; item++) {{")
-    e("        if (!ring || !d) { failed = 1; continue; }")
-    e(f"        const long img = item / {p.bands}, band = item % {p.bands};")
-    e(f"        const long lo = band * {p.out_h} / {p.bands}, hi = (band + 1) * {p.out_h} / {p.bands};")
-    e(f"        const float *restrict xi = x + img * {p.h * p.w * p.c};")
+    return out
+
+
+# A code generator kept whole (past 60 lines): the C it emits reads top to bottom here.
+def _rows(p: BlockPlan, e: Any, lo: str, hi: str, cs: str, out: str) -> None:
+    """C of one thread's output rows lo..hi of image img, channels cs..cs + ms of the expanded
+    tensor, in groups of G rows: the new ring rows expanded (zeros above and below the image), the
+    depthwise rows, then `out` (gi rows done: a C statement, the project GEMM) or, without a
+    project conv, the depthwise rows written to the output."""
+    ms, pad, g = p.ms, p.pad, p.group
+    nr, row, o = p.ring_rows(g), (p.w + 2 * p.pad) * p.ms, p.offsets
     e("        long have = -1000000;  /* one past the last input row in the ring */")
-    e(f"        for (long i0 = lo; i0 < hi; i0 += {g}) {{")
-    e(f"          const long gr = hi - i0 < {g} ? hi - i0 : {g};")
+    e(f"        for (long i0 = {lo}; i0 < {hi}; i0 += {g}) {{")
+    e(f"          const long gr = {hi} - i0 < {g} ? {hi} - i0 : {g};")
     e(f"          const long need_lo = i0 * {p.s} - {pad}, need_hi = (i0 + gr - 1) * {p.s} - {pad} + {p.r};")
     e(f"          float *fresh[{nr}]; long first = -1, count = 0;  /* the new rows inside the image */")
     e("          for (long ih = need_lo > have ? need_lo : have; ih < need_hi; ih++) {")
-    e(f"            float *restrict er = ring + ((ih % {nr} + {nr}) % {nr}) * {row} + {pad * p.m};")
-    e(f"            if (ih < 0 || ih >= {p.h}) {{ memset(er, 0, sizeof(float) * {p.w * p.m}); continue; }}")
+    e(f"            float *restrict er = ring + ((ih % {nr} + {nr}) % {nr}) * {row} + {pad * ms};")
+    e(f"            if (ih < 0 || ih >= {p.h}) {{ memset(er, 0, sizeof(float) * {p.w * ms}); continue; }}")
     if p.expand:
         e("            if (first < 0) first = ih;")
         e("            fresh[count++] = er;")
     else:
-        e(f"            memcpy(er, xi + ih * {p.w * p.c}, sizeof(float) * {p.w * p.c});")
+        if ms == p.c:
+            e(f"            memcpy(er, xi + ih * {p.w * p.c}, sizeof(float) * {p.w * p.c});")
+        else:
+            e(f"            for (long j = 0; j < {p.w}; j++)")
+            e(f"              memcpy(er + j * {ms}, xi + (ih * {p.w} + j) * {p.c} + {cs}, sizeof(float) * {ms});")
     e("          }")
     if p.expand:
-        e(f"          if (count) expand(xi + first * {p.w * p.c}, w + {o['we']}, w + {o['be']}, 0, 0, fresh, count * {p.w});")
+        e(f"          if (count) expand(xi + first * {p.w * p.c}, w + {o['we']} + {cs}, w + {o['be']} + {cs}, 0, 0, "
+          f"fresh, count * {p.w});")
     else:
         e("          (void)fresh; (void)first; (void)count;")
     e("          have = need_hi;")
@@ -363,16 +379,100 @@ def _source(plan: BlockPlan) -> str:
     e(f"              const long ih = (i0 + gi) * {p.s} - {pad} + a;")
     e(f"              rows[a] = ring + ((ih % {nr} + {nr}) % {nr}) * {row};")
     e("            }")
-    # without a project conv, the depthwise rows are the block's output
-    out = f"d + gi * {p.out_w * p.m}" if p.project else f"y + (img * {p.out_h} + i0 + gi) * {p.out_w * p.m}"
-    e(f"            depthwise(rows, w + {o['wd']}, w + {o['bd']}, {out});")
+    if p.project:
+        e(f"            depthwise(rows, w + {o['wd']} + {cs}, w + {o['bd']} + {cs}, d + gi * {p.out_w * ms}, {ms});")
+    else:
+        e(f"            depthwise(rows, w + {o['wd']} + {cs}, w + {o['bd']} + {cs}, "
+          f"y + (img * {p.out_h} + i0 + gi) * {p.out_w * p.m} + {cs}, {p.m});")
     e("          }")
     if p.project:
-        res = f"xi + i0 * {p.w * p.c}" if p.residual else "0"
-        e(f"          project(d, w + {o['wp']}, w + {o['bp']}, {res}, "
-          f"y + (img * {p.out_h} + i0) * {p.out_w * p.k}, 0, gr * {p.out_w});")
+        e(f"          {out}")
     e("        }")
-    e("      }")
+
+
+# A code generator kept whole (past 60 lines): the C it emits reads top to bottom here.
+def _source(plan: BlockPlan) -> str:
+    p = plan
+    L, pad, ms = p.vector, p.pad, p.ms
+    row, g = (p.w + 2 * pad) * ms, p.group
+    nr, o = p.ring_rows(g), p.offsets
+    acts = {p.act_expand, p.act_depthwise, p.act_project} & set(SMOOTH)
+    lines = [vector_function(acts.pop(), L)] if acts else []
+    e = lines.append
+    e("#include <stdlib.h>")
+    e("#include <string.h>")
+    e("#include <omp.h>")
+    e(vector_type(L))
+    if p.expand:
+        lines.extend(_gemm(p, "expand", p.c, ms, p.act_expand, False, p.w, w_stride=p.m))
+    split = p.channel_split
+    if p.project:  # split over channels, each thread's project is a partial sum: the activation comes after
+        lines.extend(_gemm(p, "project", ms, p.k, "none" if split else p.act_project, p.residual, None))
+    if p.project and split:  # the other threads' partial sums: no bias, no residual
+        lines.extend(_gemm(p, "project_part", ms, p.k, "none", False, None))
+    lines.extend(_depthwise(p, ms))
+    e(f"int {FUNCTION}(const float *restrict x, const float *restrict w, const void *unused1, "
+      "const void *unused2, float *restrict y) {")
+    e("  (void)unused1; (void)unused2;")
+    e("  int failed = 0;")
+    if split:
+        e(f"  float *parts[{p.threads}]; int ok[{p.threads}];")
+    e(f"  #pragma omp parallel num_threads({p.threads}) reduction(|:failed)")
+    e("  {")
+    e(f"    float *ring = malloc(sizeof(float) * {nr * row}), *d = malloc(sizeof(float) * {g * p.out_w * ms if p.project else 1});")
+    if pad:
+        e(f"    for (long i = 0; ring && i < {nr}; i++) {{")
+        e(f"      memset(ring + i * {row}, 0, sizeof(float) * {pad * ms});")
+        e(f"      memset(ring + i * {row} + {(pad + p.w) * ms}, 0, sizeof(float) * {pad * ms});")
+        e("    }")
+    if not split:
+        e("      #pragma omp for schedule(static)")
+        e(f"      for (long item = 0; item < {p.n * p.bands}; item++) {{")
+        e("        if (!ring || !d) { failed = 1; continue; }")
+        e(f"        const long img = item / {p.bands}, band = item % {p.bands};")
+        e(f"        const long lo = band * {p.out_h} / {p.bands}, hi = (band + 1) * {p.out_h} / {p.bands};")
+        e(f"        const float *restrict xi = x + img * {p.h * p.w * p.c};")
+        res = f"xi + i0 * {p.w * p.c}" if p.residual else "0"
+        _rows(p, e, "lo", "hi", "0", f"project(d, w + {o['wp']}, w + {o['bp']}, {res}, "
+                                       f"y + (img * {p.out_h} + i0) * {p.out_w * p.k}, 0, gr * {p.out_w});")
+        e("      }")
+    else:
+        # each thread its share of the expanded channels over whole images; the project convs'
+        # partial sums meet after a barrier: thread 0's (bias and residual in) in y, the others'
+        # in buffers of their own, added (then the activation) by all threads over pixel ranges
+        planes = p.out_h * p.out_w * p.k
+        e("    const int t = omp_get_thread_num();")
+        e(f"    const long cs = (long)t * {ms};")
+        e(f"    float *part = t && {int(p.project)} ? malloc(sizeof(float) * {planes}) : 0;")
+        e(f"    parts[t] = part; ok[t] = ring && d && (t == 0 || !{int(p.project)} || part);")
+        e("    #pragma omp barrier")
+        e("    int all = 1;")
+        e(f"    for (int u = 0; u < {p.threads}; u++) all &= ok[u];")
+        e("    if (!all) failed = 1;")
+        e(f"    for (long img = 0; all && img < {p.n}; img++) {{")
+        e(f"        const float *restrict xi = x + img * {p.h * p.w * p.c};")
+        if not p.project:
+            _rows(p, e, "0", str(p.out_h), "cs", "")
+        else:
+            e(f"        float *restrict yi = y + img * {planes};")
+            e(f"        static const float nothing[{p.k}];")
+            res = f"xi + i0 * {p.w * p.c}" if p.residual else "0"
+            _rows(p, e, "0", str(p.out_h), "cs",
+                  f"if (t == 0) project(d, w + {o['wp']}, w + {o['bp']}, {res}, yi + i0 * {p.out_w * p.k}, 0, "
+                  f"gr * {p.out_w}); else project_part(d, w + {o['wp']} + cs * {p.k}, nothing, 0, "
+                  f"part + i0 * {p.out_w * p.k}, 0, gr * {p.out_w});")
+            e("        #pragma omp barrier")
+            e(f"        const long lo = (long)t * {planes // L} / {p.threads} * {L}, "
+              f"hi = (long)(t + 1) * {planes // L} / {p.threads} * {L};")
+            e("        const vf zero = {0}; const vf six = zero + 6.f; (void)six;")
+            e(f"        for (long q = lo; q < hi; q += {L}) {{")
+            e("          vf v = ld(yi + q);")
+            e(f"          for (int u = 1; u < {p.threads}; u++) v += ld(parts[u] + q);")
+            e(f"          st(yi + q, {vector_expression(p.act_project)});")
+            e("        }")
+            e("        #pragma omp barrier")
+        e("    }")
+        e("    free(part);")
     e("    free(ring); free(d);")
     e("  }")
     e("  return failed;")

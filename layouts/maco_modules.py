@@ -298,10 +298,10 @@ class MacoInvertedResidual(_GeneratedOp):
     that conv), and `chain` holds the torch convs in order."""
 
     def __init__(self, expand: nn.Module | None, depthwise: nn.Module, project: nn.Module | None,
-                 shape: tuple[int, ...], target: Target, preallocate: bool = False):
+                 shape: tuple[int, ...], target: Target, preallocate: bool = False, split: str = "auto"):
         super().__init__()
         convs = [None if m is None else getattr(m, "torch_conv", m) for m in (expand, depthwise, project)]
-        self.plan = block_plan(*convs, tuple(shape), target)
+        self.plan = block_plan(*convs, tuple(shape), target, split)
         if self.plan is None:
             raise MacoError(f"no generated kernel computes the block {[type(c).__name__ for c in convs]} on {shape}")
         self.torch_conv = convs[2] if convs[2] is not None else convs[1]
@@ -348,13 +348,13 @@ class MacoInvertedResidual(_GeneratedOp):
 
 
 def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Module | None, shape: tuple[int, ...],
-               target: Target) -> BlockPlan | None:
+               target: Target, split: str = "auto") -> BlockPlan | None:
     """The BlockPlan of a block's torch convs on an (N, C, H, W) input, None where the kernel does not
     compute them: 1x1 expand and project convs (stride 1, no padding, one group; at least one of
     them), a depthwise conv
     with a square odd window, stride 1 or 2 and padding half the window, zero padding, no residual
     but project's own "before" one, activations the kernel fuses (at most one smooth kind), a
-    CPU target with vectors."""
+    CPU target with vectors; `split` as BlockPlan takes it."""
     def pointwise(conv: Any) -> bool:
         return (isinstance(conv, nn.Conv2d) and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
                 and conv.padding in ((0, 0), "valid") and conv.groups == 1 and conv.padding_mode == "zeros")
@@ -384,7 +384,8 @@ def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Modul
                          act_expand=acts[0] if expand is not None else "none",
                          act_depthwise=acts[1] if expand is not None else acts[0],
                          act_project=acts[-1] if project is not None else "none", residual=residual == "before", threads=target.cores,
-                         lanes=target.simd_width, registers=registers or 16, cache_bytes=target.level_bytes("L2", 1 << 20) // 2)
+                         lanes=target.simd_width, registers=registers or 16, cache_bytes=target.level_bytes("L2", 1 << 20) // 2,
+                         split=split)
     except MacoError:
         return None
 

@@ -71,6 +71,12 @@ CASES = [
     dict(n=1, c=12, h=6, w=6, m=20, k=12, lanes=4, residual=True, act_expand="relu", act_depthwise="relu"),
     dict(n=2, c=24, h=14, w=14, m=144, k=144, r=5, s=2, project=False, act_expand="silu", act_depthwise="silu"),
     dict(n=1, c=16, h=9, w=9, m=64, k=64, project=False, cache_bytes=1),  # a front half, a row at a time
+    dict(n=1, c=96, h=14, w=14, m=576, k=96, residual=True),  # the threads share the channels (auto)
+    dict(n=1, c=32, h=9, w=11, m=96, k=40, s=2, threads=3, split="channels", act_project="relu"),
+    dict(n=2, c=24, h=10, w=10, m=96, k=96, r=5, project=False, threads=4, split="channels",
+         act_expand="hardswish", act_depthwise="hardswish"),
+    dict(n=1, c=32, h=8, w=8, m=32, k=16, expand=False, split="channels", cache_bytes=1),
+    dict(n=1, c=16, h=7, w=7, m=64, k=16, residual=True, split="rows"),
 ]
 
 
@@ -112,7 +118,8 @@ def test_nan_and_infinities_land_where_torch_puts_them(act):
     (dict(r=4), "odd"), (dict(s=3), "stride"), (dict(expand=False, m=64), "without an expand"),
     (dict(residual=True, k=24), "residual"), (dict(act_expand="mish"), "mish"), (dict(threads=0), "threads"),
     (dict(act_expand="silu", act_depthwise="gelu"), "smooth"),
-    (dict(project=False, k=16), "without a project"), (dict(project=False, expand=False, m=16), "depthwise conv"),
+    (dict(project=False, k=16), "without a project"), (dict(split="planes"), "split"),
+    (dict(split="channels", threads=3), "cannot share"), (dict(project=False, expand=False, m=16), "depthwise conv"),
 ])
 def test_a_bad_plan_is_one_clear_error(bad, needle):
     kw = dict(n=1, c=16, h=8, w=8, m=64, k=16, lanes=8)
@@ -220,6 +227,8 @@ def test_saved_blocks_load_as_one_kernel(fused_mobilenet, tmp_path):
     (lambda b: b.update(depthwise="fused_0_classifier_1"), "no inverted residual"),
     (lambda b: b.update(shape=[1, 3, 224, 224]), "no generated kernel"),
     (lambda b: b.update(shape="big"), "no generated kernel"),
+    (lambda b: b.update(shape=7), "no generated kernel"),
+    (lambda b: b.update(split="planes"), "splits its work"),
 ])
 def test_a_tampered_saved_block_is_one_clear_error(fused_mobilenet, tmp_path, tamper, needle):
     model, x, gm, plan, _ = fused_mobilenet

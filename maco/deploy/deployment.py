@@ -27,6 +27,7 @@ from maco.kernels import default_schedule, host_target
 from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.deploy.kernel_choice import POOLS
+from maco.kernels.inverted_residual import SPLITS
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.cuda_graph import unwrap
@@ -121,7 +122,7 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
         if isinstance(mod, MacoInvertedResidual) and mod.paths is not None:
             expand, depthwise, project = mod.paths
             dep.blocks[path] = {"expand": expand, "depthwise": depthwise, "project": project,
-                                "shape": list(mod.shape)}
+                                "shape": list(mod.shape), "split": "channels" if mod.plan.channel_split else "rows"}
             inside.update(p for p in mod.paths if p is not None and p != path)
     for path, mod in model.named_modules():
         if path in inside:
@@ -225,10 +226,11 @@ def _swap_in_kernels(gm: nn.Module, dep: Deployment, path: Any, host: Target, fo
     for conv_path, entry in dep.winograd.items():
         _swap_winograd(gm, path, conv_path, entry, host, foreign, exact, own_output)
     if dep.blocks:
-        _swap_blocks(gm, dep, path, host, own_output)
+        _swap_blocks(gm, dep, path, host, foreign, own_output)
 
 
-def _swap_blocks(gm: Any, dep: Deployment, path: Any, host: Target, own_output: Callable[[str], bool]) -> None:
+def _swap_blocks(gm: Any, dep: Deployment, path: Any, host: Target, foreign: bool,
+                 own_output: Callable[[str], bool]) -> None:
     """Each saved inverted residual run as one kernel: its convs must be a block of this model's
     graph (layouts.blocks), on the saved input shape."""
     found = {str(block.last.target): block for block in find_blocks(gm)}
@@ -238,13 +240,19 @@ def _swap_blocks(gm: Any, dep: Deployment, path: Any, host: Target, own_output: 
                 or block.paths != (entry.get("expand"), entry.get("depthwise"), entry.get("project"))):
             raise MacoError(f"{str(path)!r}: the saved block ending in {short(last)} is no inverted residual "
                             "(expand, depthwise, project convs) of this model")
-        shape = entry.get("shape")
+        shape, split = entry.get("shape"), entry.get("split", "auto")
+        if split not in SPLITS:
+            raise MacoError(f"{str(path)!r}: the block ending in {short(last)} splits its work by {short(split)}; "
+                            f"one of {SPLITS}")
         mods = [None if p is None else gm.get_submodule(p) for p in block.paths]
-        if not (_positive_ints(shape) and len(shape) == 4) or block_plan(
-                *[None if m is None else getattr(m, "torch_conv", m) for m in mods], tuple(shape), host) is None:
+        convs = [None if m is None else getattr(m, "torch_conv", m) for m in mods]
+        shaped = _positive_ints(shape) and len(shape) == 4
+        if shaped and foreign and block_plan(*convs, tuple(shape), host, split) is None:
+            split = "auto"  # tuned on another machine: its thread count may not share the channels
+        if not shaped or block_plan(*convs, tuple(shape), host, split) is None:
             raise MacoError(f"{str(path)!r}: no generated kernel runs the block ending in {short(last)} "
-                            f"on an input of shape {short(shape)}")
-        use_block(gm, block, MacoInvertedResidual(*mods, tuple(shape), host, own_output(last)))
+                            f"on an input of shape {short(shape)}, its work split by {split}")
+        use_block(gm, block, MacoInvertedResidual(*mods, tuple(shape), host, own_output(last), split))
 
 
 def _swap_conv(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Target, foreign: bool,

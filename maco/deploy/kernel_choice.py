@@ -13,6 +13,7 @@ from maco import kernels
 from maco.core.errors import MacoError
 from maco.kernels.baselines import torch_conv
 from maco.kernels.depthwise import is_depthwise
+from maco.kernels.inverted_residual import SPLITS
 from maco.kernels.linear import MAX_BATCH
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
@@ -23,6 +24,7 @@ from maco.layouts.blocks import find_blocks, use_block
 from maco.layouts.deploy import plan
 from maco.layouts.fusion import fuse
 from maco.layouts.layout_plan import LayoutPlan
+from maco.layouts.segments import use_segments
 from maco.layouts.networks import conv_layers, distinct_convs
 from maco.tune.records import Record
 from maco.core.schedule import Schedule
@@ -225,7 +227,8 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
     """Run (in place) each inverted residual of `gm` (layouts.blocks: whole, or its front half where
     squeeze-excitation follows) whose input is channels_last in the model as one generated kernel
     (MacoInvertedResidual) where that runs at least MIN_GAIN faster than the modules that run it
-    now, on the input it gets there. Returns the path of each block's last conv -> the modules'
+    now (their kernels as one segment, as in the model), on the input it gets there, its threads sharing the rows or the channels, whichever
+    runs faster. Returns the path of each block's last conv -> the modules'
     time over the one kernel's, for each block tried."""
     if target.kind != "cpu":
         return {}
@@ -240,30 +243,45 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
         if not isinstance(x, torch.Tensor) or _layout(x) != "NHWC" or x.dtype != torch.float32:
             continue
         mods = [None if p is None else gm.get_submodule(p) for p in block.paths]
-        try:
-            fused = MacoInvertedResidual(*mods, tuple(x.shape), target)
-        except MacoError:
+        fused = {}  # split -> the one kernel that shares its work that way
+        for split in SPLITS[1:]:
+            try:
+                fused[split] = MacoInvertedResidual(*mods, tuple(x.shape), target, split=split)
+            except MacoError:
+                pass
+        if not fused:
             continue
-        expand, depthwise, project = mods
-
-        def chain(x: torch.Tensor = x, expand: Any = expand, depthwise: Any = depthwise, project: Any = project,
-                  residual: bool = fused.plan.residual) -> torch.Tensor:
-            h = depthwise(x if expand is None else expand(x))
-            if project is None:
-                return h
-            return project(h, x) if residual else project(h)
-
-        runs = {"torch": chain, "maco": lambda fused=fused, x=x: fused(x)}
+        chain = _chain(mods, next(iter(fused.values())).plan.residual, target)
+        runs = {"torch": lambda chain=chain, x=x: chain(x), **{split: lambda f=f, x=x: f(x) for split, f in fused.items()}}
         with torch.inference_mode():
             for fn in runs.values():
                 fn()
             timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
+        gains = {split: statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed[split]))
+                 for split in fused}
+        split = max(gains, key=gains.get)
         path = str(block.last.target)
-        ratios[path] = statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
+        ratios[path] = gains[split]
         if ratios[path] >= MIN_GAIN:
             own = len(calls[path]) == 1 and not escapes(gm, block.last)
-            use_block(gm, block, MacoInvertedResidual(*mods, tuple(x.shape), target, preallocate=own))
+            use_block(gm, block, MacoInvertedResidual(*mods, tuple(x.shape), target, preallocate=own, split=split))
     return ratios
+
+
+def _chain(mods: list[nn.Module | None], residual: bool, target: Target) -> fx.GraphModule:
+    """A block's modules (expand or None, depthwise, project or None) called in order as the model
+    calls them, its kernels as one segment (layouts.segments): what they cost in the model, not
+    three Python calls."""
+    graph, root = fx.Graph(), nn.Module()
+    x = h = graph.placeholder("x")
+    for name, mod in zip(("expand", "depthwise", "project"), mods):
+        if mod is not None:
+            root.add_module(name, mod)
+            h = graph.call_module(name, (h, x) if name == "project" and residual else (h,))
+    graph.output(h)
+    gm = fx.GraphModule(root, graph)
+    use_segments(gm, target)
+    return gm
 
 
 def _torch_conv_on(conv: nn.Module, x: torch.Tensor,
