@@ -1,14 +1,14 @@
-"""Inverted residuals as one kernel (issue 38, item 3): each block of a network against its three
-kernels, and the whole model with and without the blocks, on MACO's default schedules.
+"""Inverted residuals as one kernel (issue 38, item 3): each block of a network against its kernels,
+and the whole model with and without the blocks, on MACO's default schedules.
 
     flock /tmp/maco-timing.lock python results/blocks_cpu.py --model mobilenet_v2 --batch 8
 
-Per block: the expand, depthwise and project modules of the every-conv model (kernel_choice.
-kernels_everywhere) each timed alone on the tensors they get in the model, their sum ("three
-kernels", each warm: what the chain costs if nothing leaves the caches), the chain called as the
-model calls it ("chain"), and the one kernel (MacoInvertedResidual). Whole model: the same model
-run as segments, without blocks and with the blocks the timing gate keeps (faster_blocks), in the
-same interleaved rounds. Statistic: the median over rounds of each label's fastest repeat (ms).
+Per block: its modules in the every-conv model (kernel_choice.kernels_everywhere) run as one
+segment, as the model runs them ("three kernels"), against the one kernel (MacoInvertedResidual)
+with its threads sharing the rows and, where they can, the expanded channels, on the tensor the
+block gets in the model. Whole model: the same model run as segments, without blocks and with
+the blocks the timing gate keeps (faster_blocks), in the same interleaved rounds. Statistic: the
+median over rounds of each label's fastest repeat (ms).
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import statistics
 
 import torch
 
+from maco.core.errors import MacoError
 from maco.core.target import Target
 from maco.core.timing import interleaved_rounds
-from maco.deploy.kernel_choice import MIN_GAIN, arguments_seen, faster_blocks, kernels_everywhere
+from maco.deploy.kernel_choice import MIN_GAIN, arguments_seen, block_chain, faster_blocks, kernels_everywhere
 from maco.layouts.blocks import find_blocks
 from maco.layouts.maco_modules import MacoInvertedResidual
 from maco.layouts.networks import build, example_input, trained_like
@@ -42,29 +43,29 @@ def main() -> None:
     model = trained_like(build(args.model)).eval()
     x = example_input(args.batch)
     print(f"{args.model}, batch {args.batch}, {target.model} ({target.isa}, {target.cores} threads)\n")
-    print("| block (project conv) | input | expand | depthwise | project | three kernels | chain | one kernel | chain / one |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| block (last conv) | input | expanded | three kernels | one, rows | one, channels | three / best one |")
+    print("|---|---|---|---|---|---|---|")
     gm, _ = kernels_everywhere(model, x, target)
     blocks = find_blocks(gm)
     seen = arguments_seen(gm, x, [b.paths[0] or b.paths[1] for b in blocks])
     with torch.inference_mode():
         for block in blocks:
             xin = seen[block.paths[0] or block.paths[1]][0]
-            expand, dw, project = [None if p is None else gm.get_submodule(p) for p in block.paths]
-            fused = MacoInvertedResidual(expand, dw, project, tuple(xin.shape), target)
-            e = expand(xin) if expand is not None else xin
-            d = dw(e)
-            residual = (xin,) if fused.plan.residual else ()
-            runs = {"depthwise": lambda: dw(e), "project": lambda: project(d, *residual),
-                    "chain": lambda: project(dw(expand(xin) if expand is not None else xin), *residual),
-                    "one": lambda: fused(xin)}
-            if expand is not None:
-                runs["expand"] = lambda: expand(xin)
+            mods = [None if p is None else gm.get_submodule(p) for p in block.paths]
+            runs = {}
+            for split in ("rows", "channels"):
+                try:
+                    runs[split] = (lambda f: lambda: f(xin))(MacoInvertedResidual(*mods, tuple(xin.shape), target,
+                                                                                  split=split))
+                except MacoError:
+                    pass
+            plan = MacoInvertedResidual(*mods, tuple(xin.shape), target).plan
+            chain = block_chain(mods, plan.residual, target)
+            runs["three"] = lambda: chain(xin)
             ms = medians(runs, args.rounds)
-            three = ms.get("expand", 0.0) + ms["depthwise"] + ms["project"]
-            print(f"| {block.paths[2]} | {tuple(xin.shape)} | {ms.get('expand', 0.0):.3f} | {ms['depthwise']:.3f} | "
-                  f"{ms['project']:.3f} | {three:.3f} | {ms['chain']:.3f} | {ms['one']:.3f} | "
-                  f"{ms['chain'] / ms['one']:.2f}x |")
+            best = min(v for k, v in ms.items() if k != "three")
+            print(f"| {block.paths[2] or block.paths[1]} | {tuple(xin.shape)} | {plan.m} | {ms['three']:.3f} | "
+                  f"{ms['rows']:.3f} | {ms.get('channels', float('nan')):.3f} | {ms['three'] / best:.2f}x |")
         with_blocks, _ = kernels_everywhere(model, x, target)
         ratios = faster_blocks(with_blocks, x, target)
         use_segments(gm, target)

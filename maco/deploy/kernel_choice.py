@@ -251,7 +251,7 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
                 pass
         if not fused:
             continue
-        chain = _chain(mods, next(iter(fused.values())).plan.residual, target)
+        chain = block_chain(mods, next(iter(fused.values())).plan.residual, target)
         runs = {"torch": lambda chain=chain, x=x: chain(x), **{split: lambda f=f, x=x: f(x) for split, f in fused.items()}}
         with torch.inference_mode():
             for fn in runs.values():
@@ -268,7 +268,7 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
     return ratios
 
 
-def _chain(mods: list[nn.Module | None], residual: bool, target: Target) -> fx.GraphModule:
+def block_chain(mods: list[nn.Module | None], residual: bool, target: Target) -> fx.GraphModule:
     """A block's modules (expand or None, depthwise, project or None) called in order as the model
     calls them, its kernels as one segment (layouts.segments): what they cost in the model, not
     three Python calls."""
