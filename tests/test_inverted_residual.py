@@ -304,3 +304,25 @@ def test_front_halves_before_squeeze_excitation_equal_eager(net, monkeypatch, tm
         loaded = deployment.load(path, model)
         assert sum(isinstance(m, MacoInvertedResidual) for m in loaded.modules()) == 15
         assert float((loaded(x) - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_blocks_that_win_alone_but_not_in_the_model_are_undone(monkeypatch):
+    """faster_blocks keeps the blocks only if the whole model runs faster with them: otherwise the
+    graph and the modules are as they were, and the model still equals eager."""
+    torch.manual_seed(0)
+    model = trained_like(build("mobilenet_v2")).eval()
+    x = example_input(1)
+    gm, _ = kernels_everywhere(model, x, HOST)
+    before = [(n.op, str(n.target)) for n in gm.graph.nodes]
+    modules = dict(gm.named_modules())
+    monkeypatch.setattr(kernel_choice, "MIN_GAIN", 0.0)  # every block wins alone
+    monkeypatch.setattr(kernel_choice, "_faster_end_to_end", lambda *args: False)
+    ratios = faster_blocks(gm, x, HOST, rounds=1)
+    assert len(ratios) == 17 and all(r <= 1.0 for r in ratios.values())
+    assert [(n.op, str(n.target)) for n in gm.graph.nodes] == before
+    assert not any(isinstance(m, MacoInvertedResidual) for m in gm.modules())
+    assert all(dict(gm.named_modules())[path] is mod for path, mod in modules.items())
+    use_segments(gm, HOST)
+    with torch.inference_mode():
+        want = model(x)
+        assert float((gm(x) - want).abs().max() / want.abs().max()) < 1e-4

@@ -2,6 +2,8 @@
 as the model will run it, and kept only where it still wins."""
 from __future__ import annotations
 
+import copy
+import functools
 import statistics
 from typing import Any, Callable, Mapping
 
@@ -22,6 +24,7 @@ from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInverted
                                        escapes, swap_module, use_maco_kernels, winograd_module_can_run)
 from maco.layouts.blocks import find_blocks, use_block
 from maco.layouts.deploy import plan
+from maco.layouts.end_to_end import time_models
 from maco.layouts.fusion import fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.layouts.segments import use_segments
@@ -227,12 +230,15 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
     """Run (in place) each inverted residual of `gm` (layouts.blocks: whole, or its front half where
     squeeze-excitation follows) whose input is channels_last in the model as one generated kernel
     (MacoInvertedResidual) where that runs at least MIN_GAIN faster than the modules that run it
-    now (their kernels as one segment, as in the model), on the input it gets there, its threads sharing the rows or the channels, whichever
-    runs faster. Returns the path of each block's last conv -> the modules'
-    time over the one kernel's, for each block tried."""
+    now (their kernels as one segment, as in the model) on the input it gets there, its threads
+    sharing the block's rows or its channels, whichever is faster; and keep them only if the
+    model with them runs MIN_GAIN faster end to end (both as segments) than without. Returns the
+    path of each block's last conv -> the modules' time over the one kernel's (at most 1 where
+    the model kept none), for each block tried."""
     if target.kind != "cpu":
         return {}
     blocks = find_blocks(gm)
+    before = _graph_and_modules(gm)  # the model as it was, to undo the blocks (see the end)
     firsts = {b.paths[0] or b.paths[1]: b for b in blocks}
     seen = arguments_seen(gm, example_input, list(firsts))
     calls = call_sites(gm)
@@ -265,7 +271,43 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
         if ratios[path] >= MIN_GAIN:
             own = len(calls[path]) == 1 and not escapes(gm, block.last)
             use_block(gm, block, MacoInvertedResidual(*mods, tuple(x.shape), target, preallocate=own, split=split))
+    if any(r >= MIN_GAIN for r in ratios.values()) and not _faster_end_to_end(gm, before, example_input, target):
+        _restore(gm, before)  # each block won alone, the model with them did not
+        ratios = {path: min(r, 1.0) for path, r in ratios.items()}
     return ratios
+
+
+def _graph_and_modules(gm: fx.GraphModule) -> tuple[fx.Graph, dict[str, Any]]:
+    """A copy of gm's graph, and what each of its module calls and attribute reads names."""
+    named = {}
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            path = str(node.target)
+            named[path] = functools.reduce(getattr, path.split("."), gm)
+    return copy.deepcopy(gm.graph), named
+
+
+def _faster_end_to_end(gm: fx.GraphModule, before: tuple[fx.Graph, dict[str, Any]], example_input: Any,
+                       target: Target) -> bool:
+    """Whether gm, as segments, runs at least MIN_GAIN faster than the model `before` was, as segments,
+    with the same output."""
+    now = _graph_and_modules(gm)
+    models = {}
+    for label, (graph, named) in (("before", before), ("now", now)):
+        model = fx.GraphModule(named, copy.deepcopy(graph))
+        use_segments(model, target)
+        models[label] = model
+    times = time_models(models, example_input, rounds=3)
+    return times.max_rel_diff["now"] <= 1e-4 and times.speedup("now", "before") >= MIN_GAIN
+
+
+def _restore(gm: fx.GraphModule, before: tuple[fx.Graph, dict[str, Any]]) -> None:
+    graph, named = before
+    for path, mod in named.items():
+        if isinstance(mod, nn.Module) and gm.get_submodule(path) is not mod:
+            swap_module(gm, path, mod)
+    gm.graph = copy.deepcopy(graph)
+    gm.recompile()
 
 
 def block_chain(mods: list[nn.Module | None], residual: bool, target: Target) -> fx.GraphModule:
