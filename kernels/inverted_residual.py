@@ -3,14 +3,17 @@
 Run as three kernels, the expanded tensor (6x the block's channels) is written to memory by the
 expand conv, read and written again by the depthwise conv, and read by the project conv; at
 MobileNetV2's early resolutions it outgrows the L2 (bounds/chain.py counts what that costs). Here
-each thread takes a band of output rows and computes it in groups of G rows, with the intermediates
-in two buffers of its own sized for its share of L2:
+each thread takes a band of output rows (or, split by channels, all rows of its share of the
+expanded channels) and computes it in groups of G rows, with the intermediates in two buffers of
+its own sized for its share of L2:
 
     E  a ring of the expanded input rows the group's windows cover ((G-1)*s + r rows of W + 2p
        pixels, the p zero columns either side written once), kept from one group to the next,
        so a row is expanded once per band; rows above or below the image are zeros;
     D  the group's depthwise outputs (G * Wo pixels), read at once by the project GEMM, which
-       adds the bias and the block's input (the residual) and writes the block's output.
+       adds the bias and the block's input (the residual) and writes the block's output; split
+       by channels, each thread's project GEMM is a partial sum over its channels, and the
+       threads add them (then the activation) after a barrier.
 
 The two 1x1 convs are one register-tiled GEMM (PT pixels x VB vectors of accumulators, an input
 value broadcast against the filter vectors), the depthwise conv one pass per channel vector over
