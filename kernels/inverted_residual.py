@@ -176,7 +176,7 @@ class BlockPlan:
             g += 1
         return g
 
-    @property
+    @cached_property
     def offsets(self) -> dict[str, int]:
         """Where each packed array starts in the one weight buffer (floats)."""
         sizes = {"we": self.c * self.m if self.expand else 0, "be": self.m if self.expand else 0,
@@ -217,12 +217,18 @@ class BlockPlan:
             bias("bp", project[1], self.k)
         return out
 
+    @property
+    def summary(self) -> str:
+        """The block in words: its convs, their activations, and how its threads share the work."""
+        return (f"{'expand to ' + str(self.m) if self.expand else 'no expand'} ({self.act_expand}), "
+                f"depthwise {self.r}x{self.r} stride {self.s} ({self.act_depthwise}), "
+                f"{'project to ' + str(self.k) if self.project else 'no project'} ({self.act_project}), "
+                f"residual={self.residual}, {self.threads} threads by {'channels' if self.channel_split else 'rows'}, "
+                f"G={self.group}")
+
     @cached_property
     def source(self) -> str:
-        what = (f"MACO inverted residual: n{self.n} c{self.c} h{self.h} w{self.w}, "
-                f"{'expand to ' + str(self.m) if self.expand else 'no expand'} ({self.act_expand}), "
-                f"depthwise {self.r}x{self.r} stride {self.s} ({self.act_depthwise}), "
-                f"{'project to ' + str(self.k) if self.project else 'no project'} ({self.act_project}), residual={self.residual}, {self.threads} threads, G={self.group}")
+        what = f"MACO inverted residual: n{self.n} c{self.c} h{self.h} w{self.w}, {self.summary}"
         return f"{comment(what)}\n{_source(self)}"
 
 
@@ -280,28 +286,25 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
                 e(f"{indent}  {{ const vf v = a{p}_{v}{add}; st(o{p} + {v * L}, {vector_expression(act)}); }}")
         e(f"{indent}}}")
 
-    def pixels(indent: str) -> None:  # every pixel tile, then the last pixels in one tile of their count
-        e(f"{indent}long q = 0;")
-        e(f"{indent}for (; q + {pt} <= P; q += {pt})")
-        tile(pt, indent + "  ")
-        for rest in range(1, pt):
-            e(f"{indent}if (P - q == {rest})")
-            tile(rest, indent + "  ")
-
     columns = f"for (long n0 = 0; n0 < {n}; n0 += {vb * L})"
+
+    def pixels(indent: str, inner: str) -> None:
+        """Every full pixel tile, then the last pixels in one tile of their count; `inner`: a loop
+        each tile runs in."""
+        heads = [(pt, f"for (; q + {pt} <= P; q += {pt})")] + [(r, f"if (P - q == {r})") for r in range(1, pt)]
+        e(f"{indent}long q = 0;")
+        for count, head in heads:
+            e(f"{indent}{head}")
+            if inner:
+                e(f"{indent}  {inner}")
+            tile(count, indent + ("    " if inner else "  "))
+
     if columns_outer:
         e(f"  {columns} {{")
-        pixels("    ")
+        pixels("    ", "")
         e("  }")
     else:
-        e("  long q = 0;")
-        e(f"  for (; q + {pt} <= P; q += {pt})")
-        e(f"    {columns}")
-        tile(pt, "      ")
-        for rest in range(1, pt):
-            e(f"  if (P - q == {rest})")
-            e(f"    {columns}")
-            tile(rest, "      ")
+        pixels("  ", columns)
     e("}")
     return out
 

@@ -300,7 +300,7 @@ class MacoInvertedResidual(_GeneratedOp):
     def __init__(self, expand: nn.Module | None, depthwise: nn.Module, project: nn.Module | None,
                  shape: tuple[int, ...], target: Target, preallocate: bool = False, split: str = "auto"):
         super().__init__()
-        convs = [None if m is None else getattr(m, "torch_conv", m) for m in (expand, depthwise, project)]
+        convs = _torch_convs(expand, depthwise, project)
         self.plan = block_plan(*convs, tuple(shape), target, split)
         if self.plan is None:
             raise MacoError(f"no generated kernel computes the block {[type(c).__name__ for c in convs]} on {shape}")
@@ -340,21 +340,24 @@ class MacoInvertedResidual(_GeneratedOp):
         return out
 
     def extra_repr(self) -> str:
-        p = self.plan
-        return (f"input {self.shape}, {'expand to ' + str(p.m) if p.expand else 'no expand'}, depthwise "
-                f"{p.r}x{p.r}/{p.s}, {'project to ' + str(p.k) if p.project else 'no project'}, "
-                f"residual={p.residual}, G={p.group}, "
-                f"preallocated={self.preallocated}")
+        return f"input {self.shape}, {self.plan.summary}, preallocated={self.preallocated}"
+
+
+def _torch_convs(*modules: nn.Module | None) -> list[nn.Module | None]:
+    """The torch conv of each module (a MACO kernel module's own), None kept."""
+    return [None if m is None else getattr(m, "torch_conv", m) for m in modules]
 
 
 def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Module | None, shape: tuple[int, ...],
                target: Target, split: str = "auto") -> BlockPlan | None:
-    """The BlockPlan of a block's torch convs on an (N, C, H, W) input, None where the kernel does not
-    compute them: 1x1 expand and project convs (stride 1, no padding, one group; at least one of
-    them), a depthwise conv
-    with a square odd window, stride 1 or 2 and padding half the window, zero padding, no residual
-    but project's own "before" one, activations the kernel fuses (at most one smooth kind), a
-    CPU target with vectors; `split` as BlockPlan takes it."""
+    """The BlockPlan of a block's convs (torch convs, or MACO kernel modules: their torch convs) on
+    an (N, C, H, W) input, None where the kernel does not compute them: 1x1 expand and project
+    convs (stride 1, no padding, one group; at least one of them), a depthwise conv with a square
+    odd window, stride 1 or 2 and padding half the window, zero padding, no residual but
+    project's own "before" one, activations the kernel fuses (at most one smooth kind), a CPU
+    target with vectors; `split` as BlockPlan takes it."""
+    expand, depthwise, project = _torch_convs(expand, depthwise, project)
+
     def pointwise(conv: Any) -> bool:
         return (isinstance(conv, nn.Conv2d) and conv.kernel_size == (1, 1) and conv.stride == (1, 1)
                 and conv.padding in ((0, 0), "valid") and conv.groups == 1 and conv.padding_mode == "zeros")
@@ -383,9 +386,9 @@ def block_plan(expand: nn.Module | None, depthwise: nn.Module, project: nn.Modul
                          expand=expand is not None, project=project is not None,
                          act_expand=acts[0] if expand is not None else "none",
                          act_depthwise=acts[1] if expand is not None else acts[0],
-                         act_project=acts[-1] if project is not None else "none", residual=residual == "before", threads=target.cores,
-                         lanes=target.simd_width, registers=registers or 16, cache_bytes=target.level_bytes("L2", 1 << 20) // 2,
-                         split=split)
+                         act_project=acts[-1] if project is not None else "none", residual=residual == "before",
+                         threads=target.cores, lanes=target.simd_width, registers=registers or 16,
+                         cache_bytes=target.level_bytes("L2", 1 << 20) // 2, split=split)
     except MacoError:
         return None
 

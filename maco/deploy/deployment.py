@@ -245,14 +245,13 @@ def _swap_blocks(gm: Any, dep: Deployment, path: Any, host: Target, foreign: boo
             raise MacoError(f"{str(path)!r}: the block ending in {short(last)} splits its work by {short(split)}; "
                             f"one of {SPLITS}")
         mods = [None if p is None else gm.get_submodule(p) for p in block.paths]
-        convs = [None if m is None else getattr(m, "torch_conv", m) for m in mods]
-        shaped = _positive_ints(shape) and len(shape) == 4
-        if shaped and foreign and block_plan(*convs, tuple(shape), host, split) is None:
-            split = "auto"  # tuned on another machine: its thread count may not share the channels
-        if not shaped or block_plan(*convs, tuple(shape), host, split) is None:
+        # tuned on another machine, whose thread count may not share the channels: else as here
+        ways = ((split, "auto") if foreign else (split,)) if _positive_ints(shape) and len(shape) == 4 else ()
+        way = next((w for w in ways if block_plan(*mods, tuple(shape), host, w) is not None), None)
+        if way is None:
             raise MacoError(f"{str(path)!r}: no generated kernel runs the block ending in {short(last)} "
                             f"on an input of shape {short(shape)}, its work split by {split}")
-        use_block(gm, block, MacoInvertedResidual(*mods, tuple(shape), host, own_output(last), split))
+        use_block(gm, block, MacoInvertedResidual(*mods, tuple(shape), host, own_output(last), way))
 
 
 def _swap_conv(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Target, foreign: bool,

@@ -36,6 +36,7 @@ from maco.core.target import Target
 from maco.core.timing import CacheEvictor, interleaved_rounds, steady_allocator
 
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
+OUTPUT_RTOL = 1e-4  # a model is taken only if its output equals the original's to this
 Chosen = dict[ConvSpec, dict[str, Schedule]]  # spec -> layout -> schedule
 Ratios = dict[ConvSpec, dict[str, float]]  # spec -> layout -> torch's time over MACO's
 ModuleRatios = dict[str, float]  # module path -> torch's time over MACO's
@@ -289,16 +290,21 @@ def _graph_and_modules(gm: fx.GraphModule) -> tuple[fx.Graph, dict[str, Any]]:
 
 def _faster_end_to_end(gm: fx.GraphModule, before: tuple[fx.Graph, dict[str, Any]], example_input: Any,
                        target: Target) -> bool:
-    """Whether gm, as segments, runs at least MIN_GAIN faster than the model `before` was, as segments,
-    with the same output."""
-    now = _graph_and_modules(gm)
-    models = {}
-    for label, (graph, named) in (("before", before), ("now", now)):
+    """Whether gm, as segments, is taken over the model `before` was, as segments (end_to_end_gain)."""
+    models = []
+    for graph, named in (before, _graph_and_modules(gm)):
         model = fx.GraphModule(named, copy.deepcopy(graph))
         use_segments(model, target)
-        models[label] = model
-    times = time_models(models, example_input, rounds=3)
-    return times.max_rel_diff["now"] <= 1e-4 and times.speedup("now", "before") >= MIN_GAIN
+        models.append(model)
+    return end_to_end_gain(models[1], models[0], example_input)[1]
+
+
+def end_to_end_gain(new: Callable[..., Any], old: Callable[..., Any], example_input: Any) -> tuple[float, bool]:
+    """`new`'s speedup over `old` end to end (the same interleaved rounds), and whether it is taken:
+    its output equals old's to OUTPUT_RTOL and it runs at least MIN_GAIN faster."""
+    times = time_models({"old": old, "new": new}, example_input, rounds=3)
+    gain = times.speedup("new", "old")
+    return gain, times.max_rel_diff["new"] <= OUTPUT_RTOL and gain >= MIN_GAIN
 
 
 def _restore(gm: fx.GraphModule, before: tuple[fx.Graph, dict[str, Any]]) -> None:

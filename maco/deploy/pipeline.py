@@ -14,9 +14,9 @@ from torch import nn
 
 from maco import kernels
 from maco.core.errors import MacoError
-from maco.deploy.kernel_choice import (MIN_GAIN, Chosen, Ratios, faster_blocks, faster_depthwise, faster_kernels,
-                                       faster_linears, faster_pools, faster_winograd, kernels_everywhere,
-                                       with_winograd)
+from maco.deploy.kernel_choice import (MIN_GAIN, OUTPUT_RTOL, Chosen, Ratios, end_to_end_gain, faster_blocks,
+                                       faster_depthwise, faster_kernels, faster_linears, faster_pools,
+                                       faster_winograd, kernels_everywhere, with_winograd)
 from maco.layouts.cuda_graph import CudaGraphed
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
@@ -33,7 +33,6 @@ from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 
-OUTPUT_RTOL = 1e-4  # a variant is handed back only if its output equals the model's to this
 
 
 @dataclass
@@ -49,7 +48,7 @@ class Variants:
     pools: dict[str, float] = field(default_factory=dict)  # pooling path -> torch time / MACO time
     depthwise: dict[str, float] = field(default_factory=dict)  # depthwise conv path -> its time / MACO's
     winograd: dict[str, float] = field(default_factory=dict)  # conv path -> its time / Winograd's
-    blocks: dict[str, float] = field(default_factory=dict)  # project conv path -> its block's time / one kernel's
+    blocks: dict[str, float] = field(default_factory=dict)  # block's last conv path -> its kernels' time / one's
 
 
 def build_variants(model: nn.Module, example_input: Any, target: Target,
@@ -127,9 +126,7 @@ def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, 
             f"of {len(blocks)} blocks")
     if segments:
         use_segments(everywhere, target)
-    times = time_models({"chosen": chosen, "everywhere": everywhere}, example_input, rounds=3)
-    gain = times.speedup("everywhere", "chosen")
-    taken = times.max_rel_diff["everywhere"] <= OUTPUT_RTOL and gain >= MIN_GAIN
+    gain, taken = end_to_end_gain(everywhere, chosen, example_input)
     log(f"      a MACO kernel in every conv (default schedules, all NHWC{'' if exact else ', Winograd where it won'}) runs {gain:.2f}x the per-layer choices "
         f"end to end: {'taken' if taken else 'the per-layer choices kept'}")
     return (everywhere, plan, blocks) if taken else None
