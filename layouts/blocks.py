@@ -1,4 +1,5 @@
-"""Inverted residuals in a planned graph, and the rewrite that runs one as a single kernel module.
+"""Inverted residuals and squeeze-excitation in a planned graph, and the rewrites that run each as
+a single kernel module.
 
 A block is three call nodes, each the only reader of the one before: a 1x1 expand conv (absent
 where the block has none), a depthwise conv and a 1x1 project conv, the project conv reading the
@@ -6,16 +7,23 @@ block's input as its residual or nothing else. Where squeeze-excitation reads th
 output (EfficientNet, MobileNetV3), the block's front half, expand -> depthwise, is one. Whether a generated kernel computes it, on the
 input the model gives it, is maco_modules.block_plan's question; which blocks run as one is
 decided by timing (deploy.kernel_choice.faster_blocks) and saved with the model.
+
+Squeeze-excitation is a multiply x * g whose g comes, through layout conversions only, from a
+gate module (Sigmoid, Hardsigmoid) on a 1x1 conv on a 1x1 conv on a global pool of x, each
+node the only reader of the one before (maco_modules.squeeze_plan says which a kernel runs).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import operator
+
+import torch
 import torch.fx as fx
 from torch import nn
 
 from maco.core.errors import MacoError
-from maco.layouts.maco_modules import MacoInvertedResidual, swap_module
+from maco.layouts.maco_modules import MacoInvertedResidual, MacoSqueezeExcite, swap_module
 
 
 @dataclass(frozen=True)
@@ -107,3 +115,72 @@ def use_block(gm: fx.GraphModule, block: BlockNodes, module: MacoInvertedResidua
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+
+
+@dataclass(frozen=True)
+class SqueezeNodes:
+    """The nodes of one squeeze-excitation: its multiply, the module calls before it (pool, fc1,
+    fc2, gate), the layout conversions between them and the input x it scales."""
+
+    multiply: fx.Node
+    calls: tuple[fx.Node, fx.Node, fx.Node, fx.Node]
+    conversions: tuple[fx.Node, ...]
+    source: fx.Node
+
+    @property
+    def paths(self) -> tuple[str, str, str, str]:
+        return tuple(str(n.target) for n in self.calls)
+
+
+def _before(node: object, reader: fx.Node, conversions: list[fx.Node]) -> tuple[object, fx.Node]:
+    """What `node` (read by `reader`) reads past layout conversions (x.contiguous(...)) each read
+    only by the next, and the node that reads it; the conversions passed go to `conversions`."""
+    while (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "contiguous"
+           and len(node.args) == 1 and list(node.users) == [reader]):
+        conversions.append(node)
+        node, reader = node.args[0], node
+    return node, reader
+
+
+def find_squeeze_excites(gm: fx.GraphModule) -> list[SqueezeNodes]:
+    """Every squeeze-excitation of `gm` (see the module docstring): multiply <- gate <- fc2 <- fc1
+    <- pool <- x, past layout conversions, each call read only by the next."""
+    found = []
+    for node in gm.graph.nodes:
+        if (node.op != "call_function" or node.target not in (operator.mul, torch.mul) or node.kwargs
+                or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args)):
+            continue
+        for x, g in (node.args, node.args[::-1]):
+            conversions: list[fx.Node] = []
+            calls: list[fx.Node] = []
+            at, reader = _before(g, node, conversions)
+            while len(calls) < 4 and (isinstance(at, fx.Node) and at.op == "call_module" and len(at.args) == 1
+                                      and not at.kwargs and list(at.users) == [reader]):
+                calls.append(at)
+                at, reader = _before(at.args[0], at, conversions)
+            if len(calls) == 4 and at is x:
+                found.append(SqueezeNodes(node, tuple(reversed(calls)), tuple(conversions), x))
+                break
+    return found
+
+
+def use_squeeze_excite(gm: fx.GraphModule, found: SqueezeNodes, module: MacoSqueezeExcite) -> None:
+    """Put `module` where the gate module was and call it on x in place of the multiply; the
+    other calls and conversions leave the graph (their modules stay registered at their paths)."""
+    if not isinstance(module, MacoSqueezeExcite):
+        raise MacoError(f"squeeze-excitation runs as a MacoSqueezeExcite, got {type(module).__name__}")
+    module.paths = found.paths
+    gate = found.calls[3]
+    swap_module(gm, str(gate.target), module)
+    with gm.graph.inserting_before(found.multiply):
+        call = gm.graph.call_module(str(gate.target), (found.source,))
+    found.multiply.replace_all_uses_with(call)
+    gm.graph.erase_node(found.multiply)
+    for node in sorted([*found.calls, *found.conversions], key=lambda n: -_position(gm, n)):
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _position(gm: fx.GraphModule, node: fx.Node) -> int:
+    return next(i for i, n in enumerate(gm.graph.nodes) if n is node)

@@ -19,7 +19,7 @@ from torch import nn
 
 from maco.kernels import host_target
 from maco.layouts.latency import strict_cudnn
-from maco.layouts.maco_modules import MacoConv2d, MacoInvertedResidual, MacoWinograd2d
+from maco.layouts.maco_modules import MacoConv2d, MacoInvertedResidual, MacoSqueezeExcite, MacoWinograd2d
 from maco.layouts.segments import MacoSegment
 from maco.core.target import Target
 from maco.core.timing import CacheEvictor, Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
@@ -225,7 +225,8 @@ class _Skipping:
     def __init__(self, model: nn.Module):
         self.model = model
         self.convs = [m for m in model.modules() if isinstance(m, MacoConv2d)]
-        self.generated = [m for m in model.modules() if isinstance(m, (MacoWinograd2d, MacoInvertedResidual))]
+        self.generated = [m for m in model.modules()
+                          if isinstance(m, (MacoWinograd2d, MacoInvertedResidual, MacoSqueezeExcite))]
         self.segments = [m for m in model.modules() if isinstance(m, MacoSegment)]
 
     def run(self, inputs: tuple) -> Callable[[], Any]:

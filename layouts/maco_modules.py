@@ -23,6 +23,7 @@ from maco.core.errors import MacoError
 from maco.kernels.depthwise import MAX_TAPS, DepthwiseKernel, DepthwisePlan, is_depthwise
 from maco.kernels.inverted_residual import BlockKernel, BlockPlan
 from maco.kernels.pool import PoolKernel, plan_for
+from maco.kernels.squeeze_excite import SqueezeKernel, SqueezePlan
 from maco.kernels.winograd import WinogradKernel, WinogradPlan, direct, winograd_can_run
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
@@ -341,6 +342,74 @@ class MacoInvertedResidual(_GeneratedOp):
 
     def extra_repr(self) -> str:
         return f"input {self.shape}, {self.plan.summary}, preallocated={self.preallocated}"
+
+
+class MacoSqueezeExcite(_GeneratedOp):
+    """Squeeze-excitation, x * gate(fc2(fc1(pool(x)))), run by one generated kernel
+    (kernels.squeeze_excite) on inputs of one shape and memory format; any other input runs the
+    torch modules. It stands where its gate module stood in the model (`torch_gate`), and `chain`
+    holds the pool, fc1, fc2 and gate modules (MACO kernel modules among them run as they would)."""
+
+    def __init__(self, pool: nn.Module, fc1: nn.Module, fc2: nn.Module, gate: nn.Module, shape: tuple[int, ...],
+                 layout: str, target: Target, preallocate: bool = False):
+        super().__init__()
+        self.plan = squeeze_plan(pool, fc1, fc2, gate, tuple(shape), layout, target)
+        if self.plan is None:
+            raise MacoError(f"no generated kernel computes squeeze-excitation with "
+                            f"{[type(m).__name__ for m in (pool, fc1, fc2, gate)]} on {shape} in {layout}")
+        self.chain = (pool, fc1, fc2, gate)  # a tuple: the modules stay registered where the model has them
+        self.torch_gate, self.shape, self.layout = gate, tuple(shape), layout
+        self.paths: tuple[str, str, str, str] | None = None  # pool, fc1, fc2, gate in the model (layouts.blocks)
+        self._kernel = SqueezeKernel(self.plan, target)
+        fc1, fc2 = _torch_convs(fc1, fc2)
+        self._weight, self._bias = self.plan.pack(*[t if t is None else t.detach().numpy()
+                                                    for t in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)])
+        self._output_in(layout, self.shape, preallocate)
+
+    def torch_chain(self, x: torch.Tensor) -> torch.Tensor:
+        """Squeeze-excitation as the torch modules compute it."""
+        pool, fc1, fc2, gate = self.chain
+        return x * gate(fc2(fc1(pool(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._runs(x, self.shape):
+            return self.torch_chain(x)
+        out = self._output()
+        self._kernel(x, self._weight, self._bias, out)
+        return out
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return (f"input {self.shape}, {self.layout}, {p.squeeze} hidden, {p.act}, {p.gate}, "
+                f"preallocated={self.preallocated}")
+
+
+def squeeze_plan(pool: nn.Module, fc1: nn.Module, fc2: nn.Module, gate: nn.Module, shape: tuple[int, ...],
+                 layout: str, target: Target) -> SqueezePlan | None:
+    """The SqueezePlan of squeeze-excitation's modules (torch modules, or MACO kernel modules: their
+    torch modules) on an (N, C, H, W) input in `layout`, None where the kernel does not compute
+    them: a global average pool, 1x1 convs C -> S with a ReLU or SiLU fused and S -> C with
+    nothing fused (stride 1, no padding, one group), a Sigmoid or Hardsigmoid gate, a CPU target."""
+    pool = getattr(pool, "torch_pool", pool)
+    fc1, fc2 = _torch_convs(fc1, fc2)
+    gates = {nn.Sigmoid: "sigmoid", nn.Hardsigmoid: "hardsigmoid"}
+
+    def pointwise(conv: Any, cin: int) -> bool:
+        return (isinstance(conv, nn.Conv2d) and conv.in_channels == cin and conv.kernel_size == (1, 1)
+                and conv.stride == (1, 1) and conv.padding in ((0, 0), "valid") and conv.groups == 1
+                and conv.dilation == (1, 1) and epilogue_of(conv)[1] == "none")
+
+    if (target.kind != "cpu" or len(shape) != 4 or type(gate) not in gates
+            or not isinstance(pool, nn.AdaptiveAvgPool2d) or pool.output_size not in (1, (1, 1))):
+        return None
+    n, c, h, w = shape
+    if not (pointwise(fc1, c) and pointwise(fc2, fc1.out_channels) and fc2.out_channels == c
+            and epilogue_of(fc2)[0] == "none"):
+        return None
+    try:
+        return SqueezePlan(n, c, h, w, fc1.out_channels, epilogue_of(fc1)[0], gates[type(gate)], layout, target.cores)
+    except MacoError:
+        return None
 
 
 def _torch_convs(*modules: nn.Module | None) -> list[nn.Module | None]:

@@ -39,12 +39,13 @@ from torch import nn
 from maco.kernels.sequence import ARGS, CHECKED5, PYTHON, VOID2, VOID4, VOID5, address, sequence_function
 from maco.kernels.winograd import direct
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear, MacoPool2d,
-                                       MacoWinograd2d, escapes)
+                                       MacoSqueezeExcite, MacoWinograd2d, escapes)
 from maco.core.target import Target
 
 MIN_STEPS = 2  # a run of one module gains nothing from a segment
 ALIGN = 16  # floats: arena offsets on 64-byte lines
-STEP_MODULES = (MacoConv2d, MacoDepthwise2d, MacoPool2d, MacoLinear, MacoWinograd2d, MacoInvertedResidual)
+STEP_MODULES = (MacoConv2d, MacoDepthwise2d, MacoPool2d, MacoLinear, MacoWinograd2d, MacoInvertedResidual,
+                MacoSqueezeExcite)
 NCHW, NHWC = torch.contiguous_format, torch.channels_last
 
 
@@ -96,6 +97,8 @@ def ports(module: nn.Module, nargs: int) -> tuple[list[Port], Port] | None:
         return [Port(module.shape, NHWC)], Port(module.plan.output_shape, NHWC)
     if isinstance(module, MacoPool2d) and nargs == 1:
         return [Port(module.shape, module._format)], Port(module._out_shape, module._format)
+    if isinstance(module, MacoSqueezeExcite) and nargs == 1:
+        return [Port(module.shape, module._format)], Port(module.shape, module._format)
     if isinstance(module, MacoLinear) and nargs == 1:
         return [Port(module._shape, NCHW)], Port((module.batch, module.torch_linear.out_features), NCHW)
     return None
@@ -219,6 +222,9 @@ class MacoSegment(nn.Module):
         elif isinstance(mod, MacoPool2d):
             fn, kind = mod._kernel.function, VOID2
             args = [x, y, None, None, None]
+        elif isinstance(mod, MacoSqueezeExcite):
+            fn, kind = mod._kernel.function, VOID4
+            args = [x, mod._weight.ctypes.data, mod._bias.ctypes.data, y, None]
         else:  # MacoLinear
             fn, kind = mod._kernel.function, VOID4
             args = [x, mod._weight.data_ptr(), None if mod._bias is None else mod._bias.data_ptr(), y, None]

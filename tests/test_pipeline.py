@@ -202,7 +202,8 @@ def test_a_kernel_in_every_conv_is_taken_only_where_it_is_faster_end_to_end():
     taken = pipeline._everywhere_if_faster(model, x, host, _Slow(model), True, False, lines.append)
     assert taken is not None and "taken" in lines[-1]
     assert any("Winograd beats the direct kernel in the model on 0 of 0" in line for line in lines)  # none it computes
-    everywhere, plan, blocks = taken
+    everywhere, plan, blocks, squeeze = taken
+    assert squeeze == 0  # no squeeze-excitation in the model
     assert {lp.layout for lp in plan.convs} == {"NHWC"}
     from maco.layouts.maco_modules import MacoConv2d, MacoDepthwise2d, MacoInvertedResidual
 

@@ -31,11 +31,11 @@ from maco.kernels.inverted_residual import SPLITS
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.cuda_graph import unwrap
-from maco.layouts.blocks import find_blocks, use_block
+from maco.layouts.blocks import find_blocks, find_squeeze_excites, use_block, use_squeeze_excite
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear,
-                                       MacoLinearAsConv, MacoPool2d, MacoWinograd2d, block_plan, call_sites,
-                                       depthwise_can_run, escapes, kernel_can_run, swap_module,
-                                       winograd_module_can_run)
+                                       MacoLinearAsConv, MacoPool2d, MacoSqueezeExcite, MacoWinograd2d, block_plan,
+                                       call_sites, depthwise_can_run, escapes, kernel_can_run, squeeze_plan,
+                                       swap_module, winograd_module_can_run)
 from maco.layouts.segments import use_segments
 from maco.deploy.optimize_report import OptimizeResult
 from maco.core.schedule import Schedule
@@ -68,6 +68,8 @@ class Deployment:
     winograd: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> spec, tile
     # an inverted residual as one kernel: its last conv's path -> its convs' paths, input shape
     blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # squeeze-excitation as one kernel: its gate module's path -> pool, fc1, fc2 paths, input shape, layout
+    squeeze: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         from maco import __version__
@@ -97,7 +99,7 @@ class Deployment:
             raise MacoError(f"threads must be a positive int, got {short(dep.threads)}")
         for name, value in (("target", dep.target), ("convs", dep.convs), ("linears", dep.linears),
                             ("pools", dep.pools), ("depthwise", dep.depthwise), ("winograd", dep.winograd),
-                            ("blocks", dep.blocks)):
+                            ("blocks", dep.blocks), ("squeeze", dep.squeeze)):
             if not isinstance(value, dict):
                 raise MacoError(f"{name} must be an object, got {short(value)}")
         if not isinstance(dep.fusion, list) or not all(isinstance(f, str) for f in dep.fusion):
@@ -124,6 +126,10 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
             dep.blocks[path] = {"expand": expand, "depthwise": depthwise, "project": project,
                                 "shape": list(mod.shape), "split": "channels" if mod.plan.channel_split else "rows"}
             inside.update(p for p in mod.paths if p is not None and p != path)
+        elif isinstance(mod, MacoSqueezeExcite) and mod.paths is not None:
+            pool, fc1, fc2, _ = mod.paths
+            dep.squeeze[path] = {"pool": pool, "fc1": fc1, "fc2": fc2, "shape": list(mod.shape), "layout": mod.layout}
+            inside.update((pool, fc1, fc2))
     for path, mod in model.named_modules():
         if path in inside:
             continue
@@ -227,6 +233,27 @@ def _swap_in_kernels(gm: nn.Module, dep: Deployment, path: Any, host: Target, fo
         _swap_winograd(gm, path, conv_path, entry, host, foreign, exact, own_output)
     if dep.blocks:
         _swap_blocks(gm, dep, path, host, foreign, own_output)
+    if dep.squeeze:
+        _swap_squeeze(gm, dep, path, host, own_output)
+
+
+def _swap_squeeze(gm: Any, dep: Deployment, path: Any, host: Target, own_output: Callable[[str], bool]) -> None:
+    """Each saved squeeze-excitation run as one kernel: its modules must be one of this model's
+    graph (layouts.blocks), on the saved input shape and layout."""
+    found = {str(se.calls[3].target): se for se in find_squeeze_excites(gm)}
+    for gate, entry in dep.squeeze.items():
+        se = found.get(gate) if isinstance(gate, str) else None
+        if (not isinstance(entry, dict) or se is None
+                or se.paths != (entry.get("pool"), entry.get("fc1"), entry.get("fc2"), gate)):
+            raise MacoError(f"{str(path)!r}: the saved squeeze-excitation gated by {short(gate)} is no "
+                            "squeeze-excitation (pool, fc1, fc2, gate) of this model")
+        shape, layout = entry.get("shape"), entry.get("layout")
+        mods = [gm.get_submodule(p) for p in se.paths]
+        if (not (_positive_ints(shape) and len(shape) == 4) or layout not in ("NCHW", "NHWC")
+                or squeeze_plan(*mods, tuple(shape), layout, host) is None):
+            raise MacoError(f"{str(path)!r}: no generated kernel runs the squeeze-excitation gated by "
+                            f"{short(gate)} on an input of shape {short(shape)} in {short(layout)}")
+        use_squeeze_excite(gm, se, MacoSqueezeExcite(*mods, tuple(shape), layout, host, own_output(gate)))
 
 
 def _swap_blocks(gm: Any, dep: Deployment, path: Any, host: Target, foreign: bool,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import statistics
 from typing import Any, Callable, Mapping
 
@@ -20,9 +21,10 @@ from maco.kernels.linear import MAX_BATCH
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear,
-                                       MacoLinearAsConv, MacoPool2d, MacoWinograd2d, call_sites, depthwise_can_run,
+                                       MacoLinearAsConv, MacoPool2d, MacoSqueezeExcite, MacoWinograd2d, call_sites,
+                                       depthwise_can_run,
                                        escapes, swap_module, use_maco_kernels, winograd_module_can_run)
-from maco.layouts.blocks import find_blocks, use_block
+from maco.layouts.blocks import find_blocks, find_squeeze_excites, use_block, use_squeeze_excite
 from maco.layouts.deploy import plan
 from maco.layouts.end_to_end import time_models
 from maco.layouts.fusion import fuse
@@ -278,6 +280,37 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
     return ratios
 
 
+def faster_squeeze(gm: fx.GraphModule, example_input: Any, target: Target) -> int:
+    """Run (in place) each squeeze-excitation of `gm` (layouts.blocks) whose pool reads its input
+    as it is as one generated kernel (MacoSqueezeExcite), and keep them only if the model with them
+    runs MIN_GAIN faster end to end (both as segments) than without. Returns how many it kept."""
+    if target.kind != "cpu":
+        return 0
+    found = find_squeeze_excites(gm)
+    before = _graph_and_modules(gm)
+    seen = arguments_seen(gm, example_input, [str(se.calls[0].target) for se in found], copy=False)
+    calls = call_sites(gm)
+    kept = 0
+    for se in found:
+        x = seen.get(str(se.calls[0].target), (None,))[0]
+        if (se.calls[0].args[0] is not se.source or not isinstance(x, torch.Tensor) or x.dtype != torch.float32
+                or _layout(x) is None):
+            continue
+        mods = [gm.get_submodule(p) for p in se.paths]
+        gate = str(se.calls[3].target)
+        try:
+            module = MacoSqueezeExcite(*mods, tuple(x.shape), _layout(x), target,
+                                       preallocate=len(calls[gate]) == 1 and not escapes(gm, se.multiply))
+        except MacoError:
+            continue
+        use_squeeze_excite(gm, se, module)
+        kept += 1
+    if kept and not _faster_end_to_end(gm, before, example_input, target):
+        _restore(gm, before)
+        kept = 0
+    return kept
+
+
 def _graph_and_modules(gm: fx.GraphModule) -> tuple[fx.Graph, dict[str, Any]]:
     """A copy of gm's graph, and what each of its module calls and attribute reads names."""
     named = {}
@@ -414,7 +447,9 @@ def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, oth
     specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
     fused = fuse(model, x)
     table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
-    p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-9)
+    # a conversion priced by its size: between two free layers (a pool, then flatten) the plan
+    # converts the smaller tensor
+    p = plan(fused, x, latency=table, conversion=lambda shape, a, b: 1e-12 * math.prod(shape))
     gm = p.apply(fused)
     chosen = {}
     for s in specs:
@@ -442,6 +477,7 @@ def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, oth
                 capable += 1
                 if winograd(capable - 1):
                     swap_module(gm, path, MacoWinograd2d(conv, spec, target, own, m=2))
-        elif others and isinstance(mod, POOLS) and plan_for(mod, shape, "NHWC", target.cores) is not None:
-            swap_module(gm, path, MacoPool2d(mod, shape, "NHWC", target, own))
+        elif (others and isinstance(mod, POOLS) and _layout(args[0]) is not None
+              and plan_for(mod, shape, _layout(args[0]), target.cores) is not None):
+            swap_module(gm, path, MacoPool2d(mod, shape, _layout(args[0]), target, own))
     return gm, p

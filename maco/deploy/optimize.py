@@ -125,6 +125,8 @@ def _variants_built(built: Variants, out: Path, log: Callable[[str], Any]) -> No
              "3x3/5x5 convs tried with Winograd": built.winograd, "inverted residuals tried as one kernel": built.blocks}
     others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
                      for kind, ratios in kinds.items() if ratios)
+    if built.squeeze:
+        others += f", {built.squeeze} squeeze-excitations as one kernel each"
     log(f"[3/4] {len(built.swapped)} of {len(built.plan.convs)} convs{others} run MACO kernels")
     log(f"[4/4] timing {', '.join(built.models)} end to end in the same rounds; the fastest is handed back")
 

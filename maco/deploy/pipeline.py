@@ -16,15 +16,15 @@ from maco import kernels
 from maco.core.errors import MacoError
 from maco.deploy.kernel_choice import (MIN_GAIN, OUTPUT_RTOL, Chosen, Ratios, end_to_end_gain, faster_blocks,
                                        faster_depthwise, faster_kernels, faster_linears, faster_pools,
-                                       faster_winograd, kernels_everywhere, with_winograd)
+                                       faster_squeeze, faster_winograd, kernels_everywhere, with_winograd)
 from maco.layouts.cuda_graph import CudaGraphed
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
 from maco.layouts.fusion import fuse
 from maco.layouts.latency import measure_layouts
 from maco.layouts.layout_plan import LayoutPlan
-from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoWinograd2d,
-                                       use_maco_kernels)
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoSqueezeExcite,
+                                       MacoWinograd2d, use_maco_kernels)
 from maco.layouts.networks import conv_layers, distinct_convs
 from maco.layouts.segments import use_segments
 from maco.tune.records import Baseline, Record, RecordStore
@@ -49,6 +49,7 @@ class Variants:
     depthwise: dict[str, float] = field(default_factory=dict)  # depthwise conv path -> its time / MACO's
     winograd: dict[str, float] = field(default_factory=dict)  # conv path -> its time / Winograd's
     blocks: dict[str, float] = field(default_factory=dict)  # block's last conv path -> its kernels' time / one's
+    squeeze: int = 0  # squeeze-excitations run as one kernel
 
 
 def build_variants(model: nn.Module, example_input: Any, target: Target,
@@ -79,7 +80,8 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     depthwise = faster_depthwise(planned_maco, example_input, target) if cpu else {}
     winograd = faster_winograd(planned_maco, example_input, target) if cpu and not exact else {}
     blocks = faster_blocks(planned_maco, example_input, target) if cpu else {}
-    if swapped or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values(),
+    squeeze = faster_squeeze(planned_maco, example_input, target) if cpu else 0
+    if swapped or squeeze or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values(),
                                               *winograd.values(), *blocks.values())):
         models["planned_maco"] = planned_maco
     if cpu and segments:
@@ -88,29 +90,31 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         everywhere = _everywhere_if_faster(model, example_input, target, models.get("planned_maco", models["planned_torch"]),
                                            segments, exact, log)
         if everywhere is not None:
-            planned_maco, plan, blocks = everywhere
+            planned_maco, plan, blocks, squeeze = everywhere
             models["planned_torch"], models["planned_maco"] = plan.apply(fused), planned_maco
     swapped = _maco_convs(planned_maco)
     if device == "cuda":  # every variant, torch's too, replayed from a CUDA graph (layouts.cuda_graph)
         models = {label: CudaGraphed(m) for label, m in models.items()}
-    return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd, blocks)
+    return Variants(models, plan, chosen, ratios, swapped, linears, pools, depthwise, winograd, blocks, squeeze)
 
 
 def _maco_convs(model: nn.Module) -> list[str]:
     """The paths of the convs a MACO kernel runs in `model` (each conv of a block run as one kernel)."""
-    blocks = [mod for mod in model.modules() if isinstance(mod, MacoInvertedResidual)]
-    inside = {p for mod in blocks for p in (mod.paths or ()) if p is not None}
+    ones = [mod for mod in model.modules() if isinstance(mod, MacoInvertedResidual)]
+    inside = {p for mod in ones for p in (mod.paths or ()) if p is not None}
+    inside |= {p for mod in model.modules() if isinstance(mod, MacoSqueezeExcite) for p in (mod.paths or ())[1:3]}
     return sorted(inside | {path for path, mod in model.named_modules()
                             if isinstance(mod, (MacoConv2d, MacoWinograd2d, MacoDepthwise2d)) and path not in inside})
 
 
 def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, chosen: nn.Module,
                           segments: bool, exact: bool,
-                          log: Callable[[str], Any]) -> tuple[nn.Module, LayoutPlan, dict[str, float]] | None:
+                          log: Callable[[str], Any]) -> tuple[nn.Module, LayoutPlan, dict[str, float], int] | None:
     """The model with a MACO kernel on its default schedule wherever one runs (all NHWC,
     kernel_choice.kernels_everywhere), Winograd where it beats that kernel in the model (not
-    `exact`), inverted residuals as one kernel where that beats their three, with its plan and
-    the blocks' ratios, where it runs at least MIN_GAIN faster end to end than `chosen`, the
+    `exact`), inverted residuals as one kernel where that beats their three and squeeze-excitation
+    as one where the model gains, with its plan, the blocks' ratios and the squeeze-excitations
+    kept, where it runs at least MIN_GAIN faster end to end than `chosen`, the
     model built from the per-layer choices; else None. Each layer's choice is timed alone, and a
     conv left to torch can cost its neighbours more than it saves: it splits a run of kernels and
     brings layout conversions (results/segments_cpu.md, §5)."""
@@ -124,12 +128,15 @@ def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, 
     if blocks:
         log(f"      one kernel beats the three of an inverted residual on {sum(r >= MIN_GAIN for r in blocks.values())} "
             f"of {len(blocks)} blocks")
+    squeeze = faster_squeeze(everywhere, example_input, target)
+    if squeeze:
+        log(f"      {squeeze} squeeze-excitations run as one kernel each")
     if segments:
         use_segments(everywhere, target)
     gain, taken = end_to_end_gain(everywhere, chosen, example_input)
     log(f"      a MACO kernel in every conv (default schedules, all NHWC{'' if exact else ', Winograd where it won'}) runs {gain:.2f}x the per-layer choices "
         f"end to end: {'taken' if taken else 'the per-layer choices kept'}")
-    return (everywhere, plan, blocks) if taken else None
+    return (everywhere, plan, blocks, squeeze) if taken else None
 
 
 def fastest(models: Mapping[str, Any], example_input: Any, rounds: int = 3) -> tuple[str, ModelTimes]:
