@@ -16,6 +16,11 @@ Which layer gets a choice (the rules, applied to every node torch.fx traces):
 4. Shape queries (x.size(), x.shape, x.dim()) read no data: they are not consumers.
 5. A tensor mutated in place by one op and also read by others is pinned to NCHW with all of its
    readers, so the applied graph runs exactly as traced.
+6. A permute that moves channels last, x.permute(0, 2, 3, 1), or first, x.permute(0, 3, 1, 2)
+   (ConvNeXt's blocks around their LayerNorm and Linears), runs in NHWC, where it moves no data:
+   it reads a channels_last tensor as a contiguous (N, H, W, C) one, or hands on a contiguous one
+   as a channels_last (N, C, H, W) tensor; no conversion is placed after the first or before the
+   second.
 A layer's output is converted once per distinct layout its consumers use (the conversion is
 placed just before the first of those consumers); weights of NHWC convs are converted ahead of
 time to channels_last.
@@ -39,7 +44,7 @@ from maco.layouts.graph import trace_module
 from maco.layouts.latency import check_layout
 from maco.layouts.latency_sources import latency_source
 from maco.layouts.layout_plan import LayerPlan, LayoutPlan
-from maco.layouts.model_problem import DEFAULT_LAYOUT, build_problem
+from maco.layouts.model_problem import DEFAULT_LAYOUT, build_problem, placed_conversions
 from maco.layouts.planners import solve
 
 
@@ -68,7 +73,7 @@ def plan(model: nn.Module, example_input: Any, layouts: Sequence[str] = ("NCHW",
     default = {v: DEFAULT_LAYOUT for v in problem.layers}
     has_default = all(DEFAULT_LAYOUT in problem.layer_cost[v] for v in problem.layers)
     default_cost = problem.cost(default) if has_default else None
-    converted = problem.conversions(sol.assignment)
+    converted = placed_conversions(gm, graph, problem, sol.assignment)
     layers = []
     for name, layer in graph.layers.items():
         lay = sol.assignment[name]

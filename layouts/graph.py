@@ -144,6 +144,22 @@ def node_kind(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str]:
     return _METHOD_KINDS.get(str(node.target), str(node.target)), str(node.target)
 
 
+def channel_permute(node: fx.Node) -> str | None:
+    """"last" for x.permute(0, 2, 3, 1) (channels moved last: ConvNeXt's blocks before their
+    LayerNorm and Linears), "first" for x.permute(0, 3, 1, 2) (moved back), None for any other
+    node. The first reads a channels_last tensor as a contiguous one, the second makes a
+    contiguous tensor channels_last: both move no data where their input is in that layout."""
+    if node.op == "call_method" and node.target == "permute":
+        dims: Any = node.args[1:]
+    elif node.op == "call_function" and node.target is torch.permute:
+        dims = node.args[1:] or (node.kwargs.get("dims"),)
+    else:
+        return None
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = dims[0]
+    return {(0, 2, 3, 1): "last", (0, 3, 1, 2): "first"}.get(tuple(dims))
+
+
 def reads_data(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether `node` reads its inputs' data: a shape query does not, so it is no consumer whose
     layout matters."""

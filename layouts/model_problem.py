@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from maco.layouts.graph import Layer, LayerGraph, reads_data
+from maco.layouts.graph import Layer, LayerGraph, channel_permute, reads_data
 from maco.layouts.problem import ConversionCost, LayoutProblem
 
 # Ops torch runs in either memory format, keeping their input's: they may choose a layout.
@@ -40,7 +40,10 @@ def _flexible(layer: Layer, graph: LayerGraph) -> bool:
         return False
     if layer.kind == "conv" and layer.spec is None:
         return False
-    return all(graph.layers[src].is_4d for src in layer.inputs)
+    # other inputs may be of fewer dimensions (a layer scale of (C, 1, 1), a scalar): broadcast,
+    # they follow the 4-D one's memory format
+    shapes = [graph.layers[src].shape for src in layer.inputs]
+    return any(graph.layers[src].is_4d for src in layer.inputs) and all(s is not None and len(s) <= 4 for s in shapes)
 
 
 def build_problem(gm: fx.GraphModule, graph: LayerGraph, layouts: Sequence[str],
@@ -57,9 +60,18 @@ def build_problem(gm: fx.GraphModule, graph: LayerGraph, layouts: Sequence[str],
         if len(readers) > 1 and any(_inplace(gm, nodes[u]) for u in readers):
             flexible.discard(name)
             flexible.difference_update(readers)
+    # rule 6: a permute that moves channels last or first runs in NHWC, where it moves no data:
+    # its input channels_last gives a contiguous (N, H, W, C) tensor, a contiguous one a
+    # channels_last (N, C, H, W) tensor; its output is not converted for its readers, nor the
+    # input of one that moves channels first (layout_plan.apply)
+    swaps = {name: channel_permute(nodes[name]) for name, layer in graph.layers.items()
+             if layer.is_4d and "NHWC" in layouts and all(graph.layers[src].is_4d for src in layer.inputs)}
+    swaps = {name: way for name, way in swaps.items() if way is not None}
     layer_cost: dict[str, dict[str, float]] = {}
     for name, layer in graph.layers.items():
-        if name not in flexible:
+        if name in swaps:
+            layer_cost[name] = {"NHWC": 0.0}
+        elif name not in flexible:
             layer_cost[name] = {DEFAULT_LAYOUT: 0.0}
         elif layer.kind == "conv":
             layer_cost[name] = dict(conv_seconds[name])
@@ -67,14 +79,32 @@ def build_problem(gm: fx.GraphModule, graph: LayerGraph, layouts: Sequence[str],
             layer_cost[name] = {lay: 0.0 for lay in layouts}
     convert_cost: dict[str, dict[tuple[str, str], float]] = {}
     for name, layer in graph.layers.items():
-        if not consumers[name] or not layer.is_4d:
+        if not consumers[name]:
             continue
         mine = layer_cost[name]
         wanted = {lay for u in consumers[name] for lay in layer_cost[u]}
-        convert_cost[name] = {(a, b): conversion(layer.shape, a, b)  # type: ignore[arg-type]
+        if not layer.is_4d:  # read as it is (a broadcast operand): nothing to convert
+            convert_cost[name] = {(a, b): 0.0 for a in mine for b in wanted if a != b}
+            continue
+        paid = set() if swaps.get(name) == "last" else {
+            lay for u in consumers[name] if swaps.get(u) != "first" for lay in layer_cost[u]}
+        convert_cost[name] = {(a, b): conversion(layer.shape, a, b) if b in paid else 0.0  # type: ignore[arg-type]
                               for a in mine for b in wanted if a != b}
     problem = LayoutProblem(list(graph.layers), consumers, layer_cost, convert_cost)
     return problem, flexible
 
 
-__all__ = ["build_problem", "FLEXIBLE_KINDS", "DEFAULT_LAYOUT"]
+def placed_conversions(gm: fx.GraphModule, graph: LayerGraph, problem: LayoutProblem,
+                       assignment: Mapping[str, str]) -> dict[str, list[str]]:
+    """Per layer, the layouts its output is converted to in the applied graph: the problem's
+    conversions less those of tensors that are not 4-D and those rule 6 leaves out (after a
+    permute moving channels last, and for readers that are permutes moving channels first);
+    they cost nothing in the problem."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    swap = lambda v: channel_permute(nodes[v]) if assignment[v] == "NHWC" else None  # noqa: E731
+    return {v: [] if swap(v) == "last" or not graph.layers[v].is_4d else
+            [t for t in targets if any(assignment[u] == t and swap(u) != "first" for u in problem.consumers.get(v, []))]
+            for v, targets in problem.conversions(assignment).items()}
+
+
+__all__ = ["build_problem", "placed_conversions", "FLEXIBLE_KINDS", "DEFAULT_LAYOUT"]

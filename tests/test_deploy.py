@@ -139,6 +139,57 @@ def test_odd_model_rules_and_equal_outputs() -> None:
     check_applied(model, x, p)
 
 
+class ChannelsLastBlock(nn.Module):
+    """ConvNeXt's block: a depthwise conv, then LayerNorm and Linears on (N, H, W, C) between a
+    permute that moves channels last and one that moves them back, a layer scale and the residual."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.scale = nn.Parameter(torch.rand(c, 1, 1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.fc2(nn.functional.gelu(self.fc1(self.norm(y)))).permute(0, 3, 1, 2)
+        return x + self.scale * y
+
+
+def test_permutes_that_move_channels_run_in_nhwc_and_move_no_data() -> None:
+    """Rule 6: the permutes run in NHWC; the LayerNorm reads a contiguous tensor without a
+    conversion before it, the layer scale and residual stay channels_last, and the plan's
+    conversions are the applied graph's."""
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), ChannelsLastBlock(), ChannelsLastBlock()).eval()
+    x = torch.randn(1, 3, 14, 14)
+    p = plan(model, x, latency=lambda s, lay: 1.0 if lay == "NCHW" else 0.5, conversion=cheap_conversion)
+    by = {layer.name: layer for layer in p.layers}
+    assert {by[n].layout for n in by if n.startswith("permute")} == {"NHWC"}
+    assert {by[n].layout for n in by if n.startswith("add") or n.startswith("mul")} == {"NHWC"}
+    assert [(a, b) for _, a, b in p.conversions] == [("NCHW", "NHWC"), ("NHWC", "NCHW")]  # in and out only
+    gm = p.apply(model)
+    assert len([n for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous"]) == 2
+    rec = FormatRecorder(gm)
+    with torch.no_grad():
+        got = rec.run(x)
+        assert torch.allclose(got, model(x), rtol=1e-4, atol=1e-5)
+    for name in by:
+        if name.startswith("permute"):
+            src = rec.outputs[by[name].name]
+            moved = "last" if tuple(src.shape) == (1, 14, 14, 16) else "first"
+            assert src.is_contiguous(memory_format=torch.contiguous_format if moved == "last" else torch.channels_last)
+
+
+def test_convnext_all_nhwc_converts_only_at_its_ends() -> None:
+    model, x = build("convnext_tiny"), example_input()
+    p = plan(model, x, latency=lambda s, lay: 1.0 if lay == "NCHW" else 0.5, conversion=cheap_conversion)
+    assert len(p.conversions) <= 3, p.conversions
+    gm = p.apply(model)
+    with torch.no_grad():
+        want, got = model(x), gm(x)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+
+
 def test_plan_is_optimal_for_its_problem() -> None:
     """On a small model the planner's choice equals brute force over the same problem."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8),
