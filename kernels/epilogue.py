@@ -109,13 +109,12 @@ def vector_function(activation: str, lanes: int) -> str:
     head = (f"typedef float maco_vf __attribute__((vector_size({4 * lanes})));\n"
             f"typedef unsigned maco_vu __attribute__((vector_size({4 * lanes})));\n"
             "static inline maco_vf maco_sel(maco_vu m, maco_vf a, maco_vf b) "
-            "{ return (maco_vf)(((maco_vu)a & m) | ((maco_vu)b & ~m)); }\n")
+            "{ return (maco_vf)(((maco_vu)a & m) | ((maco_vu)b & ~m)); }\n" + _min_max(lanes))
     if activation == "hardswish":
         return head + ("static inline maco_vf maco_vact(maco_vf v) {\n  const maco_vf zero = {0};\n"
                        "  maco_vf c = v + 3.f;\n  c = maco_sel((maco_vu)(c > zero), c, zero);\n"
                        "  c = maco_sel((maco_vu)(c < zero + 6.f), c, zero + 6.f);\n  return v * c / 6.f;\n}")
-    steps = _EXP_STEPS.format(F="maco_vf", sel_hi="maco_sel((maco_vu)(t > zero + 88.f), zero + 88.f, t)",
-                              sel_lo="maco_sel((maco_vu)(t < zero - 87.f), zero - 87.f, t)")
+    steps = _EXP_STEPS.format(F="maco_vf", sel_hi="maco_vmin(zero + 88.f, t)", sel_lo="maco_vmax(zero - 87.f, t)")
     body = _ACT_BODY[activation].format(F="maco_vf", exp="maco_vexp", abs_v="maco_sel((maco_vu)(v < zero), -v, v)",
                                         c_or_2_minus_c="maco_sel((maco_vu)(v < zero), c, 2.f - c)")
     return head + f"""static inline maco_vf maco_vexp(maco_vf t) {{
@@ -129,6 +128,25 @@ static inline maco_vf maco_vact(maco_vf v) {{
   const maco_vf zero = {{0}}; (void)zero;
 {body}
 }}"""
+
+
+def _min_max(lanes: int) -> str:
+    """C of maco_vmin / maco_vmax on maco_vf with x86's semantics, (a < b ? a : b) and (a > b ? a :
+    b): a NaN in either hands back b, so exp's clamps maco_vmin(88, t) keep a NaN t. One
+    instruction where the vector is an SSE/AVX/AVX-512 register (a clamp as compare and select
+    took three more), a compare and select elsewhere."""
+    intrinsic = {4: ("__SSE__", "_mm_min_ps", "_mm_max_ps", "__m128"),
+                 8: ("__AVX__", "_mm256_min_ps", "_mm256_max_ps", "__m256"),
+                 16: ("__AVX512F__", "_mm512_min_ps", "_mm512_max_ps", "__m512")}.get(lanes)
+    generic = ("static inline maco_vf maco_vmin(maco_vf a, maco_vf b) { return maco_sel((maco_vu)(a < b), a, b); }\n"
+               "static inline maco_vf maco_vmax(maco_vf a, maco_vf b) { return maco_sel((maco_vu)(a > b), a, b); }\n")
+    if intrinsic is None:
+        return generic
+    macro, vmin, vmax, reg = intrinsic
+    return (f"#if defined({macro}) && defined(__x86_64__)\n#include <immintrin.h>\n"
+            f"static inline maco_vf maco_vmin(maco_vf a, maco_vf b) {{ return (maco_vf){vmin}(({reg})a, ({reg})b); }}\n"
+            f"static inline maco_vf maco_vmax(maco_vf a, maco_vf b) {{ return (maco_vf){vmax}(({reg})a, ({reg})b); }}\n"
+            f"#else\n{generic}#endif\n")
 
 
 def activation_of(relu: bool = False, activation: str | None = None) -> str:
