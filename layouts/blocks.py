@@ -14,9 +14,8 @@ node the only reader of the one before (maco_modules.squeeze_plan says which a k
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -144,7 +143,9 @@ def _before(node: object, reader: fx.Node, conversions: list[fx.Node]) -> tuple[
 
 def find_squeeze_excites(gm: fx.GraphModule) -> list[SqueezeNodes]:
     """Every squeeze-excitation of `gm` (see the module docstring): multiply <- gate <- fc2 <- fc1
-    <- pool <- x, past layout conversions, each call read only by the next."""
+    <- pool <- x, past layout conversions, each call read only by the next. The chain's shape
+    only: whether its modules are a pool, two 1x1 convs and a gate a kernel runs is
+    maco_modules.squeeze_plan's question."""
     found = []
     for node in gm.graph.nodes:
         if (node.op != "call_function" or node.target not in (operator.mul, torch.mul) or node.kwargs

@@ -347,8 +347,8 @@ class MacoInvertedResidual(_GeneratedOp):
 class MacoSqueezeExcite(_GeneratedOp):
     """Squeeze-excitation, x * gate(fc2(fc1(pool(x)))), run by one generated kernel
     (kernels.squeeze_excite) on inputs of one shape and memory format; any other input runs the
-    torch modules. It stands where its gate module stood in the model (`torch_gate`), and `chain`
-    holds the pool, fc1, fc2 and gate modules (MACO kernel modules among them run as they would)."""
+    torch modules. It stands where its gate module stood in the model, and `chain` holds the
+    pool, fc1, fc2 and gate modules (MACO kernel modules among them run as they would)."""
 
     def __init__(self, pool: nn.Module, fc1: nn.Module, fc2: nn.Module, gate: nn.Module, shape: tuple[int, ...],
                  layout: str, target: Target, preallocate: bool = False):
@@ -358,7 +358,7 @@ class MacoSqueezeExcite(_GeneratedOp):
             raise MacoError(f"no generated kernel computes squeeze-excitation with "
                             f"{[type(m).__name__ for m in (pool, fc1, fc2, gate)]} on {shape} in {layout}")
         self.chain = (pool, fc1, fc2, gate)  # a tuple: the modules stay registered where the model has them
-        self.torch_gate, self.shape, self.layout = gate, tuple(shape), layout
+        self.shape, self.layout = tuple(shape), layout
         self.paths: tuple[str, str, str, str] | None = None  # pool, fc1, fc2, gate in the model (layouts.blocks)
         self._kernel = SqueezeKernel(self.plan, target)
         fc1, fc2 = _torch_convs(fc1, fc2)

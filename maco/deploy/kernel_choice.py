@@ -22,8 +22,8 @@ from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear,
                                        MacoLinearAsConv, MacoPool2d, MacoSqueezeExcite, MacoWinograd2d, call_sites,
-                                       depthwise_can_run,
-                                       escapes, swap_module, use_maco_kernels, winograd_module_can_run)
+                                       depthwise_can_run, escapes, swap_module, use_maco_kernels,
+                                       winograd_module_can_run)
 from maco.layouts.blocks import find_blocks, find_squeeze_excites, use_block, use_squeeze_excite
 from maco.layouts.deploy import plan
 from maco.layouts.end_to_end import time_models
