@@ -52,25 +52,30 @@ def vector_expression(activation: str) -> str:
 
 def vector_type(lanes: int) -> str:
     """C of the GCC vector type vf (and vi) of `lanes` floats at any 4-byte alignment, its load ld and
-    store st, and vmax / vmin with x86's max/min semantics, (a > b ? a : b) / (a < b ? a : b): a
-    NaN in either hands back b, so vmax(zero, v) and vmin(six, v) keep a NaN v. One instruction
-    where the vector is an SSE/AVX/AVX-512 register, a compare and select elsewhere."""
+    store st, and vmax / vmin (_min_max): vmax(zero, v) and vmin(six, v) keep a NaN v."""
+    return (f"typedef float vf __attribute__((vector_size({4 * lanes}), aligned(4)));\n"
+            f"typedef int vi __attribute__((vector_size({4 * lanes}), aligned(4)));\n"
+            "static inline vf ld(const float *p) { return *(const vf *)p; }\n"  # 4-byte aligned: vmovups
+            "static inline void st(float *p, vf v) { *(vf *)p = v; }\n" + _min_max(lanes, "vf", "vi", ""))
+
+
+def _min_max(lanes: int, vf: str, vi: str, prefix: str) -> str:
+    """C of {prefix}vmax / {prefix}vmin on the vector type `vf` (`vi` its integer twin) with x86's
+    semantics, (a > b ? a : b) and (a < b ? a : b): a NaN in either hands back b, so a clamp
+    vmin(six, v) or exp's vmin(88, t) keeps a NaN. One instruction where the vector is an
+    SSE/AVX/AVX-512 register, a compare and select elsewhere."""
     intrinsic = {4: ("__SSE__", "_mm_max_ps", "_mm_min_ps", "__m128"),
                  8: ("__AVX__", "_mm256_max_ps", "_mm256_min_ps", "__m256"),
                  16: ("__AVX512F__", "_mm512_max_ps", "_mm512_min_ps", "__m512")}.get(lanes)
-    generic = ("static inline vf vmax(vf a, vf b) { vi m = a > b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }\n"
-               "static inline vf vmin(vf a, vf b) { vi m = a < b; return (vf)(((vi)a & m) | ((vi)b & ~m)); }")
-    head = (f"typedef float vf __attribute__((vector_size({4 * lanes}), aligned(4)));\n"
-            f"typedef int vi __attribute__((vector_size({4 * lanes}), aligned(4)));\n"
-            "static inline vf ld(const float *p) { return *(const vf *)p; }\n"  # 4-byte aligned: vmovups
-            "static inline void st(float *p, vf v) { *(vf *)p = v; }\n")
+    generic = "".join(f"static inline {vf} {prefix}{name}({vf} a, {vf} b) {{ {vi} m = ({vi})(a {op} b); "
+                      f"return ({vf})((({vi})a & m) | (({vi})b & ~m)); }}\n" for name, op in (("vmax", ">"), ("vmin", "<")))
     if intrinsic is None:
-        return head + generic
+        return generic
     macro, vmax, vmin, reg = intrinsic
-    return (head + f"#if defined({macro}) && defined(__x86_64__)\n#include <immintrin.h>\n"
-            f"static inline vf vmax(vf a, vf b) {{ return (vf){vmax}(({reg})a, ({reg})b); }}\n"
-            f"static inline vf vmin(vf a, vf b) {{ return (vf){vmin}(({reg})a, ({reg})b); }}\n"
-            f"#else\n{generic}\n#endif")
+    return (f"#if defined({macro}) && defined(__x86_64__)\n#include <immintrin.h>\n"
+            f"static inline {vf} {prefix}vmax({vf} a, {vf} b) {{ return ({vf}){vmax}(({reg})a, ({reg})b); }}\n"
+            f"static inline {vf} {prefix}vmin({vf} a, {vf} b) {{ return ({vf}){vmin}(({reg})a, ({reg})b); }}\n"
+            f"#else\n{generic}#endif\n")
 
 
 def _check_smooth(activation: str) -> None:
@@ -109,7 +114,7 @@ def vector_function(activation: str, lanes: int) -> str:
     head = (f"typedef float maco_vf __attribute__((vector_size({4 * lanes})));\n"
             f"typedef unsigned maco_vu __attribute__((vector_size({4 * lanes})));\n"
             "static inline maco_vf maco_sel(maco_vu m, maco_vf a, maco_vf b) "
-            "{ return (maco_vf)(((maco_vu)a & m) | ((maco_vu)b & ~m)); }\n" + _min_max(lanes))
+            "{ return (maco_vf)(((maco_vu)a & m) | ((maco_vu)b & ~m)); }\n" + _min_max(lanes, "maco_vf", "maco_vu", "maco_"))
     if activation == "hardswish":
         return head + ("static inline maco_vf maco_vact(maco_vf v) {\n  const maco_vf zero = {0};\n"
                        "  maco_vf c = v + 3.f;\n  c = maco_sel((maco_vu)(c > zero), c, zero);\n"
@@ -128,25 +133,6 @@ static inline maco_vf maco_vact(maco_vf v) {{
   const maco_vf zero = {{0}}; (void)zero;
 {body}
 }}"""
-
-
-def _min_max(lanes: int) -> str:
-    """C of maco_vmin / maco_vmax on maco_vf with x86's semantics, (a < b ? a : b) and (a > b ? a :
-    b): a NaN in either hands back b, so exp's clamps maco_vmin(88, t) keep a NaN t. One
-    instruction where the vector is an SSE/AVX/AVX-512 register (a clamp as compare and select
-    took three more), a compare and select elsewhere."""
-    intrinsic = {4: ("__SSE__", "_mm_min_ps", "_mm_max_ps", "__m128"),
-                 8: ("__AVX__", "_mm256_min_ps", "_mm256_max_ps", "__m256"),
-                 16: ("__AVX512F__", "_mm512_min_ps", "_mm512_max_ps", "__m512")}.get(lanes)
-    generic = ("static inline maco_vf maco_vmin(maco_vf a, maco_vf b) { return maco_sel((maco_vu)(a < b), a, b); }\n"
-               "static inline maco_vf maco_vmax(maco_vf a, maco_vf b) { return maco_sel((maco_vu)(a > b), a, b); }\n")
-    if intrinsic is None:
-        return generic
-    macro, vmin, vmax, reg = intrinsic
-    return (f"#if defined({macro}) && defined(__x86_64__)\n#include <immintrin.h>\n"
-            f"static inline maco_vf maco_vmin(maco_vf a, maco_vf b) {{ return (maco_vf){vmin}(({reg})a, ({reg})b); }}\n"
-            f"static inline maco_vf maco_vmax(maco_vf a, maco_vf b) {{ return (maco_vf){vmax}(({reg})a, ({reg})b); }}\n"
-            f"#else\n{generic}#endif\n")
 
 
 def activation_of(relu: bool = False, activation: str | None = None) -> str:

@@ -176,12 +176,9 @@ def use_squeeze_excite(gm: fx.GraphModule, found: SqueezeNodes, module: MacoSque
     with gm.graph.inserting_before(found.multiply):
         call = gm.graph.call_module(str(gate.target), (found.source,))
     found.multiply.replace_all_uses_with(call)
-    gm.graph.erase_node(found.multiply)
-    for node in sorted([*found.calls, *found.conversions], key=lambda n: -_position(gm, n)):
-        gm.graph.erase_node(node)
+    gone = {found.multiply, *found.calls, *found.conversions}
+    for node in reversed(list(gm.graph.nodes)):  # each after the node that read it
+        if node in gone:
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-
-
-def _position(gm: fx.GraphModule, node: fx.Node) -> int:
-    return next(i for i, n in enumerate(gm.graph.nodes) if n is node)

@@ -160,6 +160,14 @@ def channel_permute(node: fx.Node) -> str | None:
     return {(0, 2, 3, 1): "last", (0, 3, 1, 2): "first"}.get(tuple(dims))
 
 
+def conversion_placed(node: fx.Node, user: fx.Node, layout: str, user_layout: str) -> bool:
+    """Whether applying a plan converts `node`'s output for `user`, given the layouts they run in:
+    where those differ, except after a permute moving channels last or before one moving them
+    first, each run in NHWC (layouts.deploy, rule 6: those move no data)."""
+    return (layout != user_layout and not (layout == "NHWC" and channel_permute(node) == "last")
+            and not (user_layout == "NHWC" and channel_permute(user) == "first"))
+
+
 def reads_data(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether `node` reads its inputs' data: a shape query does not, so it is no consumer whose
     layout matters."""

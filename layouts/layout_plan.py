@@ -20,7 +20,7 @@ from torch import nn
 from maco.core.errors import MacoError
 from maco.core.files import load_json, load_json_file, write_atomic
 
-from maco.layouts.graph import channel_permute, node_kind, reads_data, symbolic_trace
+from maco.layouts.graph import conversion_placed, node_kind, reads_data, symbolic_trace
 from maco.layouts.latency import check_layout, memory_format
 
 FORMAT_VERSION = 1
@@ -131,16 +131,12 @@ class LayoutPlan:
             with torch.no_grad():
                 conv.weight.data = conv.weight.data.contiguous(memory_format=memory_format(layer.layout))
         position = _position(gm)
-        swapped = lambda n: channel_permute(n) if n.name in plan and plan[n.name].layout == "NHWC" else None  # noqa: E731
         for node in list(gm.graph.nodes):
             mine = plan[node.name].layout
             groups: dict[str, list[fx.Node]] = {}
-            if swapped(node) == "last":
-                continue  # a contiguous (N, H, W, C) tensor: what its readers take (model_problem, rule 6)
             for user in node.users:
-                if swapped(user) == "first":
-                    continue  # it reads a contiguous tensor and hands on a channels_last one
-                if user.name in plan and plan[user.name].layout != mine and reads_data(gm, user):
+                if (user.name in plan and conversion_placed(node, user, mine, plan[user.name].layout)
+                        and reads_data(gm, user)):
                     if plan[node.name].shape is not None and len(plan[node.name].shape) == 4:
                         groups.setdefault(plan[user.name].layout, []).append(user)
             for target, users in groups.items():

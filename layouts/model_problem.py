@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from maco.layouts.graph import Layer, LayerGraph, channel_permute, reads_data
+from maco.layouts.graph import Layer, LayerGraph, channel_permute, conversion_placed, reads_data
 from maco.layouts.problem import ConversionCost, LayoutProblem
 
 # Ops torch runs in either memory format, keeping their input's: they may choose a layout.
@@ -101,9 +101,9 @@ def placed_conversions(gm: fx.GraphModule, graph: LayerGraph, problem: LayoutPro
     permute moving channels last, and for readers that are permutes moving channels first);
     they cost nothing in the problem."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    swap = lambda v: channel_permute(nodes[v]) if assignment[v] == "NHWC" else None  # noqa: E731
-    return {v: [] if swap(v) == "last" or not graph.layers[v].is_4d else
-            [t for t in targets if any(assignment[u] == t and swap(u) != "first" for u in problem.consumers.get(v, []))]
+    return {v: [t for t in targets if graph.layers[v].is_4d and any(
+                assignment[u] == t and conversion_placed(nodes[v], nodes[u], assignment[v], t)
+                for u in problem.consumers.get(v, []))]
             for v, targets in problem.conversions(assignment).items()}
 
 
