@@ -62,12 +62,14 @@ def resolve_target(target: Any) -> Target:
 
 
 def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu", *, bias: bool = False,
-            relu: bool = False, residual: bool = False,
-            activation: str | None = None) -> CompiledKernel:  # noqa: A001 - the public name
+            relu: bool = False, residual: bool = False, activation: str | None = None,
+            input_layout: str | None = None) -> CompiledKernel:  # noqa: A001 - the public name
     """A built kernel for `spec` with `schedule` (the default schedule when None); call
     .bind(weight, bias) on it. The epilogue adds the bias, then the residual, then applies the
-    activation (kernels.epilogue.ACTIVATIONS; relu=True is "relu"). MacoError lists the
-    schedule's problems when it is invalid."""
+    activation (kernels.epilogue.ACTIVATIONS; relu=True is "relu"). `input_layout` ("NCHW" or
+    "NHWC", CPU only) reads the input in that layout where it is not the schedule's: an NHWC conv
+    reading an NCHW tensor needs no conversion before it. MacoError lists the schedule's
+    problems when it is invalid."""
     tgt = resolve_target(target)
     if not isinstance(spec, ConvSpec):
         raise MacoError(f"spec must be a maco.ConvSpec, got {type(spec).__name__}")
@@ -77,6 +79,8 @@ def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu
 
         if act not in ("none", "relu"):
             raise MacoError(f"the CUDA backend fuses relu only, not {act!r}")
+        if input_layout is not None:
+            raise MacoError("the CUDA backend reads its input in the schedule's layout: input_layout is CPU only")
         return compile_cuda(spec, schedule, bias=bias, relu=act == "relu", residual=residual)
     from maco.kernels.cpu import compile_cpu
 
@@ -84,7 +88,7 @@ def compile(spec: ConvSpec, schedule: Schedule | None = None, target: Any = "cpu
         schedule = default_schedule(spec, tgt)
     if not isinstance(schedule, Schedule):
         raise MacoError(f"schedule must be a maco.Schedule, got {type(schedule).__name__}")
-    return compile_cpu(spec, schedule, tgt, bias=bias, activation=act, residual=residual)
+    return compile_cpu(spec, schedule, tgt, bias=bias, activation=act, residual=residual, input_layout=input_layout)
 
 
 def build_many(spec: ConvSpec, schedules: list[Schedule], target: Any = None, *,

@@ -39,6 +39,7 @@ class CpuKernel:
     has_bias = property(lambda self: self.plan.bias)
     activation = property(lambda self: self.plan.activation)
     residual = property(lambda self: self.plan.residual)
+    input_layout = property(lambda self: self.plan.input_layout or self.plan.schedule.layout)
 
     @property
     def source(self) -> str:
@@ -129,7 +130,7 @@ class CpuConv:
         if not k.residual and residual is not None:
             raise MacoError(f"the kernel for {spec} was compiled with residual=False but got a residual")
         torch_in = _is_torch(x)
-        xs = _activation(x, spec.input_shape, nhwc, "input", convert)
+        xs = _activation(x, spec.input_shape, k.input_layout == "NHWC", "input", convert)
         rs = _activation(residual, spec.output_shape, nhwc, "residual", convert) if residual is not None else None
         if out is None:
             if torch_in:
@@ -151,10 +152,11 @@ class CpuConv:
 
 
 def compile_cpu(spec: ConvSpec, schedule: Schedule, target: Target, *, bias: bool = False,
-                activation: str = "none", residual: bool = False) -> CpuKernel:
+                activation: str = "none", residual: bool = False, input_layout: str | None = None) -> CpuKernel:
     """Generate and build (or fetch from the cache) the kernel; MacoError on an invalid schedule
-    (its problems listed) or a compiler error (gcc's message)."""
-    kernel = CpuKernel(CpuPlan(spec, schedule, target, bias, activation, residual))
+    (its problems listed) or a compiler error (gcc's message). `input_layout`: the layout the
+    input is read in, where it is not the schedule's."""
+    kernel = CpuKernel(CpuPlan(spec, schedule, target, bias, activation, residual, input_layout))
     kernel.build()
     return kernel
 

@@ -103,8 +103,13 @@ class CpuPlan:
     bias: bool = False
     activation: str = "none"  # one of kernels.epilogue.ACTIVATIONS, after bias and residual
     residual: bool = False
+    # the layout the input is read in, where it differs from the schedule's (the output's): an NHWC
+    # conv reading the model's NCHW input itself, with no conversion before it
+    input_layout: str | None = None
 
     def __post_init__(self) -> None:
+        if self.input_layout not in (None, "NCHW", "NHWC"):
+            raise MacoError(f"input_layout must be 'NCHW' or 'NHWC', got {self.input_layout!r}")
         if self.activation not in ACTIVATIONS:
             raise MacoError(f"unknown activation {self.activation!r}; choose one of {ACTIVATIONS}")
         if self.schedule.kind != "cpu":
@@ -117,6 +122,10 @@ class CpuPlan:
     @property
     def nhwc(self) -> bool:
         return self.schedule.layout == "NHWC"
+
+    @property
+    def input_nhwc(self) -> bool:
+        return (self.input_layout or self.schedule.layout) == "NHWC"
 
     @cached_property
     def f(self) -> dict[str, tuple[int, ...]]:
@@ -137,7 +146,7 @@ class CpuPlan:
     @cached_property
     def in_strides(self) -> dict[str, int]:
         s = self.spec
-        if self.nhwc:
+        if self.input_nhwc:
             st = {"n": s.h * s.w * s.c, "c": 1, "h": s.w * s.c, "w": s.c}
         else:
             st = {"n": s.c * s.h * s.w, "c": s.h * s.w, "h": s.w, "w": 1}
@@ -260,6 +269,8 @@ class CpuPlan:
     @property
     def intrinsics(self) -> str | None:
         """'avx512' / 'avx2' when the fast path applies, else None (portable C)."""
+        if self.schedule.vector_axis == "ow" and self.input_nhwc:
+            return None  # its vectors are input rows read at stride 1: NCHW only
         return intrinsics_isa(self.spec, self.schedule, self.target)
 
     @property
@@ -292,7 +303,7 @@ class _Generator:
         isa = p.intrinsics
         head = [comment(f"MACO CPU kernel: {p.spec}  schedule {self.sch.describe()}"),
                 comment(f"flavour: {isa or 'portable'}, bias={p.bias}, activation={p.activation}, "
-                        f"residual={p.residual}"),
+                        f"residual={p.residual}" + (f", input read in {p.input_layout}" if p.input_layout else "")),
                 "#include <stdlib.h>", "#include <string.h>"]
         if isa:
             head.append("#include <immintrin.h>")
@@ -550,7 +561,7 @@ class _Generator:
         # zero the patch, then copy the rows and columns that exist: no test per element
         nest = [("n", "0", p.tile("n", level)), ("g", "0", p.tile("g", level)), ("c", "0", f["c"][1]),
                 ("r", "r_lo", "r_hi"), ("q", "q_lo", "q_hi")]
-        if p.nhwc:
+        if p.input_nhwc:  # the copy walks the input in its own order
             nest = [nest[0], nest[3], nest[4], nest[1], nest[2]]
         ind = "    "
         for var, lo, hi in nest:

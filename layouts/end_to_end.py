@@ -176,7 +176,7 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
         for name, (mod, args) in seen.items():
             args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
             if isinstance(mod, MacoConv2d):
-                x = args[0].contiguous(memory_format=mod._format)
+                x = args[0].contiguous(memory_format=mod._in_format)
                 res = args[1].contiguous(memory_format=mod._format) if len(args) > 1 else None
                 runs[name] = mod._conv.prepare(x, res, mod._conv.output())
             elif isinstance(mod, MacoWinograd2d):

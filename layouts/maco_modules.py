@@ -30,6 +30,7 @@ from maco.core.spec import ConvSpec
 from maco.core.target import Target
 
 from maco.layouts.fusion import FusedConv2d
+from maco.layouts.latency import memory_format
 
 if TYPE_CHECKING:
     from maco.layouts import LayoutPlan
@@ -57,19 +58,23 @@ def kernel_can_run(conv: nn.Conv2d, target: Target | None = None) -> bool:
 class MacoConv2d(nn.Module):
     """`conv` (a Conv2d or FusedConv2d) run by a compiled MACO kernel for the one input shape it
     was tuned for, on the target's device (a CPU or a CUDA GPU); any other input runs `conv`
-    itself, with the same weights."""
+    itself, with the same weights. `input_layout` (CPU): the layout it reads its input in, where
+    that is not the schedule's (fold_input_conversion)."""
 
     maco_leaf = True
 
     def __init__(self, conv: nn.Conv2d, spec: ConvSpec, schedule: Schedule, target: Target,
-                 preallocate: bool = False):
+                 preallocate: bool = False, input_layout: str | None = None):
         super().__init__()
         activation, residual = epilogue_of(conv)
         self.spec, self.layout, self.torch_conv = spec, schedule.layout, conv
+        self.input_layout = input_layout or self.layout
         self._kernel = kernels.compile(spec, schedule, target=target, bias=conv.bias is not None,
-                                       activation=activation, residual=residual == "before")
+                                       activation=activation, residual=residual == "before",
+                                       input_layout=None if self.input_layout == self.layout else self.input_layout)
         self._conv = self._kernel.bind(conv.weight.detach(), None if conv.bias is None else conv.bias.detach())
-        self._format = torch.channels_last if self.layout == "NHWC" else torch.contiguous_format
+        self._format = memory_format(self.layout)
+        self._in_format = memory_format(self.input_layout)
         self._device = "cuda" if target.kind == "cuda" else "cpu"
         self._out = self._conv.output() if preallocate else None
 
@@ -85,11 +90,12 @@ class MacoConv2d(nn.Module):
             return self.torch_conv(x) if residual is None else self.torch_conv(x, residual)
         if residual is not None:
             residual = residual.contiguous(memory_format=self._format)
-        return self._conv.run_tensor(x.contiguous(memory_format=self._format), residual, self._out)
+        return self._conv.run_tensor(x.contiguous(memory_format=self._in_format), residual, self._out)
 
     def extra_repr(self) -> str:
         activation, residual = epilogue_of(self.torch_conv)
-        return (f"{self.spec}, layout={self.layout}, activation={activation}, residual={residual}, "
+        reads = f", input_layout={self.input_layout}" if self.input_layout != self.layout else ""
+        return (f"{self.spec}, layout={self.layout}{reads}, activation={activation}, residual={residual}, "
                 f"preallocated={self.preallocated}")
 
 
@@ -507,6 +513,42 @@ def call_sites(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
 def swap_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
     parent_name, _, child = path.rpartition(".")
     setattr(gm.get_submodule(parent_name) if parent_name else gm, child, module)
+
+
+def input_conversion(gm: fx.GraphModule, path: str) -> fx.Node | None:
+    """The conversion to NHWC (LayoutPlan.apply's `contiguous` node) that feeds the input of the
+    one call of the NHWC MacoConv2d `path` on a CPU, where that call is its only reader: the
+    conversion the conv makes unnecessary by reading the tensor before it (fold_input_conversion);
+    else None."""
+    sites = call_sites(gm).get(path, [])
+    mod = gm.get_submodule(path)
+    if (len(sites) != 1 or not isinstance(mod, MacoConv2d) or mod._device != "cpu"
+            or not mod.layout == mod.input_layout == "NHWC" or not sites[0].args):
+        return None
+    node, conversion = sites[0], sites[0].args[0]
+    if (not isinstance(conversion, fx.Node) or conversion.op != "call_method" or conversion.target != "contiguous"
+            or len(conversion.args) != 1 or conversion.kwargs != {"memory_format": torch.channels_last}
+            or list(conversion.users) != [node] or sum(a is conversion for a in node.args) != 1
+            or conversion in node.kwargs.values()):
+        return None
+    return conversion
+
+
+def fold_input_conversion(gm: fx.GraphModule, path: str, target: Target) -> None:
+    """MacoConv2d `path` rebuilt to read the tensor before its input_conversion in NCHW (the
+    layout a plan converts from to NHWC), and the conversion taken out of the graph (in place).
+    The model's input is read once, by the first conv, instead of copied first: its channels
+    (3) are the innermost axis of NHWC, and torch's copy into it is a slow strided one."""
+    conversion = input_conversion(gm, path)
+    if conversion is None:
+        raise MacoError(f"no conversion to NHWC feeds conv {path!r} alone: it reads its input as planned")
+    mod = gm.get_submodule(path)
+    swap_module(gm, path, MacoConv2d(mod.torch_conv, mod.spec, mod._kernel.schedule, target, mod.preallocated,
+                                     input_layout="NCHW"))
+    next(iter(conversion.users)).replace_input_with(conversion, conversion.args[0])
+    gm.graph.erase_node(conversion)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def use_maco_kernels(gm: fx.GraphModule, plan: LayoutPlan, chosen: dict[ConvSpec, dict[str, Schedule]],

@@ -83,7 +83,7 @@ def ports(module: nn.Module, nargs: int) -> tuple[list[Port], Port] | None:
         s, fmt = module.spec, module._format
         if nargs != 1 + module._kernel.residual:
             return None
-        ins = [Port(s.input_shape, fmt)] + ([Port(s.output_shape, fmt)] if nargs == 2 else [])
+        ins = [Port(s.input_shape, module._in_format)] + ([Port(s.output_shape, fmt)] if nargs == 2 else [])
         return ins, Port(s.output_shape, fmt)
     if isinstance(module, MacoWinograd2d):
         s = module.spec

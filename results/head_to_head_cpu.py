@@ -7,9 +7,9 @@ process can land in a slower spell than the next one, and a single pass may rank
 engines either way. Here both run in the same interleaved rounds, so each round's ratio compares
 them under the same conditions. MACO's model is the every-conv model `maco optimize` builds
 before it times anything (kernel_choice.kernels_everywhere: default schedules, all NHWC), with
-the linear, Winograd, inverted-residual and squeeze-excitation kernels where the model gains, as
-segments; no tuning. ONNX Runtime as in experiments/engines_cpu.py (ORT_ENABLE_ALL, as many
-intra-op threads as torch). Statistic: medians over rounds of each one's median call (ms), and
+the linear, Winograd, inverted-residual and squeeze-excitation kernels where the model gains, the
+first conv reading the NCHW input itself where that wins, as segments; no tuning. ONNX Runtime as
+in experiments/engines_cpu.py (ORT_ENABLE_ALL, as many intra-op threads as torch). Statistic: medians over rounds of each one's median call (ms), and
 the median of the per-round ratio ONNX Runtime / MACO (above 1: MACO faster).
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from maco.core.target import Target
 from maco.core.timing import interleaved_rounds, steady_allocator
 from maco.deploy.engines import Job, export_onnx
-from maco.deploy.kernel_choice import (faster_blocks, faster_linears, faster_squeeze, faster_winograd,
-                                       kernels_everywhere)
+from maco.deploy.kernel_choice import (faster_blocks, faster_input_reads, faster_linears, faster_squeeze,
+                                       faster_winograd, kernels_everywhere)
 from maco.layouts.networks import build, example_input
 from maco.layouts.segments import use_segments
 
@@ -36,6 +36,7 @@ def maco_model(net: str, x: torch.Tensor, target: Target) -> torch.nn.Module:
     faster_winograd(gm, x, target)
     faster_blocks(gm, x, target)
     faster_squeeze(gm, x, target)
+    faster_input_reads(gm, x, target)
     use_segments(gm, target)
     return gm
 

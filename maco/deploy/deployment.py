@@ -34,8 +34,8 @@ from maco.layouts.cuda_graph import unwrap
 from maco.layouts.blocks import find_blocks, find_squeeze_excites, use_block, use_squeeze_excite
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear,
                                        MacoLinearAsConv, MacoPool2d, MacoSqueezeExcite, MacoWinograd2d, block_plan,
-                                       call_sites, depthwise_can_run, escapes, kernel_can_run, squeeze_plan,
-                                       swap_module, winograd_module_can_run)
+                                       call_sites, depthwise_can_run, escapes, fold_input_conversion, input_conversion,
+                                       kernel_can_run, squeeze_plan, swap_module, winograd_module_can_run)
 from maco.layouts.segments import use_segments
 from maco.deploy.optimize_report import OptimizeResult
 from maco.core.schedule import Schedule
@@ -135,6 +135,8 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
             continue
         if isinstance(mod, MacoConv2d):
             dep.convs[path] = {"spec": str(mod.spec), "schedule": mod._kernel.schedule.to_dict()}
+            if mod.input_layout != mod.layout:  # it reads the tensor before its conversion
+                dep.convs[path]["input"] = mod.input_layout
         elif isinstance(mod, MacoLinear):
             dep.linears[path] = {"batch": mod.batch}
         elif isinstance(mod, MacoLinearAsConv):
@@ -235,6 +237,9 @@ def _swap_in_kernels(gm: nn.Module, dep: Deployment, path: Any, host: Target, fo
         _swap_blocks(gm, dep, path, host, foreign, own_output)
     if dep.squeeze:
         _swap_squeeze(gm, dep, path, host, own_output)
+    for conv_path, entry in dep.convs.items():  # last: the other kernels read their input as planned
+        if entry.get("input") is not None:
+            _fold_input(gm, path, conv_path, entry["input"], host)
 
 
 def _swap_squeeze(gm: Any, dep: Deployment, path: Any, host: Target, own_output: Callable[[str], bool]) -> None:
@@ -291,6 +296,15 @@ def _swap_conv(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Targe
     schedule = Schedule.from_dict(entry.get("schedule"))
     schedule = default_schedule(spec, host, schedule.layout) if foreign else schedule.validate(spec, host)
     swap_module(gm, conv_path, MacoConv2d(conv, spec, schedule, host, own_output(conv_path)))
+
+
+def _fold_input(gm: Any, path: Any, conv_path: str, layout: Any, host: Target) -> None:
+    """A saved conv that reads the tensor before its conversion to NHWC: that conversion must be
+    one this model's plan places before it (maco_modules.input_conversion)."""
+    if layout != "NCHW" or input_conversion(gm, conv_path) is None:
+        raise MacoError(f"{str(path)!r}: conv {short(conv_path)} reads its input in {short(layout)}, but this "
+                        "model's plan places no conversion from NCHW to NHWC before it alone")
+    fold_input_conversion(gm, conv_path, host)
 
 
 def _swap_linear(gm: nn.Module, path: Any, linear_path: str, entry: Any, host: Target,

@@ -22,8 +22,8 @@ from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear,
                                        MacoLinearAsConv, MacoPool2d, MacoSqueezeExcite, MacoWinograd2d, call_sites,
-                                       depthwise_can_run, escapes, swap_module, use_maco_kernels,
-                                       winograd_module_can_run)
+                                       depthwise_can_run, escapes, fold_input_conversion, input_conversion,
+                                       swap_module, use_maco_kernels, winograd_module_can_run)
 from maco.layouts.blocks import find_blocks, find_squeeze_excites, use_block, use_squeeze_excite
 from maco.layouts.deploy import plan
 from maco.layouts.end_to_end import time_models
@@ -277,6 +277,34 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
     if any(r >= MIN_GAIN for r in ratios.values()) and not _faster_end_to_end(gm, before, example_input, target):
         _restore(gm, before)  # each block won alone, the model with them did not
         ratios = {path: min(r, 1.0) for path, r in ratios.items()}
+    return ratios
+
+
+def faster_input_reads(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
+    """Fold (in place) each conversion to NHWC that feeds one NHWC conv kernel alone into the conv,
+    which then reads the NCHW tensor itself (maco_modules.fold_input_conversion), where that runs
+    at least MIN_GAIN faster than the conversion and the conv: the model's input before its first
+    conv. Returns conv path -> (conversion + conv) time over the folded conv's, for each tried.
+    Run it after every other swap: the folded conv takes an NCHW input, which the Winograd,
+    depthwise and block kernels do not."""
+    if target.kind != "cpu":
+        return {}
+    paths = [p for p in call_sites(gm) if input_conversion(gm, p) is not None]
+    seen = arguments_seen(gm, example_input, paths)
+    steady_allocator()
+    ratios: ModuleRatios = {}
+    for path in paths:
+        mod, (x, *rest) = gm.get_submodule(path), seen[path]
+        source = x.contiguous()  # what the conversion reads: NCHW
+        folded = MacoConv2d(mod.torch_conv, mod.spec, mod._kernel.schedule, target, input_layout="NCHW")
+        runs = {"torch": lambda: mod(source.contiguous(memory_format=torch.channels_last), *rest),
+                "maco": lambda: folded(source, *rest)}
+        with torch.inference_mode():
+            for fn in runs.values():
+                fn()
+            ratios[path] = statistics.median(_round_ratios(runs, rounds))
+        if ratios[path] >= MIN_GAIN:
+            fold_input_conversion(gm, path, target)
     return ratios
 
 

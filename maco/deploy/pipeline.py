@@ -15,8 +15,9 @@ from torch import nn
 from maco import kernels
 from maco.core.errors import MacoError
 from maco.deploy.kernel_choice import (MIN_GAIN, OUTPUT_RTOL, Chosen, Ratios, end_to_end_gain, faster_blocks,
-                                       faster_depthwise, faster_kernels, faster_linears, faster_pools,
-                                       faster_squeeze, faster_winograd, kernels_everywhere, with_winograd)
+                                       faster_depthwise, faster_input_reads, faster_kernels, faster_linears,
+                                       faster_pools, faster_squeeze, faster_winograd, kernels_everywhere,
+                                       with_winograd)
 from maco.layouts.cuda_graph import CudaGraphed
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
@@ -81,6 +82,8 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     winograd = faster_winograd(planned_maco, example_input, target) if cpu and not exact else {}
     blocks = faster_blocks(planned_maco, example_input, target) if cpu else {}
     squeeze = faster_squeeze(planned_maco, example_input, target) if cpu else 0
+    if cpu:
+        _log_input_reads(faster_input_reads(planned_maco, example_input, target), log)
     if swapped or squeeze or any(r >= MIN_GAIN for r in (*linears.values(), *pools.values(), *depthwise.values(),
                                               *winograd.values(), *blocks.values())):
         models["planned_maco"] = planned_maco
@@ -131,12 +134,19 @@ def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, 
     squeeze = faster_squeeze(everywhere, example_input, target)
     if squeeze:
         log(f"      {squeeze} squeeze-excitations run as one kernel each")
+    _log_input_reads(faster_input_reads(everywhere, example_input, target), log)
     if segments:
         use_segments(everywhere, target)
     gain, taken = end_to_end_gain(everywhere, chosen, example_input)
     log(f"      a MACO kernel in every conv (default schedules, all NHWC{'' if exact else ', Winograd where it won'}) runs {gain:.2f}x the per-layer choices "
         f"end to end: {'taken' if taken else 'the per-layer choices kept'}")
     return (everywhere, plan, blocks, squeeze) if taken else None
+
+
+def _log_input_reads(ratios: Mapping[str, float], log: Callable[[str], Any]) -> None:
+    for path, ratio in ratios.items():
+        log(f"      conv {path} reading its NCHW input itself runs {ratio:.2f}x its conversion and conv: "
+            f"{'taken' if ratio >= MIN_GAIN else 'the conversion kept'}")
 
 
 def fastest(models: Mapping[str, Any], example_input: Any, rounds: int = 3) -> tuple[str, ModelTimes]:
