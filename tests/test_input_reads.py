@@ -17,6 +17,7 @@ from maco.kernels.cpu_codegen import CpuPlan
 from maco.layouts.maco_modules import MacoConv2d, fold_input_conversion, input_conversion
 from maco.layouts.segments import segments_of, use_segments
 from tests.targets import AVX2, GENERIC
+from tests.test_kernels_cpu import portable_schedules
 
 HOST = kernels.host_target()
 needs_avx2 = pytest.mark.skipif(HOST.isa not in ("avx2", "avx512"), reason="host has no AVX2+FMA")
@@ -47,18 +48,7 @@ def test_a_kernel_reads_its_input_in_the_other_layout(spec, layout):
 
 
 def test_every_vector_axis_reads_the_other_layout_in_portable_c():
-    spec = ConvSpec.parse("n4_c8_h8_w12_k8_r3x3_p1_g4")
-    sp = lambda n, g, k, oh, ow: tuple(tuple(f) for f in (n, g, k, oh, ow))  # noqa: E731
-    red = ((2, 1), (1, 3), (3, 1))
-    schedules = [
-        Schedule("cpu", sp((1, 1, 1, 4), (1, 1, 1, 4), (2, 1, 1, 1), (4, 1, 2, 1), (3, 2, 1, 2)), red,
-                 parallel=3, vector_axis="n", vector_width=4, layout="NCHW", weight_packing="blocked"),
-        Schedule("cpu", sp((2, 1, 1, 2), (1, 1, 1, 4), (1, 1, 2, 1), (2, 2, 1, 2), (6, 1, 1, 2)), red,
-                 parallel=1, vector_axis="g", vector_width=4, layout="NHWC", weight_packing="none",
-                 inner_order=("kw", "c", "kh")),
-        Schedule("cpu", sp((1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 2, 1), (2, 2, 1, 2), (3, 1, 1, 4)), red,
-                 parallel=5, vector_axis="ow", vector_width=4, layout="NHWC", weight_packing="blocked"),
-    ]
+    spec, schedules = portable_schedules()
     for schedule in schedules:
         _check(spec, schedule, GENERIC, "NHWC" if schedule.layout == "NCHW" else "NCHW")
 

@@ -163,8 +163,8 @@ def test_avx512_path():
     check_batch(spec, schedules, AVX512, epilogue=True)
 
 
-def test_portable_path_every_vector_axis():
-    """Vector axes n, g, oh (never intrinsics), width 1, isa generic: the portable C."""
+def portable_schedules() -> tuple[ConvSpec, list[Schedule]]:
+    """A grouped conv and schedules of every vector axis (n, g, oh never run intrinsics), width 1."""
     spec = ConvSpec.parse("n4_c8_h8_w12_k8_r3x3_p1_g4")  # 4 groups of 2 channels / 2 filters
     sp = lambda n, g, k, oh, ow: tuple(tuple(f) for f in (n, g, k, oh, ow))  # noqa: E731
     red = ((2, 1), (1, 3), (3, 1))
@@ -184,6 +184,12 @@ def test_portable_path_every_vector_axis():
                  ((1, 2), (3, 1), (1, 3)), parallel=2, vector_axis="k", vector_width=1, layout="NCHW",
                  weight_packing="none"),
     ]
+    return spec, schedules
+
+
+def test_portable_path_every_vector_axis():
+    """Every vector axis, width 1, isa generic: the portable C."""
+    spec, schedules = portable_schedules()
     for s in schedules:
         assert s.problems(spec, GENERIC) == [], s.problems(spec, GENERIC)
     kerns = kernels.build_many(spec, schedules, GENERIC)
