@@ -536,9 +536,9 @@ def input_conversion(gm: fx.GraphModule, path: str) -> fx.Node | None:
 
 def fold_input_conversion(gm: fx.GraphModule, path: str, target: Target) -> None:
     """MacoConv2d `path` rebuilt to read the tensor before its input_conversion in NCHW (the
-    layout a plan converts from to NHWC), and the conversion taken out of the graph (in place).
-    The model's input is read once, by the first conv, instead of copied first: its channels
-    (3) are the innermost axis of NHWC, and torch's copy into it is a slow strided one."""
+    layout a plan converts from to NHWC), and the conversion taken out of the graph (in place):
+    the tensor is read once, by the conv, instead of copied first. Before the first conv this is
+    the model's input, whose 3 channels become the innermost axis of NHWC in a slow strided copy."""
     conversion = input_conversion(gm, path)
     if conversion is None:
         raise MacoError(f"no conversion to NHWC feeds conv {path!r} alone: it reads its input as planned")
