@@ -150,3 +150,19 @@ def test_a_folded_conv_is_saved_and_a_tampered_one_refused(tmp_path):
         save(bad, tmp_path / "bad.maco")
         with pytest.raises(MacoError, match="reads its input in"):
             maco.load(tmp_path / "bad.maco", model)
+
+
+def test_the_report_says_which_conversions_a_conv_reads_through(tmp_path):
+    from maco.core.timing import Timing
+    from maco.deploy.optimize_report import OptimizeResult, end_to_end_rows, report_markdown
+    from maco.layouts.end_to_end import ModelTimes
+
+    _, x, gm, p, (first, _) = _planned()
+    fold_input_conversion(gm, first, HOST)
+    rounds = {"default": [2.0, 2.0, 2.0], "planned_maco": [1.0, 1.0, 1.0]}
+    times = ModelTimes({k: [Timing(m, m, m, 0.0, 3, 1) for m in v] for k, v in rounds.items()},
+                       dict.fromkeys(rounds, 0.0), dict.fromkeys(rounds, 0.0))
+    rows = end_to_end_rows(times, pick="planned_maco")
+    result = OptimizeResult("tiny", tmp_path, [], p, rows, 1.0, model=gm, chosen="planned_maco", example=x)
+    text = report_markdown(result, HOST, tmp_path / "r.jsonl", [first])
+    assert f"{len(p.conversions)} conversions (1 of them read through by the conv after them" in text

@@ -202,7 +202,7 @@ def _plot(result: OptimizeResult) -> bytes:
 def report_markdown(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> str:
     """report.md: the machine, the per-layer table, the plan, the variants end to end, where the
     time goes and the other engines, one section each."""
-    lines = (_header_and_layers(result, target) + _plan_section(result.plan) + _end_to_end_section(result, swapped)
+    lines = (_header_and_layers(result, target) + _plan_section(result.plan, result.model if result.chosen == 'planned_maco' else None) + _end_to_end_section(result, swapped)
              + _time_split_section(result) + _engines_section(result))
     lines += ["", "Files: `plan.json` (the plan of the fused graph: "
               "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
@@ -231,10 +231,15 @@ def _header_and_layers(result: OptimizeResult, target: Target) -> list[str]:
                     f"kernel replaces torch's conv only above {MIN_GAIN:.2f}x."]
 
 
-def _plan_section(plan: Any) -> list[str]:
+def _plan_section(plan: Any, model: nn.Module | None) -> list[str]:
+    # convs that read their input in the layout before a conversion (maco_modules.fold_input_conversion)
+    folded = sum(1 for m in (model.modules() if model is not None else ())
+                 if getattr(m, "input_layout", None) not in (None, getattr(m, "layout", None)))
     return ["", "## Layout plan", "",
             f"{sum(1 for c in plan.convs if c.layout == 'NHWC')} of {len(plan.convs)} convs in NHWC, "
-            f"{len(plan.conversions)} conversions; planner ({plan.method}) predicts "
+            f"{len(plan.conversions)} conversions"
+            + (f" ({folded} of them read through by the conv after them, which needs no copy)" if folded else "")
+            + f"; planner ({plan.method}) predicts "
             f"{plan.cost * 1e3:.2f} ms" + (f" vs {plan.default_cost * 1e3:.2f} ms all-NCHW"
                                            if plan.default_cost else "") + "."]
 
