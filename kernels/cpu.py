@@ -39,7 +39,7 @@ class CpuKernel:
     has_bias = property(lambda self: self.plan.bias)
     activation = property(lambda self: self.plan.activation)
     residual = property(lambda self: self.plan.residual)
-    input_layout = property(lambda self: self.plan.input_layout or self.plan.schedule.layout)
+    input_layout = property(lambda self: self.plan.reads)
 
     @property
     def source(self) -> str:
@@ -130,7 +130,7 @@ class CpuConv:
         if not k.residual and residual is not None:
             raise MacoError(f"the kernel for {spec} was compiled with residual=False but got a residual")
         torch_in = _is_torch(x)
-        xs = _activation(x, spec.input_shape, k.input_layout == "NHWC", "input", convert)
+        xs = _activation(x, spec.input_shape, k.plan.input_nhwc, "input", convert)
         rs = _activation(residual, spec.output_shape, nhwc, "residual", convert) if residual is not None else None
         if out is None:
             if torch_in:

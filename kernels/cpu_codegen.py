@@ -124,8 +124,13 @@ class CpuPlan:
         return self.schedule.layout == "NHWC"
 
     @property
+    def reads(self) -> str:
+        """The layout the input is read in."""
+        return self.input_layout or self.schedule.layout
+
+    @property
     def input_nhwc(self) -> bool:
-        return (self.input_layout or self.schedule.layout) == "NHWC"
+        return self.reads == "NHWC"
 
     @cached_property
     def f(self) -> dict[str, tuple[int, ...]]:

@@ -24,6 +24,7 @@ from maco.core.files import write_atomic
 from maco.deploy.kernel_choice import MIN_GAIN
 from maco.layouts import LayoutPlan
 from maco.layouts.end_to_end import ConvShare, ModelTimes
+from maco.layouts.maco_modules import MacoConv2d
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.core.timing import environment
@@ -202,8 +203,8 @@ def _plot(result: OptimizeResult) -> bytes:
 def report_markdown(result: OptimizeResult, target: Target, records: Path, swapped: list[str]) -> str:
     """report.md: the machine, the per-layer table, the plan, the variants end to end, where the
     time goes and the other engines, one section each."""
-    lines = (_header_and_layers(result, target) + _plan_section(result.plan, result.model if result.chosen == 'planned_maco' else None) + _end_to_end_section(result, swapped)
-             + _time_split_section(result) + _engines_section(result))
+    lines = (_header_and_layers(result, target) + _plan_section(result.plan, result.model)
+             + _end_to_end_section(result, swapped) + _time_split_section(result) + _engines_section(result))
     lines += ["", "Files: `plan.json` (the plan of the fused graph: "
               "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
               f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`; records: `{records}`.", ""]
@@ -234,7 +235,7 @@ def _header_and_layers(result: OptimizeResult, target: Target) -> list[str]:
 def _plan_section(plan: Any, model: nn.Module | None) -> list[str]:
     # convs that read their input in the layout before a conversion (maco_modules.fold_input_conversion)
     folded = sum(1 for m in (model.modules() if model is not None else ())
-                 if getattr(m, "input_layout", None) not in (None, getattr(m, "layout", None)))
+                 if isinstance(m, MacoConv2d) and m.input_layout != m.layout)
     return ["", "## Layout plan", "",
             f"{sum(1 for c in plan.convs if c.layout == 'NHWC')} of {len(plan.convs)} convs in NHWC, "
             f"{len(plan.conversions)} conversions"
