@@ -8,7 +8,7 @@ call at a time (as the tensors it hands back never alias those buffers, its outp
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
@@ -515,12 +515,13 @@ def swap_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
     setattr(gm.get_submodule(parent_name) if parent_name else gm, child, module)
 
 
-def input_conversion(gm: fx.GraphModule, path: str) -> fx.Node | None:
+def input_conversion(gm: fx.GraphModule, path: str,
+                     calls: Mapping[str, list[fx.Node]] | None = None) -> fx.Node | None:
     """The conversion to NHWC (LayoutPlan.apply's `contiguous` node) that feeds the input of the
     one call of the NHWC MacoConv2d `path` on a CPU, where that call is its only reader: the
     conversion the conv makes unnecessary by reading the tensor before it (fold_input_conversion);
-    else None."""
-    sites = call_sites(gm).get(path, [])
+    else None. `calls`: call_sites(gm), where the caller asks about many modules."""
+    sites = (call_sites(gm) if calls is None else calls).get(path, [])
     mod = gm.get_submodule(path)
     if (len(sites) != 1 or not isinstance(mod, MacoConv2d) or mod._device != "cpu"
             or not mod.layout == mod.input_layout == "NHWC" or not sites[0].args):

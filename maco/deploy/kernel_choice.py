@@ -289,7 +289,8 @@ def faster_input_reads(gm: fx.GraphModule, example_input: Any, target: Target, r
     depthwise and block kernels do not."""
     if target.kind != "cpu":
         return {}
-    paths = [p for p in call_sites(gm) if input_conversion(gm, p) is not None]
+    calls = call_sites(gm)
+    paths = [p for p in calls if input_conversion(gm, p, calls) is not None]
     seen = arguments_seen(gm, example_input, paths)
     steady_allocator()
     ratios: ModuleRatios = {}
