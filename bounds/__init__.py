@@ -10,8 +10,9 @@
     simulate_io(spec, tile, S, policy)    replay the loop nest through an LRU or OPT cache
     network_floor(layers, S, image, ...)  a whole network's floor at batch 1: weights, live sets, flops
                                           of the cheapest algorithm, and the floor in time (network.py)
-    winograd_cost(spec, m), predict_tile(spec, P, B)   Winograd's multiplies, U/V/M traffic and footprint,
-                                          and the tile size of least modelled time (winograd.py)
+    winograd_cost(spec, m), predict_tile(spec, P, B, e)  Winograd's multiplies, U/V/M traffic and footprint,
+                                          and the tile size of least modelled time at the tile
+                                          sizes' measured shares e of the peak (winograd.py)
 """
 from maco.bounds.conv import (BoundReport, ConvDerivation, best_lower_bound, bound_report,
                               compulsory_io, conv_as_gemm, conv_io_lower_bound, derive_conv,

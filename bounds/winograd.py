@@ -13,11 +13,18 @@ With alpha = m + r - 1 (the input tile side) and t = ceil(Ho/m)*ceil(Wo/m) tiles
 
 Inside a model the layer's U does not stay cached between calls (its weights and every other
 layer's pass through the last-level cache first), so per call it comes from DRAM once, and
-again from the last-level cache for every further block. A tile size's time is then modelled
-as max(2 * macs / P, 4 * (U + inputs + outputs) / B): the larger tile does fewer multiplies but
-reads a larger U. Early layers (56x56x64: U of F(4x4) 0.6 MB) are compute-bound and take F(4x4);
-deep ones (7x7x512: U of F(4x4) 38 MB, of F(2x2) 17 MB) are bound by reading U, and the smaller
-tile wins where 4 * (U_4 - U_2) / B exceeds what F(4x4) saves in compute (`crossover`). This is a
+again from the last-level cache for every further block. A tile size's time is modelled as
+
+    2 * macs / (e_m * P)  +  4 * (U + inputs + outputs) / B
+
+with P the FMA peak, B the DRAM read bandwidth and e_m the share of P the kernel's multiplies
+reach in F(m x m) (kernels.cpu_peak.winograd_ceilings, timed once per host on a reference conv:
+larger tiles spend more of the core on their transforms). The two terms add: a call reads each
+panel of U just before it multiplies with it, and timed with the caches evicted the tile sizes
+rank as the sum ranks them, not as max(compute, memory) does (results/winograd_tiles*.csv). The
+larger tile does fewer multiplies but reads a larger U: early layers (56x56x64: U of F(4x4)
+0.6 MB) take F(4x4); deep ones (7x7x512: U of F(4x4) 38 MB, of F(2x2) 17 MB) take the smaller
+tile where 4 * (U_4 - U_2) / B exceeds what F(4x4) saves in compute (`crossover`). This is a
 model to rank tile sizes, not a bound: MACO's kernel_choice still times each tile size.
 """
 from __future__ import annotations
@@ -58,9 +65,12 @@ class WinogradCost:
         """Elements a call moves from DRAM inside a model: U once, inputs and outputs once."""
         return self.u + self.inputs + self.outputs
 
-    def seconds(self, peak: float, bandwidth: float) -> float:
-        """max(2 * macs / P, 4 * dram / B), peak in flop/s, bandwidth in bytes/s."""
-        return max(2 * self.macs / peak, DTYPE_BYTES * self.dram() / bandwidth)
+    def seconds(self, peak: float, bandwidth: float, ceiling: float = 1.0) -> float:
+        """2 * macs / (ceiling * P) + 4 * dram / B: peak in flop/s, bandwidth in bytes/s, ceiling
+        the share of the peak this tile size's multiplies reach (1: an ideal kernel)."""
+        if not 0 < ceiling <= 1 + 1e-9:
+            raise MacoError(f"a Winograd ceiling is a share of the FMA peak in (0, 1], got {ceiling!r}")
+        return 2 * self.macs / (ceiling * peak) + DTYPE_BYTES * self.dram() / bandwidth
 
     def to_dict(self) -> dict[str, Any]:
         return {"m": self.m, "r": self.r, "tiles": self.tiles, "macs": self.macs, "u": self.u,
@@ -80,30 +90,38 @@ def winograd_cost(spec: ConvSpec, m: int) -> WinogradCost:
 
 
 def predict_tile(spec: ConvSpec, peak: float, bandwidth: float,
+                 ceilings: Mapping[tuple[int, int], float] | None = None,
                  tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES) -> tuple[int, dict[int, float]]:
-    """(the tile size m of the least modelled time, {m: seconds}) for a conv Winograd applies to."""
+    """(the tile size m of the least modelled time, {m: seconds}) for a conv Winograd applies to;
+    `ceilings` {(m, r): share of the peak} as kernels.cpu_peak.winograd_ceilings measures them
+    (None: every tile size at the full peak)."""
     if not winograd_applies(spec, tiles):
         raise MacoError(f"Winograd does not apply to {spec}")
-    times = {m: winograd_cost(spec, m).seconds(peak, bandwidth) for m in tiles[spec.kh]}
+    ceilings = ceilings or {}
+    times = {m: winograd_cost(spec, m).seconds(peak, bandwidth, ceilings.get((m, spec.kh), 1.0))
+             for m in tiles[spec.kh]}
     return min(times, key=lambda m: (times[m], -m)), times
 
 
 @lru_cache(maxsize=1)
 def crossover() -> dict[str, sp.Expr]:
-    """F(2x2, 3x3) against F(4x4, 3x3) on an Ho x Wo layer (m | Ho, Wo), all symbolic: `t2`, `t4`
-    (each max(compute, memory)), `saved` (the compute time F(4x4) saves: 3.5*Ho*Wo*C*K/P),
-    `extra` (the DRAM time its larger U adds: 4*20*C*K/B) and `area`, the Ho*Wo where the two
-    are equal: 160*P/(7*B), whatever C and K. Below it (the deep layers) the smaller tile's U
-    pays more than F(4x4)'s multiplies save; above it F(4x4) wins."""
+    """F(2x2, 3x3) against F(4x4, 3x3) on an Ho x Wo layer (m | Ho, Wo), all symbolic, with the
+    tile sizes' ceilings e_2 and e_4: `t2`, `t4` (each compute + memory), `saved` (the compute
+    time F(4x4) saves: 2*Ho*Wo*C*K*(4/e_2 - 9/(4*e_4))/P), `extra` (the DRAM time its larger U
+    adds: 4*20*C*K/B) and `area`, the Ho*Wo where the two are equal, whatever C and K:
+    40*P/(B*(4/e_2 - 9/(4*e_4))), 160*P/(7*B) for ideal kernels. Below it (the deep layers) the
+    larger U costs more than F(4x4)'s multiplies save; above it F(4x4) wins. Where
+    9/(4*e_4) >= 4/e_2, F(4x4) saves nothing and F(2x2) wins everywhere."""
     C, K, Ho, Wo, P, B, A = sp.symbols("C K H_o W_o P B A", positive=True)
+    e = {2: sp.Symbol("e_2", positive=True), 4: sp.Symbol("e_4", positive=True)}
     io = Ho * Wo * (C + K)  # inputs and outputs, stride 1, same padding
 
     def t(m: int) -> tuple[sp.Expr, sp.Expr]:
         a = m + 2
-        return 2 * (Ho / m) * (Wo / m) * a**2 * C * K / P, DTYPE_BYTES * (a**2 * C * K + io) / B
+        return 2 * (Ho / m) * (Wo / m) * a**2 * C * K / (e[m] * P), DTYPE_BYTES * (a**2 * C * K + io) / B
     (c2, m2), (c4, m4) = t(2), t(4)
     saved = sp.simplify(c2 - c4)
     extra = sp.simplify(m4 - m2)
     area = sp.solve(sp.Eq(saved.subs(Ho * Wo, A).subs(Wo, A / Ho), extra), A)
-    return {"t2": sp.Max(c2, m2), "t4": sp.Max(c4, m4), "saved": saved, "extra": extra,
-            "area": area[0] if area else sp.nan}
+    return {"t2": c2 + m2, "t4": c4 + m4, "saved": saved, "extra": extra,
+            "area": sp.simplify(area[0]) if area else sp.nan}

@@ -1,5 +1,6 @@
 """Issue 40 item 2: Winograd's tile size predicted from the bound (maco.bounds.winograd.predict_tile,
-from this host's FMA peak and DRAM read bandwidth) against the tile size timing picks, on every
+from this host's FMA peak, its DRAM read bandwidth and the share of the peak each tile size's
+multiplies reach on a reference conv) against the tile size timing picks, on every
 distinct 3x3 and 5x5 stride-1 conv of ResNet-18, AlexNet, VGG-11, ResNet-50 and MobileNetV2 at
 batch 1 (MobileNetV2 has none: its 3x3 convs are depthwise or strided).
 
@@ -7,7 +8,8 @@ The timed choice is the one `maco optimize` makes (deploy.kernel_choice.with_win
 size's kernel (layouts.maco_modules.MacoWinograd2d, NHWC) called with the caches evicted first,
 as inside a model, where the transformed filters come from DRAM; both tile sizes in the same
 interleaved rounds, the faster by the median of per-round ratios. The peak and the bandwidth are
-measured in this process first (kernels.cpu_peak.measure_ceilings: this host's best).
+measured in this process first (kernels.cpu_peak.measure_ceilings: this host's best), then the
+tile sizes' ceilings (kernels.cpu_peak.winograd_ceilings, on convs none of the networks has).
 
     flock /tmp/maco-timing.lock python experiments/winograd_tiles.py --out results
 
@@ -26,16 +28,17 @@ from maco import kernels
 from maco.bounds.winograd import predict_tile
 from maco.core.timing import CacheEvictor, interleaved_rounds, steady_allocator
 from maco.experiments.common import Figure, num, out_dir, parser, write_csv, write_env
-from maco.kernels.cpu_peak import measure_ceilings
+from maco.kernels.cpu_peak import measure_ceilings, winograd_ceilings
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import MacoWinograd2d, winograd_module_can_run
 from maco.layouts.networks import distinct_convs, network_convs
 
 FIGURE = Figure(
     "winograd_tiles", "(not in the paper) Winograd's tile size predicted from the bound against timing",
-    "the model prices F(m x m) as max(compute at the FMA peak, its traffic with the transformed filters "
-    "from DRAM); timing evicts the caches before each call, as a model's call finds them",
-    csv=("winograd_tiles.csv",))
+    "the model prices F(m x m) as its multiplies at the share of the FMA peak the tile size reaches (timed "
+    "once per host on a reference conv) plus its traffic with the transformed filters from DRAM; timing "
+    "evicts the caches before each call, as a model's call finds them",
+    csv=("winograd_tiles*.csv",))
 
 NETWORKS = "resnet18,alexnet,vgg11,resnet50,mobilenet_v2"
 TIE = 0.05  # tile sizes timed closer than this are a coin flip on a shared VM (results/label_repeat.csv)
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     peak, bw = ceilings["fma_gflops_best"] * 1e9, ceilings["read_gbs_best"] * 1e9
     print(f"{target.model}, {target.cores} cores: FMA peak {peak / 1e9:.1f} GFLOP/s, DRAM reads {bw / 1e9:.1f} GB/s "
           f"(this host's best; now {ceilings['fma_gflops']:.1f} and {ceilings['read_gbs']:.1f})", flush=True)
+    shares = winograd_ceilings(target, args.rounds)
+    print("Winograd's multiplies reach " + ", ".join(f"F({m}x{m},{r}x{r}) {100 * e:.0f}%" for (m, r), e in shares.items())
+          + " of the FMA peak", flush=True)
     rows, seen = [], set()
     for net in args.networks.split(","):
         for spec, names in distinct_convs(network_convs(net, 1)):
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             if spec in seen or not winograd_module_can_run(conv, spec, target):
                 continue
             seen.add(spec)
-            predicted, model_s = predict_tile(spec, peak, bw)
+            predicted, model_s = predict_tile(spec, peak, bw, shares)
             t = time_tiles(spec, target, args.rounds)
             sizes = [m for m in t if m > 0]
             timed = max(sizes, key=lambda m: (t[-m], -m))  # the largest speedup over the smallest tile
@@ -89,13 +95,15 @@ def main(argv: list[str] | None = None) -> int:
                              agree=predicted == timed, **{f"f{m}_ms": t[m] * 1e3 for m in sizes},
                              **{f"model_f{m}_ms": s * 1e3 for m, s in model_s.items()},
                              **{f"f2_over_f{m}": t[-m] for m in sizes if m != min(sizes)},
-                             peak_gflops=peak / 1e9, read_gbs=bw / 1e9))
+                             peak_gflops=peak / 1e9, read_gbs=bw / 1e9,
+                             **{f"ceiling_f{m}": shares.get((m, spec.kh), 1.0) for m in sizes}))
             r = rows[-1]
             print(f"{net:12s} {names[0]:28s} {str(spec):34s} predicted F({predicted}) timed F({timed})"
                   f"{'' if r['agree'] else '  DIFFER'}  " + ", ".join(f"F({m}) {t[m] * 1e3:.3f} ms" for m in sizes),
                   flush=True)
             write_csv(out / "winograd_tiles.csv", rows)
-    write_env(out / "winograd_tiles.csv", peak_gflops=peak / 1e9, read_gbs=bw / 1e9)
+    write_env(out / "winograd_tiles.csv", peak_gflops=peak / 1e9, read_gbs=bw / 1e9,
+              **{f"ceiling_f{m}x{r}": e for (m, r), e in shares.items()})
     print(summarise([{k: str(v) for k, v in r.items()} for r in rows]))
     return 0
 

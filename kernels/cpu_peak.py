@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -348,3 +349,49 @@ def measure_ceilings(target: Target, rounds: int = 5) -> dict[str, float]:
             "read_spread": spread([1 / r for r in reads]), "rounds": float(rounds),
             "read_bytes": float(per_core * target.cores), "fma_gflops_best": known[key],
             "read_gbs_best": known[key + "|dram_read_gbs"]}
+
+
+# Winograd's reference convs, per filter size r: (C, H = W, K), compute-bound with U in the last
+# cache, and none of them a layer of the built-in networks the tile model is checked on
+WINOGRAD_REFERENCE = {3: (128, 56, 128), 5: (64, 28, 128)}
+
+
+def winograd_ceilings(target: Target, rounds: int = 5) -> dict[tuple[int, int], float]:
+    """{(m, r): the share of the FMA peak Winograd F(m x m, r x r)'s multiplies reach}, timed warm
+    on WINOGRAD_REFERENCE[r], each call beside the FMA loop doing the same flops in the same round
+    (the median of per-round ratios). A property of this host and of MACO's generated kernel, like
+    the register-tile ceiling: larger tiles spend more of the core on their transforms and hold
+    fewer tiles per block, so they reach less of the peak (maco.bounds.winograd prices it)."""
+    import numpy as np
+    import torch
+
+    from maco.core.spec import ConvSpec
+    from maco.core.timing import interleaved_rounds
+    from maco.kernels.winograd import TILE_SIZES, WinogradKernel, WinogradPlan, winograd_can_run
+
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise MacoError(f"rounds must be a positive int, got {rounds!r}")
+    fma = flops_runner(target, "fma")
+    runs: dict[str, Callable[[], None]] = {}
+    rng = np.random.default_rng(0)
+    for r, (c, side, k) in WINOGRAD_REFERENCE.items():
+        spec = ConvSpec(1, c, side, side, k, r, r, 1, r // 2)
+        if not winograd_can_run(spec, target.simd_width):
+            continue
+        x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
+        y = torch.empty(spec.output_shape).contiguous(memory_format=torch.channels_last)
+        for m in TILE_SIZES[r]:
+            plan = WinogradPlan(spec, bias=False, threads=target.cores, lanes=target.simd_width, m=m)
+            kernel = WinogradKernel(plan, target)
+            u = plan.pack_weight(rng.standard_normal(spec.weight_shape, dtype=np.float32))
+            a = m + r - 1
+            macs = (-(-side // m)) ** 2 * a * a * c * k  # tiles x multiplies per tile
+            runs[f"{m},{r}"] = lambda kernel=kernel, u=u, x=x, y=y: kernel(x, u, None, None, y)
+            runs[f"fma {m},{r}"] = lambda flops=2.0 * macs: fma(flops)
+    timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
+    out = {}
+    for label in runs:
+        if not label.startswith("fma"):
+            m, r = map(int, label.split(","))
+            out[(m, r)] = statistics.median(f.min / w.min for f, w in zip(timed[f"fma {label}"], timed[label]))
+    return out

@@ -11,6 +11,7 @@ def test_network_floor_json(capsys):
     out = json.loads(capsys.readouterr().out)
     f = out["floor"]
     assert out["peak_gflops"] == 100 and out["read_gbs"] == 20 and out["measured"] is None
+    assert out["winograd_ceilings"] == {}  # given ceilings: the tile model prices ideal kernels
     assert round(f["weights"] * 4 / 1e6) == 47  # ResNet-18 reads 46.7 MB of weights
     assert f["spill"] == 0 and f["binds"] == "compute"
     assert abs(f["t"] - f["flops"] / 100e9) < 1e-12

@@ -26,20 +26,36 @@ def test_counts_match_the_kernel(m):
     assert cost.dram() == cost.u + spec.input_elems + spec.output_elems
 
 
-def test_crossover_is_the_model():
+@pytest.mark.parametrize("e2,e4", [(1.0, 1.0), (0.86, 0.67), (0.9, 0.5)])
+def test_crossover_is_the_model(e2, e4):
     d = crossover()
     s = {str(x): x for x in d["t2"].free_symbols | d["t4"].free_symbols}
     P, B = 96e9, 20e9
-    area = float(d["area"].subs({s["P"]: P, s["B"]: B}))
-    assert d["area"] == sp.Rational(160, 7) * s["P"] / s["B"]
-    for side in (7, 14, 28, 56):  # compute- and memory-sides of each tile: the model's pick
+    ceil = {s["e_2"]: e2, s["e_4"]: e4}
+    area = float(d["area"].subs({s["P"]: P, s["B"]: B, **ceil}))
+    assert sp.simplify(d["area"].subs({s["e_2"]: 1, s["e_4"]: 1}) - sp.Rational(160, 7) * s["P"] / s["B"]) == 0
+    for side in (4, 8, 12, 16, 20, 28, 56):  # whole tiles both: the model's pick on either side of the crossover
         spec = ConvSpec(1, 256, side, side, 256, 3, 3, 1, 1)
-        m, times = predict_tile(spec, P, B)
-        vals = {s["C"]: 256, s["K"]: 256, s["H_o"]: side, s["W_o"]: side, s["P"]: P, s["B"]: B}
-        if side % 4 == 0:  # whole tiles: the symbolic times are the numeric ones
-            assert float(d["t2"].subs(vals)) == pytest.approx(times[2])
-            assert float(d["t4"].subs(vals)) == pytest.approx(times[4])
-        assert m == (2 if side * side < area else 4)
+        m, times = predict_tile(spec, P, B, {(2, 3): e2, (4, 3): e4})
+        vals = {s["C"]: 256, s["K"]: 256, s["H_o"]: side, s["W_o"]: side, s["P"]: P, s["B"]: B, **ceil}
+        assert float(d["t2"].subs(vals)) == pytest.approx(times[2])
+        assert float(d["t4"].subs(vals)) == pytest.approx(times[4])
+        # a negative area: F(4x4) saves no compute at these ceilings, F(2x2) wins everywhere
+        assert m == (2 if area < 0 or side * side < area else 4)
+
+
+def test_ceilings_price_the_multiplies():
+    spec = ConvSpec(1, 128, 28, 28, 128, 3, 3, 1, 1)
+    cost = winograd_cost(spec, 4)
+    P, B = 100e9, 20e9
+    assert cost.seconds(P, B) == pytest.approx(2 * cost.macs / P + 4 * cost.dram() / B)
+    assert cost.seconds(P, B, 0.5) - cost.seconds(P, B) == pytest.approx(2 * cost.macs / P)
+    # a compute-bound layer: F(4x4) at full peak, F(2x2) where F(4x4) reaches too little of it
+    assert predict_tile(spec, P, 1e15)[0] == 4
+    assert predict_tile(spec, P, 1e15, {(2, 3): 1.0, (4, 3): 0.5})[0] == 2
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(MacoError, match="share of the FMA peak"):
+            cost.seconds(P, B, bad)
 
 
 def test_predicted_tiles_on_resnet_layers():
@@ -52,3 +68,18 @@ def test_predicted_tiles_on_resnet_layers():
         predict_tile(ConvSpec(1, 64, 56, 56, 64, 3, 3, 2, 1), P, B)
     with pytest.raises(MacoError, match="does not apply"):
         winograd_cost(ConvSpec(1, 64, 56, 56, 64, 3, 3, 1, 1), 3)
+
+
+def test_winograd_ceilings_are_timed_shares_of_the_peak():
+    from maco.core.target import Target
+    from maco.kernels.cpu_peak import winograd_ceilings
+
+    host = Target.host()
+    if host.isa not in ("avx2", "avx512"):
+        pytest.skip(f"generated Winograd kernels need AVX2 or AVX-512; this host has {host.isa}")
+    shares = winograd_ceilings(host, rounds=1)
+    assert set(shares) == {(2, 3), (4, 3), (2, 5), (4, 5)}
+    # no kernel outruns the FMA loop doing its flops (beyond the VM's noise), and each does work
+    assert all(0.02 < e < 1.1 for e in shares.values()), shares
+    with pytest.raises(MacoError, match="rounds"):
+        winograd_ceilings(host, rounds=0)

@@ -102,14 +102,15 @@ def _mb(elements: int | None) -> str:
     return "" if elements is None else f"{elements * 4 / 1e6:.3g}"
 
 
-def _predicted_tiles(f: object, peak: float, bandwidth: float) -> dict[str, str]:
+def _predicted_tiles(f: object, peak: float, bandwidth: float,
+                     ceilings: dict[tuple[int, int], float] | None) -> dict[str, str]:
     from maco.bounds.network import winograd_applies
     from maco.bounds.winograd import predict_tile
 
     out = {}
     for lf in f.layers:  # type: ignore[attr-defined]
         if lf.spec is not None and winograd_applies(lf.spec):
-            m = predict_tile(lf.spec, peak, bandwidth)[0]
+            m = predict_tile(lf.spec, peak, bandwidth, ceilings)[0]
             out[lf.name] = f"F({m}x{m},{lf.spec.kh}x{lf.spec.kw})"
     return out
 
@@ -131,21 +132,30 @@ def run_network(args: argparse.Namespace) -> int:
     f = floor_of(args.layer, target, args.n, peak * 1e9, bw * 1e9, S, {} if args.direct else WINOGRAD_TILES)
     where = (f"S = {S} elements ({S * 4 / 2**20:.3g} MiB: " +
              ("--S" if args.S is not None else f"every cache of {target.name} ({target.model})") + ")")
-    tiles = {} if args.direct else _predicted_tiles(f, peak * 1e9, bw * 1e9)
+    # the tile sizes' shares of the peak, timed here where the peak is (given ceilings: ideal kernels)
+    shares = None
+    if measured and not args.direct:
+        from maco.kernels.cpu_peak import winograd_ceilings
+        shares = winograd_ceilings(target, args.rounds)
+    tiles = {} if args.direct else _predicted_tiles(f, peak * 1e9, bw * 1e9, shares)
     s_core = args.S if args.S is not None else target.level_bytes("L2", 1 << 20) // 4
     blocks = _chains(args.layer, args.n, s_core, peak * 1e9, bw * 1e9)
     if args.json:
         print(json.dumps({"network": args.layer, "batch": args.n, "where": where, "peak_gflops": peak,
                           "read_gbs": bw, "measured": measured or None, "floor": f.to_dict(),
-                          "winograd_tile_model": tiles, "fused_blocks_S": s_core, "fused_blocks": blocks}, indent=1))
+                          "winograd_tile_model": tiles,
+                          "winograd_ceilings": {f"F({m}x{m},{r}x{r})": e for (m, r), e in (shares or {}).items()},
+                          "fused_blocks_S": s_core, "fused_blocks": blocks}, indent=1))
         return 0
     source = ("given" if not measured else
               f"the best this host has measured; now, in {int(measured['rounds'])} rounds: "
               f"{measured['fma_gflops']:.4g} GFLOP/s and {measured['read_gbs']:.4g} GB/s, spreads "
               f"{measured['fma_spread']:.2f} / {measured['read_spread']:.2f}"
               + (" (busy: figures low)" if max(measured["fma_spread"], measured["read_spread"]) > 1.3 else ""))
+    ceiling_note = ("" if not shares else "; Winograd tile model: multiplies at " + ", ".join(
+        f"F({m}x{m},{r}x{r}) {100 * e:.0f}%" for (m, r), e in shares.items()) + " of the peak")
     _print_network(args.layer, f, tiles, f"{args.layer}, batch {args.n}: {where}; FMA peak {peak:.4g} GFLOP/s, "
-                   f"DRAM reads {bw:.4g} GB/s ({source})")
+                   f"DRAM reads {bw:.4g} GB/s ({source}){ceiling_note}")
     _print_chains(args.layer, blocks, s_core)
     return 0
 
