@@ -17,7 +17,10 @@ its own sized for its share of L2:
 
 The two 1x1 convs are one register-tiled GEMM (PT pixels x VB vectors of accumulators, an input
 value broadcast against the filter vectors), the depthwise conv one pass per channel vector over
-the ring's rows with its r*r weight vectors named. Layout NHWC throughout; bias and activation of
+the ring's rows with its r*r weight vectors named. Where the block's output channels are not a
+whole number of vectors (24 or 40 of AVX-512's 16 lanes), the project GEMM's last columns are half
+a vector, loaded into and stored from a whole one (BlockPlan.tail), so the rest of the block
+keeps the wide vectors. Layout NHWC throughout; bias and activation of
 each conv fused (kernels.epilogue), so NaN and infinities land where torch puts them. A block
 without an expand conv (expansion 1) copies its input rows into the ring; one without a project
 conv (the front half of a block with squeeze-excitation) writes its depthwise rows as its output.
@@ -131,8 +134,25 @@ class BlockPlan:
 
     @property
     def vector(self) -> int:
-        """The lanes of the C vectors: the widest the target has that divides m and k."""
-        return next(v for v in (16, 8, 4, 2, 1) if v <= self.lanes and self.m % v == 0 and self.k % v == 0)
+        """The lanes of the C vectors: the widest the target has that divides m, and k or, with the
+        project conv's last columns in half a vector (`tail`), twice k's remainder. MobileNet's
+        24- and 40-channel outputs then keep AVX-512's 16 lanes for their 96 to 240 expanded
+        channels, where one vector width for all would halve them to 8. The output planes split
+        over threads by whole vectors (channel_split), so they must divide by it too; split by
+        channels on request, the widest that gives every thread whole vectors."""
+        def fits(v: int) -> bool:
+            planes = self.out_h * self.out_w * self.k
+            return (v <= self.lanes and self.m % v == 0
+                    and (self.k % v == 0 or (v >= 8 and self.k % (v // 2) == 0 and planes % v == 0)))
+        widths = [v for v in (16, 8, 4, 2, 1) if fits(v)]
+        if self.split == "channels":  # asked for: vectors narrow enough that every thread gets whole ones
+            widths = [v for v in widths if self.m % (self.threads * v) == 0] or widths
+        return widths[0]
+
+    @property
+    def tail(self) -> int:
+        """Output channels of the project conv computed in half vectors (its last k % vector)."""
+        return self.k % self.vector if self.project else 0
 
     @property
     def can_split_channels(self) -> bool:
@@ -252,7 +272,8 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
     columns while its inputs sit in L1; where W outgrows half of L1, each column panel of W sweeps
     all pixels instead (a panel stays in L1, the pixels come from L2)."""
     L = plan.vector
-    pt, vb = _tile(plan, n)
+    full = n - n % L  # columns in whole vectors; the rest (half a vector, BlockPlan.tail) after them
+    pt, vb = _tile(plan, full) if full else (min(MAX_PIXELS, plan.registers - 5), 1)
     columns_outer = 4 * red * n > L1_BYTES // 2
     out = [f"static void {name}(const float *restrict in, const float *restrict W, const float *restrict b, "
            "const float *restrict res, float *restrict out, float *const *rows, long P) {",
@@ -264,45 +285,60 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
             return f"out + ({pixel}) * {n}"
         return f"rows[({pixel}) / {row_pixels}] + ({pixel}) % {row_pixels} * {n}"
 
-    def tile(count: int, indent: str) -> None:  # pixels q .. q + count - 1, columns n0 .. n0 + vb * L - 1
+    def tile(count: int, indent: str, half: bool = False) -> None:
+        """Pixels q .. q + count - 1, columns n0 .. n0 + vb * L - 1; `half`: one vector whose upper
+        half is never stored (ldh/sth read and write L / 2 floats: nothing past the arrays)."""
+        nv, ld, st = (1, "ldh", "sth") if half else (vb, "ld", "st")
         e(f"{indent}{{")
         for p in range(count):
             e(f"{indent}  float *restrict o{p} = {where(f'q + {p}')} + n0;")
-        e(f"{indent}  vf " + ", ".join(f"a{p}_{v} = ld(b + n0 + {v * L})" for p in range(count) for v in range(vb)) + ";")
+        e(f"{indent}  vf " + ", ".join(f"a{p}_{v} = {ld}(b + n0 + {v * L})" for p in range(count) for v in range(nv)) + ";")
         e(f"{indent}  const float *restrict ip = in + q * {red};")
         e(f"{indent}  for (long c = 0; c < {red}; c++) {{")
         e(f"{indent}    const float *restrict wr = W + c * {w_stride or n} + n0;")
-        for v in range(vb):
-            e(f"{indent}    const vf w{v} = ld(wr + {v * L});")
+        for v in range(nv):
+            e(f"{indent}    const vf w{v} = {ld}(wr + {v * L});")
         for p in range(count):
             e(f"{indent}    {{ const float x = ip[{p * red} + c];")
-            for v in range(vb):
+            for v in range(nv):
                 e(f"{indent}      a{p}_{v} += x * w{v};")
             e(f"{indent}    }}")
         e(f"{indent}  }}")
         for p in range(count):
-            for v in range(vb):
-                add = f" + ld(res + (q + {p}) * {n} + n0 + {v * L})" if residual else ""
-                e(f"{indent}  {{ const vf v = a{p}_{v}{add}; st(o{p} + {v * L}, {vector_expression(act)}); }}")
+            for v in range(nv):
+                add = f" + {ld}(res + (q + {p}) * {n} + n0 + {v * L})" if residual else ""
+                e(f"{indent}  {{ const vf v = a{p}_{v}{add}; {st}(o{p} + {v * L}, {vector_expression(act)}); }}")
         e(f"{indent}}}")
 
-    columns = f"for (long n0 = 0; n0 < {n}; n0 += {vb * L})"
+    columns = f"for (long n0 = 0; n0 < {full}; n0 += {vb * L})"
 
-    def pixels(indent: str, inner: str) -> None:
+    def pixels(indent: str, inner: str, half: bool = False) -> None:
         """Every full pixel tile, then the last pixels in one tile of their count; `inner`: a loop
-        each tile runs in."""
+        each tile runs in (columns inner: the tail's half vector after the whole ones)."""
         heads = [(pt, f"for (; q + {pt} <= P; q += {pt})")] + [(r, f"if (P - q == {r})") for r in range(1, pt)]
         e(f"{indent}long q = 0;")
         for count, head in heads:
-            e(f"{indent}{head}")
-            if inner:
+            e(f"{indent}{head} {{")
+            if inner and full:
                 e(f"{indent}  {inner}")
-            tile(count, indent + ("    " if inner else "  "))
+                tile(count, indent + "    ")
+            if (inner or half) and full < n:
+                e(f"{indent}  {{ const long n0 = {full};")
+                tile(count, indent + "    ", half=True)
+                e(f"{indent}  }}")
+            if not inner and not half:
+                tile(count, indent + "  ")
+            e(f"{indent}}}")
 
     if columns_outer:
-        e(f"  {columns} {{")
-        pixels("    ", "")
-        e("  }")
+        if full:
+            e(f"  {columns} {{")
+            pixels("    ", "")
+            e("  }")
+        if full < n:
+            e("  {")
+            pixels("    ", "", half=True)
+            e("  }")
     else:
         pixels("  ", columns)
     e("}")
@@ -409,6 +445,13 @@ def _source(plan: BlockPlan) -> str:
     e("#include <string.h>")
     e("#include <omp.h>")
     e(vector_type(L))
+    if p.tail:  # the project conv's last columns: half a vector loaded into (and stored from) a whole one
+        h = L // 2
+        e(f"typedef float vh __attribute__((vector_size({4 * h}), aligned(4)));")
+        e("static inline vf ldh(const float *p) { const vh v = *(const vh *)p; return __builtin_shufflevector(v, v, "
+          + ", ".join(str(i % h) for i in range(L)) + "); }")
+        e("static inline void sth(float *p, vf v) { *(vh *)p = __builtin_shufflevector(v, v, "
+          + ", ".join(map(str, range(h))) + "); }")
     if p.expand:
         lines.extend(_gemm(p, "expand", p.c, ms, p.act_expand, False, p.w, w_stride=p.m))
     split = p.channel_split

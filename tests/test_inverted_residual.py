@@ -77,6 +77,11 @@ CASES = [
          act_expand="hardswish", act_depthwise="hardswish"),
     dict(n=1, c=32, h=8, w=8, m=32, k=16, expand=False, split="channels", cache_bytes=1),
     dict(n=1, c=16, h=7, w=7, m=64, k=16, residual=True, split="rows"),
+    # the project's last columns in half a vector (k = 24 or 40 of 16 lanes): columns outer, a
+    # smooth activation, and an output plane that does not split into whole vectors (no tail)
+    dict(n=1, c=24, h=14, w=14, m=576, k=24, residual=True),
+    dict(n=1, c=16, h=12, w=13, m=64, k=40, act_project="silu", split="rows"),
+    dict(n=1, c=16, h=11, w=13, m=64, k=40, lanes=16, registers=32),
 ]
 
 
@@ -88,6 +93,20 @@ def test_the_kernel_equals_torch(case):
     want = reference(plan, x, w)
     got = run(plan, x, w)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("m, k, lanes, h, vector, tail", [
+    (144, 24, 16, 56, 16, 8), (96, 40, 16, 14, 16, 8), (144, 24, 8, 56, 8, 0), (64, 8, 16, 12, 16, 8),
+    (120, 40, 16, 14, 8, 0),  # 120 channels fill no 16-lane vector
+    (64, 40, 16, 11, 8, 0),  # 11 x 11 x 40 outputs: no whole number of 16-lane vectors
+])
+def test_half_a_vector_keeps_the_wide_lanes(m, k, lanes, h, vector, tail):
+    plan = BlockPlan(n=1, c=16, h=h, w=h, m=m, k=k, lanes=lanes)
+    assert (plan.vector, plan.tail) == (vector, tail)
+    if tail:
+        assert "ldh(" in plan.source and "sth(" in plan.source
+    else:
+        assert "ldh(" not in plan.source
 
 
 def test_groups_and_bands_cover_every_output_row():
