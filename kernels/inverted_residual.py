@@ -134,15 +134,16 @@ class BlockPlan:
 
     @property
     def vector(self) -> int:
-        """The lanes of the C vectors: the widest the target has that divides m, and k or, with the
-        project conv's last columns in half a vector (`tail`), twice k's remainder. MobileNet's
-        24- and 40-channel outputs then keep AVX-512's 16 lanes for their 96 to 240 expanded
-        channels, where one vector width for all would halve them to 8. The output planes split
-        over threads by whole vectors (channel_split), so they must divide by it too; split by
-        channels on request, the widest that gives every thread whole vectors."""
+        """The lanes of the C vectors: the widest the target has that divides m and k, or leaves
+        half a vector of either (`m_tail`, `tail`: their last channels in half a vector).
+        MobileNet's 24- and 40-channel outputs then keep AVX-512's 16 lanes for their 96 to 240
+        expanded channels, and its 72 to 200 expanded channels most of theirs, where one vector
+        width for all would halve them to 8. The output planes split over threads by whole vectors
+        (channel_split), so they must divide by it too; split by channels on request, the widest
+        that gives every thread whole vectors."""
         def fits(v: int) -> bool:
             planes = self.out_h * self.out_w * self.k
-            return (v <= self.lanes and self.m % v == 0
+            return (v <= self.lanes and (self.m % v == 0 or (v >= 8 and self.m % (v // 2) == 0))
                     and (self.k % v == 0 or (v >= 8 and self.k % (v // 2) == 0 and planes % v == 0)))
         widths = [v for v in (16, 8, 4, 2, 1) if fits(v)]
         if self.split == "channels":  # asked for: vectors narrow enough that every thread gets whole ones
@@ -153,6 +154,12 @@ class BlockPlan:
     def tail(self) -> int:
         """Output channels of the project conv computed in half vectors (its last k % vector)."""
         return self.k % self.vector if self.project else 0
+
+    @property
+    def m_tail(self) -> int:
+        """Expanded channels computed in half vectors (the last m % vector, by the expand GEMM and
+        the depthwise conv)."""
+        return self.m % self.vector
 
     @property
     def can_split_channels(self) -> bool:
@@ -348,37 +355,49 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
 def _depthwise(p: BlockPlan, ms: int) -> list[str]:
     """C of `static void depthwise(rows, wd, bd, d, stride)`: one output row of `ms` channels from
     the ring rows rows[0..r-1] (pixels of ms channels) into d (pixels `stride` floats apart); the
-    weights are (r*r, m), offset to the thread's channels."""
+    weights are (r*r, m), offset to the thread's channels. Channels past the last whole vector
+    (BlockPlan.m_tail) in half a vector after the rest."""
     L = p.vector
+    full = ms - ms % L
     taps = [(a, b) for a in range(p.r) for b in range(p.r)]
     out = ["static void depthwise(const float *const *rows, const float *restrict wd, const float *restrict bd, "
            "float *restrict d, long stride) {",
-           "  const vf zero = {0}; const vf six = zero + 6.f; (void)six;",
-           f"  for (long c0 = 0; c0 < {ms}; c0 += {L}) {{"]
+           "  const vf zero = {0}; const vf six = zero + 6.f; (void)six;"]
     e = out.append
-    for t in range(len(taps)):
-        e(f"    const vf w{t} = ld(wd + {t * p.m} + c0);")
-    e("    const vf bv = ld(bd + c0);")
-    for a in range(p.r):
-        e(f"    const float *restrict x{a} = rows[{a}] + c0;")
 
-    def outputs(count: int, indent: str) -> None:  # `count` outputs from column j: independent sums
-        for u in range(count):
-            e(f"{indent}vf v{u} = bv;")
-        for t, (a, b) in enumerate(taps):
+    def channels(head: str, half: bool) -> None:  # one vector of channels from c0, for every output column
+        ld, st = ("ldh", "sth") if half else ("ld", "st")
+        e(f"  {head} {{")
+        for t in range(len(taps)):
+            e(f"    const vf w{t} = {ld}(wd + {t * p.m} + c0);")
+        e(f"    const vf bv = {ld}(bd + c0);")
+        for a in range(p.r):
+            e(f"    const float *restrict x{a} = rows[{a}] + c0;")
+
+        def outputs(count: int, indent: str) -> None:  # `count` outputs from column j: independent sums
             for u in range(count):
-                e(f"{indent}v{u} += ld(x{a} + ((j + {u}) * {p.s} + {b}) * {ms}) * w{t};")
-        for u in range(count):
-            e(f"{indent}{{ const vf v = v{u}; st(d + (j + {u}) * stride + c0, {vector_expression(p.act_depthwise)}); }}")
+                e(f"{indent}vf v{u} = bv;")
+            for t, (a, b) in enumerate(taps):
+                for u in range(count):
+                    e(f"{indent}v{u} += {ld}(x{a} + ((j + {u}) * {p.s} + {b}) * {ms}) * w{t};")
+            for u in range(count):
+                e(f"{indent}{{ const vf v = v{u}; {st}(d + (j + {u}) * stride + c0, "
+                  f"{vector_expression(p.act_depthwise)}); }}")
 
-    e("    long j = 0;")
-    e(f"    for (; j + {DW_TILE} <= {p.out_w}; j += {DW_TILE}) {{")
-    outputs(DW_TILE, "      ")
-    e("    }")
-    e(f"    for (; j < {p.out_w}; j++) {{")
-    outputs(1, "      ")
-    e("    }")
-    e("  }")
+        e("    long j = 0;")
+        e(f"    for (; j + {DW_TILE} <= {p.out_w}; j += {DW_TILE}) {{")
+        outputs(DW_TILE, "      ")
+        e("    }")
+        e(f"    for (; j < {p.out_w}; j++) {{")
+        outputs(1, "      ")
+        e("    }")
+        e("  }")
+
+    if full:
+        channels(f"for (long c0 = 0; c0 < {full}; c0 += {L})", False)
+    if full < ms:
+        channels(f"{{ const long c0 = {full};", True)
+        e("  }")
     e("}")
     return out
 
@@ -445,7 +464,7 @@ def _source(plan: BlockPlan) -> str:
     e("#include <string.h>")
     e("#include <omp.h>")
     e(vector_type(L))
-    if p.tail:  # the project conv's last columns: half a vector loaded into (and stored from) a whole one
+    if p.tail or p.m_tail:  # the last channels: half a vector loaded into (and stored from) a whole one
         h = L // 2
         e(f"typedef float vh __attribute__((vector_size({4 * h}), aligned(4)));")
         e("static inline vf ldh(const float *p) { const vh v = *(const vh *)p; return __builtin_shufflevector(v, v, "

@@ -82,6 +82,13 @@ CASES = [
     dict(n=1, c=24, h=14, w=14, m=576, k=24, residual=True),
     dict(n=1, c=16, h=12, w=13, m=64, k=40, act_project="silu", split="rows"),
     dict(n=1, c=16, h=11, w=13, m=64, k=40, lanes=16, registers=32),
+    # expanded channels past the last whole vector (MobileNetV3's 72, 120, 184): the expand GEMM's and
+    # the depthwise conv's last channels in half a vector; with and without a project conv
+    dict(n=1, c=24, h=28, w=28, m=72, k=40, r=5, s=2, act_expand="relu", act_depthwise="relu"),
+    dict(n=1, c=40, h=14, w=14, m=120, k=40, r=5, residual=True, act_expand="hardswish",
+         act_depthwise="hardswish"),
+    dict(n=1, c=80, h=14, w=14, m=184, k=184, project=False, act_expand="hardswish", act_depthwise="hardswish"),
+    dict(n=1, c=24, h=9, w=9, m=72, k=24, lanes=16, registers=32, threads=3, cache_bytes=1),
 ]
 
 
@@ -95,15 +102,16 @@ def test_the_kernel_equals_torch(case):
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), float((got - want).abs().max())
 
 
-@pytest.mark.parametrize("m, k, lanes, h, vector, tail", [
-    (144, 24, 16, 56, 16, 8), (96, 40, 16, 14, 16, 8), (144, 24, 8, 56, 8, 0), (64, 8, 16, 12, 16, 8),
-    (120, 40, 16, 14, 8, 0),  # 120 channels fill no 16-lane vector
-    (64, 40, 16, 11, 8, 0),  # 11 x 11 x 40 outputs: no whole number of 16-lane vectors
+@pytest.mark.parametrize("m, k, lanes, h, vector, tail, m_tail", [
+    (144, 24, 16, 56, 16, 8, 0), (96, 40, 16, 14, 16, 8, 0), (144, 24, 8, 56, 8, 0, 0), (64, 8, 16, 12, 16, 8, 0),
+    (120, 40, 16, 14, 16, 8, 8), (72, 24, 16, 28, 16, 8, 8),  # MobileNetV3's expanded channels: a tail too
+    (64, 40, 16, 11, 8, 0, 0),  # 11 x 11 x 40 outputs: no whole number of 16-lane vectors
+    (36, 24, 16, 8, 8, 0, 4),  # 36 channels: 8-lane vectors and half of one
 ])
-def test_half_a_vector_keeps_the_wide_lanes(m, k, lanes, h, vector, tail):
+def test_half_a_vector_keeps_the_wide_lanes(m, k, lanes, h, vector, tail, m_tail):
     plan = BlockPlan(n=1, c=16, h=h, w=h, m=m, k=k, lanes=lanes)
-    assert (plan.vector, plan.tail) == (vector, tail)
-    if tail:
+    assert (plan.vector, plan.tail, plan.m_tail) == (vector, tail, m_tail)
+    if tail or m_tail:
         assert "ldh(" in plan.source and "sth(" in plan.source
     else:
         assert "ldh(" not in plan.source
