@@ -31,7 +31,7 @@ from maco.layouts.segments import use_segments
 
 
 def maco_model(net: str, x: torch.Tensor, target: Target) -> torch.nn.Module:
-    gm, _ = kernels_everywhere(build(net), x, target)
+    gm, _ = kernels_everywhere(build(net), x, target, portable=False)  # as maco optimize builds it
     faster_linears(gm, x, target)
     faster_winograd(gm, x, target)
     faster_blocks(gm, x, target)

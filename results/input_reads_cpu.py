@@ -37,7 +37,7 @@ from maco.layouts.segments import use_segments
 def twins(net: str, x: torch.Tensor, target: Target) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The every-conv model twice, with the same kernels: its choices are timed (and so may differ
     from one build to the next), so it is built once and loaded back twice."""
-    gm, plan = kernels_everywhere(build(net), x, target)
+    gm, plan = kernels_everywhere(build(net), x, target, portable=False)  # as maco optimize builds it
     for pick in (faster_linears, faster_winograd, faster_blocks, faster_squeeze):
         pick(gm, x, target)
     with tempfile.TemporaryDirectory() as tmp:

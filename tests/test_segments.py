@@ -288,3 +288,21 @@ def test_unshared_memory_gives_every_value_its_own_bytes():
     with torch.inference_mode():
         for w, g in zip(model(x), gm(x)):
             assert _rel(w, g) < 1e-4
+
+
+def test_a_conv_only_portable_c_computes_stays_torchs():
+    """maco optimize's every-conv model (portable=False) leaves to torch a conv whose filters are
+    no whole number of the host's vectors, which only portable C computes; the rest run MACO."""
+    from maco.kernels.cpu_codegen import ISA
+
+    if HOST.isa not in ISA:
+        pytest.skip(f"no vector intrinsics on this host ({HOST.isa}): every kernel is portable C")
+    w = HOST.simd_width
+    model = nn.Sequential(nn.Conv2d(16, w + w // 2, 1), nn.ReLU(), nn.Conv2d(w + w // 2, 2 * w, 1)).eval()
+    x = torch.randn(1, 16, 12, 12, generator=torch.Generator().manual_seed(0))
+    for portable, maco_convs in ((True, 2), (False, 1)):
+        gm, _ = kernels_everywhere(model, x, HOST, portable=portable)
+        convs = [m for m in gm.modules() if isinstance(m, MacoConv2d)]
+        assert len(convs) == maco_convs and convs[-1].spec.k == 2 * w
+        with torch.inference_mode():
+            assert _rel(model(x), gm(x)) < 1e-5

@@ -15,6 +15,7 @@ from torch import nn
 from maco import kernels
 from maco.core.errors import MacoError
 from maco.kernels.baselines import torch_conv
+from maco.kernels.cpu_codegen import ISA, intrinsics_isa
 from maco.kernels.depthwise import is_depthwise
 from maco.kernels.inverted_residual import SPLITS
 from maco.kernels.linear import MAX_BATCH
@@ -467,12 +468,16 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
 
 
 def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, others: bool = True,
-                       winograd: Callable[[int], bool] | None = None) -> tuple[fx.GraphModule, LayoutPlan]:
+                       winograd: Callable[[int], bool] | None = None,
+                       portable: bool = True) -> tuple[fx.GraphModule, LayoutPlan]:
     """The planned MACO model without tuning or timing, and its plan: every layer NHWC, every conv
     a direct kernel runs on its bound-derived default schedule, and with `others` the depthwise
     convs and pooling layers on the generated kernels too; `winograd(i)` picks which of the
-    Winograd-capable convs (i counts them) run MACO's Winograd F(2x2) instead. What `maco optimize`
-    builds before it times anything: for experiments and tests that need MACO kernels everywhere."""
+    Winograd-capable convs (i counts them) run MACO's Winograd F(2x2) instead. With `portable`
+    False, a conv that only portable C computes on a host with vector intrinsics (its filters not
+    a whole number of the host's vectors: 24 or 40 of AVX-512's 16 lanes, at a tenth of torch's
+    speed) stays torch's. What `maco optimize` builds before it times anything (portable False):
+    for experiments and tests that need MACO kernels everywhere."""
     specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
     fused = fuse(model, x)
     table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}
@@ -484,9 +489,11 @@ def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, oth
     for s in specs:
         if not (others and is_depthwise(s)):
             try:
-                chosen[s] = {"NHWC": kernels.default_schedule(s, target, "NHWC")}
+                schedule = kernels.default_schedule(s, target, "NHWC")
             except MacoError:
-                pass  # no direct kernel for it: torch runs it
+                continue  # no direct kernel for it: torch runs it
+            if portable or target.isa not in ISA or intrinsics_isa(s, schedule, target) is not None:
+                chosen[s] = {"NHWC": schedule}
     use_maco_kernels(gm, p, chosen, target)
     if not others and winograd is None:
         return gm, p

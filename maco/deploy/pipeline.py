@@ -121,7 +121,7 @@ def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, 
     model built from the per-layer choices; else None. Each layer's choice is timed alone, and a
     conv left to torch can cost its neighbours more than it saves: it splits a run of kernels and
     brings layout conversions (results/segments_cpu.md, §5)."""
-    everywhere, plan = kernels_everywhere(model, example_input, target)
+    everywhere, plan = kernels_everywhere(model, example_input, target, portable=False)
     faster_linears(everywhere, example_input, target)
     if not exact:
         won = faster_winograd(everywhere, example_input, target)
