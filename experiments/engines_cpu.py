@@ -256,11 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in nets if n not in BUILT_IN and ":" not in n]  # path/to/file.py:Class also runs
     if unknown:
         ap.error(f"unknown network(s) {', '.join(unknown)}; choose from {NETWORKS}")
-    rows = [row for batch in batches for net in nets for row in run_network(net, batch, engines, args)]
-    path = out / "engines_cpu.csv"
-    write_csv(path, rows, COLUMNS, floats=".5g")
+    path, rows = out / "engines_cpu.csv", []
     write_env(path, engines=engines, rounds=args.rounds, passes=args.passes, batches=batches, inductor_mode=args.inductor_mode, budget=args.budget,
               records=str(args.records or ""), **{f"{d}_version": version(d) for d in VERSIONS})
+    for batch in batches:
+        for net in nets:
+            rows += run_network(net, batch, engines, args)
+            write_csv(path, rows, COLUMNS, floats=".5g")  # after each network: a run cut short keeps what it timed
     plot(rows, out / "engines_cpu.png")
     print_table(f"speedup over torch eager NCHW ({args.rounds} rounds, medians over {args.passes} passes)",
                 ["network", "batch", "engine", "eager ms", "engine ms", "speedup", "compile s", "rel err", "note"],
