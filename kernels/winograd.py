@@ -53,6 +53,7 @@ from maco.core.target import Target
 FUNCTION = "maco_winograd"
 TILES = {4: 36, 6: 16, 8: 9}  # output tiles per block at most, per input tile side: V and M stay in L2
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
+LINE = 16  # floats in a 64-byte cache line
 KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
 TILE_SIZES = {3: (2, 4), 5: (2, 4)}  # filter size r -> the output tile sizes m of F(m x m, r x r)
 POINTS = (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))  # interpolation points, then infinity
@@ -227,6 +228,10 @@ def _source(plan: WinogradPlan) -> str:
     split = plan.split
     per_block, blocks, parts = split.tiles, split.blocks, split.k_parts
     kp = k // parts  # filters of one part
+    # one element's V and M rows, a cache line more than they hold: the transforms read and write
+    # all elements at once, and at a power-of-two stride (16 tiles x 256 channels: 16 KiB) those
+    # 36 streams all map to the same set of the L1 cache and evict each other
+    vstride, mstride = per_block * c + LINE, per_block * kp + LINE
     act = vector_expression(plan.activation)
     L: list[str] = []
     e = L.append
@@ -247,9 +252,9 @@ def _source(plan: WinogradPlan) -> str:
     e("  {")
     e("  vf check = zero;  /* += o * 0 for every output row: NaN from the first NaN or infinity on */")
     e("  if (!block_buffer)")
-    e(f"    block_buffer = aligned_alloc(64, sizeof(float) * {els} * {per_block} * {c + kp});")
+    e(f"    block_buffer = aligned_alloc(64, sizeof(float) * {els * (vstride + mstride)});")
     e("  float *restrict V = block_buffer;")
-    e(f"  float *restrict M = block_buffer + {els * per_block * c};")
+    e(f"  float *restrict M = block_buffer + {els * vstride};")
     e("  long done = -1;  /* the block whose V this thread holds */")
     # items run part-major within a block, so a thread with several items of one block transforms it once
     # nowait: the check after the loop needs no barrier (the region's end joins the threads anyway)
@@ -278,14 +283,14 @@ def _source(plan: WinogradPlan) -> str:
     e(f"        for (int i = 0; i < {a}; i++) {{")
     for j in range(a):
         value = _combination([(bt[j][q], f"s[i][{q}]") for q in range(a)])
-        e(f"          st(vt + (i * {a} + {j}) * {per_block * c}, {value});")
+        e(f"          st(vt + (i * {a} + {j}) * {vstride}, {value});")
     e("        }")
     e("      }")
     e("    }")
     e("    }")
     e(f"    for (int el = 0; el < {els}; el++) {{  /* M = V U, element by element, this part's filters */")
-    e(f"      const float *restrict ve = V + (long)el * {per_block * c};")
-    e(f"      float *restrict me = M + (long)el * {per_block * kp};")
+    e(f"      const float *restrict ve = V + (long)el * {vstride};")
+    e(f"      float *restrict me = M + (long)el * {mstride};")
     e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes * kv}) {{")
     e(f"      const float *restrict ue = u + (long)el * {c * k} + (k1 + k0) * {c};  /* this block's panel */")
     e(f"      for (long ti = 0; ti < nt; ti += {ROWS}) {{")
@@ -302,7 +307,7 @@ def _source(plan: WinogradPlan) -> str:
     e(f"      const long img = (t0 + t) / {nty * ntx}, ty = (t0 + t) / {ntx} % {nty}, tx = (t0 + t) % {ntx};")
     e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes}) {{")
     e(f"        vf mm[{els}], p[{m}][{a}];")
-    e(f"        for (int el = 0; el < {els}; el++) mm[el] = ld(M + el * {per_block * kp} + t * {kp} + k0);")
+    e(f"        for (int el = 0; el < {els}; el++) mm[el] = ld(M + el * {mstride} + t * {kp} + k0);")
     e(f"        for (int j = 0; j < {a}; j++) {{")
     for i in range(m):
         e(f"          p[{i}][j] = {_combination([(at[i][q], f'mm[{q * a} + j]') for q in range(a)])};")
