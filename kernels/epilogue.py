@@ -147,8 +147,12 @@ def activation_of(relu: bool = False, activation: str | None = None) -> str:
 
 
 def torch_activation(activation: str, y):
-    """`activation` applied to the tensor y by torch (the reference the C above matches)."""
+    """`activation` applied to the tensor y by torch (the reference the C above matches). GELU in
+    float64: torch 2.13's AVX-512 float32 kernel gives gelu(+inf) = NaN in whole and partial
+    vectors (tensors of 5 or more), where its scalar path, its AVX2 kernel and float64 give +inf,
+    the value the C above computes."""
     from torch.nn import functional as F
 
     return {"none": lambda t: t, "relu": F.relu, "relu6": lambda t: F.hardtanh(t, 0.0, 6.0),
-            "silu": F.silu, "hardswish": F.hardswish, "gelu": F.gelu}[activation](y)
+            "silu": F.silu, "hardswish": F.hardswish,
+            "gelu": lambda t: F.gelu(t.double()).to(t.dtype)}[activation](y)
