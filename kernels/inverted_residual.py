@@ -19,8 +19,9 @@ The two 1x1 convs are one register-tiled GEMM (PT pixels x VB vectors of accumul
 value broadcast against the filter vectors), the depthwise conv one pass per channel vector over
 the ring's rows with its r*r weight vectors named. Where the block's output channels are not a
 whole number of vectors (24 or 40 of AVX-512's 16 lanes), the project GEMM's last columns are half
-a vector, loaded into and stored from a whole one (BlockPlan.tail), so the rest of the block
-keeps the wide vectors. Layout NHWC throughout; bias and activation of
+a vector, loaded into and stored from a whole one (BlockPlan.tail); where its expanded channels
+are not (72 to 200 in MobileNetV3), so are the expand GEMM's and the depthwise conv's last ones
+(BlockPlan.m_tail). The rest of the block keeps the wide vectors. Layout NHWC throughout; bias and activation of
 each conv fused (kernels.epilogue), so NaN and infinities land where torch puts them. A block
 without an expand conv (expansion 1) copies its input rows into the ring; one without a project
 conv (the front half of a block with squeeze-excitation) writes its depthwise rows as its output.
