@@ -52,6 +52,7 @@ from maco.core.target import Target
 
 FUNCTION = "maco_winograd"
 TILES = {4: 36, 6: 16, 8: 9}  # output tiles per block at most, per input tile side: V and M stay in L2
+BLOCK_BYTES = 4 << 20  # V and M of one larger F(4x4, 3x3) block, at most (see WinogradPlan.split)
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
 LINE = 16  # floats in a 64-byte cache line
 KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
@@ -155,10 +156,18 @@ class WinogradPlan:
         """The work split. Blocks of at most TILES[side] tiles keep a block's V and M in the core's L2;
         with at least as many blocks as threads, the blocks are shared out (as many per thread);
         with fewer, each block's filters are split into parts so that every thread works, and each
-        thread reads only its part of U."""
+        thread reads only its part of U. F(4x4, 3x3) with more tiles than one block holds takes
+        blocks of up to a thread's share of the tiles, their V and M at most BLOCK_BYTES: its U
+        (4x the weights) comes from beyond L2 again for every block, and read fewer times it
+        costs less than V and M outgrowing L2 (only one element's rows of them are worked on at
+        a time)."""
         s = self.spec
         tiles = s.n * -(-s.h // self.m) * -(-s.w // self.m)
-        blocks = -(-tiles // (self.tiles_per_block or TILES[self.side]))
+        per_block = self.tiles_per_block or TILES[self.side]
+        if self.tiles_per_block is None and (self.m, s.kh) == (4, 3) and tiles > per_block:
+            fits = BLOCK_BYTES // (4 * self.elements * (s.c + s.k))
+            per_block = max(per_block, min(-(-tiles // self.threads), fits))
+        blocks = -(-tiles // per_block)
         parts = self.k_parts
         if parts is None:
             parts = 1

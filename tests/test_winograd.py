@@ -15,7 +15,7 @@ from maco import kernels
 from maco.deploy.deployment import describe
 from maco.core.errors import MacoError
 from maco.deploy.kernel_choice import MIN_GAIN, faster_winograd
-from maco.kernels.winograd import (TILE_SIZES, TILES, Split, WinogradKernel, WinogradPlan, filter_vectors,
+from maco.kernels.winograd import (BLOCK_BYTES, TILE_SIZES, TILES, Split, WinogradKernel, WinogradPlan, filter_vectors,
                                    transforms, winograd_can_run)
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
@@ -151,6 +151,12 @@ def test_the_work_split_keeps_every_thread_busy():
     with pytest.raises(MacoError, match="output tiles of 2.0"):
         WinogradPlan(deep, m=2.0)
     assert WinogradPlan(deep, threads=2, m=4).split == Split(4, 1, 2)  # 7x7 in 4x4 tiles: 2 x 2
+    # F(4x4, 3x3) past one block: a thread's share of the tiles in one block, V and M at most BLOCK_BYTES
+    assert WinogradPlan(ConvSpec.parse("n1_c128_h28_w28_k128_r3_p1"), threads=2, m=4).split == Split(25, 2, 1)
+    big = WinogradPlan(ConvSpec.parse("n1_c256_h56_w56_k256_r3_p1"), threads=2, m=4)
+    assert big.split == Split(49, 4, 1) and 4 * big.elements * 49 * (256 + 256) <= BLOCK_BYTES
+    assert WinogradPlan(ConvSpec.parse("n1_c256_h14_w14_k256_r3_p1"), threads=2, m=4).split == Split(16, 1, 2)
+    assert WinogradPlan(ConvSpec.parse("n1_c128_h28_w28_k128_r5_p2"), threads=2, m=4).split.tiles <= TILES[8]
 
 
 @pytest.mark.parametrize("tiles,parts,m", [(1, 1, 2), (5, 2, 2), (7, 3, 4), (64, 3, 2), (None, 1, 4), (3, 6, 4)])
