@@ -31,7 +31,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -281,7 +281,7 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
     all pixels instead (a panel stays in L1, the pixels come from L2)."""
     L = plan.vector
     full = n - n % L  # columns in whole vectors; the rest (half a vector, BlockPlan.tail) after them
-    pt, vb = _tile(plan, full) if full else (min(MAX_PIXELS, plan.registers - 5), 1)
+    pt, vb = _tile(plan, full or L)  # no whole vectors: the tile of the one half vector
     columns_outer = 4 * red * n > L1_BYTES // 2
     out = [f"static void {name}(const float *restrict in, const float *restrict W, const float *restrict b, "
            "const float *restrict res, float *restrict out, float *const *rows, long P) {",
@@ -320,35 +320,39 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
 
     columns = f"for (long n0 = 0; n0 < {full}; n0 += {vb * L})"
 
-    def pixels(indent: str, inner: str, half: bool = False) -> None:
-        """Every full pixel tile, then the last pixels in one tile of their count; `inner`: a loop
-        each tile runs in (columns inner: the tail's half vector after the whole ones)."""
+    def pixels(indent: str, body: Callable[[int, str], None]) -> None:
+        """Every full pixel tile, then the last pixels in one tile of their count; `body(count,
+        indent)` emits what each tile computes."""
         heads = [(pt, f"for (; q + {pt} <= P; q += {pt})")] + [(r, f"if (P - q == {r})") for r in range(1, pt)]
         e(f"{indent}long q = 0;")
         for count, head in heads:
             e(f"{indent}{head} {{")
-            if inner and full:
-                e(f"{indent}  {inner}")
-                tile(count, indent + "    ")
-            if (inner or half) and full < n:
-                e(f"{indent}  {{ const long n0 = {full};")
-                tile(count, indent + "    ", half=True)
-                e(f"{indent}  }}")
-            if not inner and not half:
-                tile(count, indent + "  ")
+            body(count, indent + "  ")
             e(f"{indent}}}")
+
+    def last_columns(count: int, indent: str) -> None:  # the half vector after the whole ones
+        e(f"{indent}{{ const long n0 = {full};")
+        tile(count, indent + "  ", half=True)
+        e(f"{indent}}}")
+
+    def all_columns(count: int, indent: str) -> None:  # columns inner: whole vectors, then the rest
+        if full:
+            e(f"{indent}{columns}")
+            tile(count, indent + "  ")
+        if full < n:
+            last_columns(count, indent)
 
     if columns_outer:
         if full:
             e(f"  {columns} {{")
-            pixels("    ", "")
+            pixels("    ", tile)
             e("  }")
         if full < n:
             e("  {")
-            pixels("    ", "", half=True)
+            pixels("    ", last_columns)
             e("  }")
     else:
-        pixels("  ", columns)
+        pixels("  ", all_columns)
     e("}")
     return out
 
