@@ -365,6 +365,7 @@ def winograd_ceilings(target: Target, rounds: int = 5) -> dict[tuple[int, int], 
     import numpy as np
     import torch
 
+    from maco.bounds.winograd import winograd_cost
     from maco.core.spec import ConvSpec
     from maco.core.timing import interleaved_rounds
     from maco.kernels.winograd import TILE_SIZES, WinogradKernel, WinogradPlan, winograd_can_run
@@ -384,10 +385,8 @@ def winograd_ceilings(target: Target, rounds: int = 5) -> dict[tuple[int, int], 
             plan = WinogradPlan(spec, bias=False, threads=target.cores, lanes=target.simd_width, m=m)
             kernel = WinogradKernel(plan, target)
             u = plan.pack_weight(rng.standard_normal(spec.weight_shape, dtype=np.float32))
-            a = m + r - 1
-            macs = (-(-side // m)) ** 2 * a * a * c * k  # tiles x multiplies per tile
             runs[f"{m},{r}"] = lambda kernel=kernel, u=u, x=x, y=y: kernel(x, u, None, None, y)
-            runs[f"fma {m},{r}"] = lambda flops=2.0 * macs: fma(flops)
+            runs[f"fma {m},{r}"] = lambda flops=2.0 * winograd_cost(spec, m).macs: fma(flops)
     timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
     out = {}
     for label in runs:
