@@ -19,6 +19,7 @@ Micro-kernel flavours, all from the same accumulator list:
     vector load, weight broadcast);
   * portable C (per-accumulator float arrays, `#pragma omp simd` over the lanes) otherwise:
     any vector axis, width 1, weight packing "none", isa "generic".
+The intrinsics flavours prefetch blocked weights WEIGHT_PREFETCH_AHEAD floats ahead of the stream.
 """
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ PORTABLE_UNROLLED_BODY = 256
 # tuner's 30 s build limit; bodies of up to 1024 FMAs build in 1-3 s
 INTRINSICS_UNROLLED_BODY = 1024
 MAX_PATCH_SLOTS = 16  # R0 steps up to which border patches may hold S2 windows (CpuPlan.patch_level)
+# How far ahead (floats) the intrinsics micro-kernel prefetches its blocked weights, which it
+# reads as one contiguous stream: inside a model a layer's weights come from memory (the model's
+# outgrow the caches), and the hardware prefetchers alone leave the loop waiting on them.
+WEIGHT_PREFETCH_AHEAD = 1024
 
 # isa -> (vector type, lanes, setzero, loadu, broadcast(ptr), fma(a, b, acc), storeu, max, add)
 ISA = {
@@ -475,6 +480,9 @@ class _Generator:
         by_a: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = {}
         for i, (n, g, k, oh, ow) in enumerate(accs):
             by_a.setdefault((n, g, oh, ow), []).append((i, (g, k)))
+        # blocked weights are read in order, k3 floats per step of the innermost R1 loop
+        for line in range(0, p.f["k"][3] if self.sch.weight_packing == "blocked" else 0, 16):
+            emit(ind + f"_mm_prefetch((const char *)(wq + {WEIGHT_PREFETCH_AHEAD + line}), _MM_HINT_T0);")
         if p.vaxis == "k":  # weight vectors first, then each input broadcast feeds them
             bs = sorted({b for lst in by_a.values() for _, b in lst})
             for g, k in bs:

@@ -55,6 +55,7 @@ TILES = {4: 36, 6: 16, 8: 9}  # output tiles per block at most, per input tile s
 BLOCK_BYTES = 4 << 20  # V and M of one larger F(4x4, 3x3) block, at most (see WinogradPlan.split)
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
 LINE = 16  # floats in a 64-byte cache line
+U_PREFETCH_AHEAD = 32  # channels ahead that the GEMM prefetches its panel of U (read in order)
 KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
 TILE_SIZES = {3: (2, 4), 5: (2, 4)}  # filter size r -> the output tile sizes m of F(m x m, r x r)
 POINTS = (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))  # interpolation points, then infinity
@@ -348,6 +349,8 @@ def _register_block(e: Any, rows: int, kv: int, c: int, kp: int, lanes: int) -> 
     for i in range(rows):
         e("          vf " + ", ".join(f"a{i}_{j} = zero" for j in range(kv)) + ";")
     e(f"          for (long cc = 0; cc < {c}; cc++) {{")
+    for line in range(0, lanes * kv, 16):  # U comes from memory inside a model: fetch it ahead
+        e(f"            __builtin_prefetch(ue + cc * {lanes * kv} + {U_PREFETCH_AHEAD * lanes * kv + line}, 0, 3);")
     for j in range(kv):
         e(f"            const vf u{j} = ld(ue + cc * {lanes * kv} + {lanes * j});")
     for i in range(rows):

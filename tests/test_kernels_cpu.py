@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import shutil
 
 import numpy as np
@@ -147,6 +148,27 @@ def test_avx2_path_on_any_x86_host():
     check_batch(spec, schedules, AVX2, epilogue=True)
     assert "__m256" in kernels.build_many(spec, [ow], AVX2)[0].source
 
+
+
+def test_blocked_weights_are_prefetched_ahead_of_the_stream():
+    """Inside a model a layer's weights come from memory: the intrinsics micro-kernel prefetches
+    its blocked weights (one contiguous stream) a fixed distance ahead, a line per k3 / 16 floats,
+    and nothing where the weights are in torch's order (no single stream to run ahead of)."""
+    from maco.kernels.cpu_codegen import WEIGHT_PREFETCH_AHEAD, CpuPlan
+    spec = ConvSpec.parse("n1_c32_h8_w8_k32_r3x3_p1")
+    blocked = Schedule("cpu", ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 32), (2, 1, 4, 1), (1, 1, 4, 2)),
+                       ((1, 32), (1, 3), (1, 3)), parallel=2, vector_axis="k", vector_width=8,
+                       layout="NHWC", weight_packing="blocked")
+    plan = CpuPlan(spec, blocked, AVX2)
+    assert plan.intrinsics == "avx2"
+    lines = re.findall(r"_mm_prefetch\(\(const char \*\)\(wq \+ (\d+)\)", plan.source)
+    assert [int(x) for x in lines] == [WEIGHT_PREFETCH_AHEAD, WEIGHT_PREFETCH_AHEAD + 16]
+    torch_order = dataclasses.replace(blocked, vector_axis="ow", layout="NCHW", weight_packing="none",
+                                      spatial=((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 4, 8), (2, 1, 4, 1),
+                                               (1, 1, 1, 8)))
+    plan = CpuPlan(spec, torch_order, AVX2)
+    assert plan.intrinsics == "avx2" and "_mm_prefetch" not in plan.source
+    check_batch(spec, [blocked, torch_order], AVX2, epilogue=True)
 
 @needs_avx512
 def test_avx512_path():
