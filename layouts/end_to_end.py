@@ -117,6 +117,17 @@ class ConvShare:
     per_conv: dict[str, float]  # module path -> seconds of its kernel alone
     rest_s: float = 0.0  # the model with every MACO kernel call skipped
     per_conv_cold: dict[str, float] = field(default_factory=dict)  # the same, its weights in memory
+    per_conv_in_model: dict[str, float] = field(default_factory=dict)  # timed inside the model's C calls
+
+    @property
+    def convs_in_model_s(self) -> float:
+        """The kernels that run inside the model's C calls (MacoSegment), each timed there."""
+        return sum(self.per_conv_in_model.values())
+
+    @property
+    def alone_s(self) -> float:
+        """The same kernels' sum alone (warm), to compare with convs_in_model_s."""
+        return sum(self.per_conv[name] for name in self.per_conv_in_model)
 
     @property
     def convs_cold_s(self) -> float:
@@ -128,7 +139,8 @@ class ConvShare:
     def to_dict(self) -> dict[str, Any]:
         return {"model_s": self.model_s, "convs_s": self.convs_s, "rest_s": self.rest_s,
                 "outside": self.outside, "ratio": self.ratio, "per_conv_s": self.per_conv,
-                "convs_cold_s": self.convs_cold_s, "per_conv_cold_s": self.per_conv_cold}
+                "convs_cold_s": self.convs_cold_s, "per_conv_cold_s": self.per_conv_cold,
+                "convs_in_model_s": self.convs_in_model_s, "per_conv_in_model_s": self.per_conv_in_model}
 
     @property
     def outside(self) -> float:
@@ -148,7 +160,8 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
     nothing else; a torch conv by its module call), and the model with its MACO kernels skipped.
     Each conv is also timed with the caches evicted and its inputs read before each call (its
     weights in memory, its activations in cache, as inside a model whose weights outgrow the
-    caches: ConvShare.convs_cold_s)."""
+    caches: ConvShare.convs_cold_s), and, where a MacoSegment runs it, inside the model's C call
+    over model calls back to back (ConvShare.per_conv_in_model)."""
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     seen: dict[str, tuple[nn.Module, tuple]] = {}
     def keep(name: str) -> Callable[[nn.Module, tuple], None]:
@@ -192,9 +205,34 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
         per_round = interleaved_rounds(runs, rounds, repeats=3, min_run_time=min_run_time, warmup=1)
         on_cpu = all(a.device.type == "cpu" for a in inputs if isinstance(a, torch.Tensor))
         cold = _weights_in_memory(seen, runs, rounds, target or host_target()) if on_cpu else {}
+        in_model = _inside_the_model(model, inputs, segments, set(seen), calls=3 * rounds)
     medians = {name: pool_timings(ts).median for name, ts in per_round.items()}
     model_s, rest_s = medians.pop("model"), medians.pop("rest")
-    return ConvShare(model_s, sum(medians.values()), medians, rest_s, cold)
+    return ConvShare(model_s, sum(medians.values()), medians, rest_s, cold, in_model)
+
+
+def _inside_the_model(model: nn.Module, inputs: tuple, segments: list[MacoSegment], names: set[str],
+                      calls: int) -> dict[str, float]:
+    """The median seconds of each conv in `names` that a segment runs, timed inside its C call
+    over `calls` calls of the model back to back (after one more)."""
+    path = {id(mod): name for name, mod in model.named_modules()}
+    model(*inputs)
+    for segment in segments:
+        segment.step_seconds = []
+    try:
+        for _ in range(calls):
+            model(*inputs)
+        timed = {segment: segment.step_seconds or [] for segment in segments}
+    finally:
+        for segment in segments:
+            segment.step_seconds = None
+    per: dict[str, float] = {}
+    for segment, seconds in timed.items():
+        for j, mod in enumerate(segment.modules_in_order):
+            name = path.get(id(mod))
+            if name in names and seconds:
+                per[name] = statistics.median(call[j] for call in seconds)
+    return per
 
 
 def _weights_in_memory(seen: Mapping[str, tuple[nn.Module, tuple]], runs: Mapping[str, Callable[[], Any]],

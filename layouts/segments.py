@@ -120,7 +120,8 @@ class Step:
 class MacoSegment(nn.Module):
     """A run of MACO kernel modules called as one (see the module docstring). `per_module` runs
     them one by one (as the graph did before), `skip_kernels` runs no kernel at all (what the
-    model costs besides its kernels: end_to_end.conv_share)."""
+    model costs besides its kernels: end_to_end.conv_share); a list in `step_seconds` gets each
+    call's seconds per step, timed inside the C call (a step run in Python counts 0)."""
 
     maco_leaf = True
 
@@ -134,7 +135,10 @@ class MacoSegment(nn.Module):
         self._exports = [j for j, step in enumerate(steps) if step.export]
         self.per_module = False
         self.skip_kernels = False
+        self.step_seconds: list[list[float]] | None = None
+        self._target = target
         self._run = sequence_function(target)
+        self._run_timed: Any = None  # built when first timed
         n = len(steps)
         self._fns = (ctypes.c_void_p * n)()
         self._kinds = (ctypes.c_long * n)()
@@ -250,7 +254,9 @@ class MacoSegment(nn.Module):
                 p = t.data_ptr()
                 for s in slots:
                     args[s] = p
-        if not self.skip_kernels:
+        if self.step_seconds is not None:
+            self._timed_kernels(inputs, values)
+        elif not self.skip_kernels:
             n, start = len(self._steps), 0
             while (stop := self._run(*self._tables, start, n)) < n:
                 self._in_python(stop, inputs, values)
@@ -258,6 +264,17 @@ class MacoSegment(nn.Module):
         if len(self._exports) == 1:
             return values[self._exports[0]]
         return tuple(values[j] for j in self._exports)
+
+    def _timed_kernels(self, inputs: tuple, values: list) -> None:
+        """The kernels as forward runs them, each step's time appended to step_seconds."""
+        if self._run_timed is None:
+            self._run_timed = sequence_function(self._target, timed=True)
+        n, start = len(self._steps), 0
+        ns = (ctypes.c_longlong * n)()
+        while (stop := self._run_timed(*self._tables, start, n, ctypes.addressof(ns))) < n:
+            self._in_python(stop, inputs, values)
+            start = stop + 1
+        self.step_seconds.append([t * 1e-9 for t in ns])
 
     def _fits(self, inputs: tuple) -> bool:
         """The checks each module makes before its kernel runs, made once on the inputs from outside

@@ -44,3 +44,19 @@ def test_report_speedups_and_times_agree_by_their_stated_rule(tmp_path: Path) ->
     assert rows["fused"]["speedup"] > 1 > rows["fused"]["ratio_of_medians"]
     assert "Speedup (in bold): the median over rounds" in text and "ratio of the two printed medians" in text
     assert "Handed back: **fused**, 1.11x the default per round" in text
+
+
+def test_the_report_names_the_convs_that_lose_most_inside_the_model() -> None:
+    from maco.deploy.optimize_report import _in_model_lines
+    from maco.layouts.end_to_end import ConvShare
+    alone = {"a": 100e-6, "b": 200e-6, "c": 50e-6, "d": 10e-6}
+    inside = {"a": 110e-6, "b": 400e-6, "c": 50e-6}  # d runs outside the segments: no time inside
+    share = ConvShare(1e-3, sum(alone.values()), alone, 0.0, {"b": 500e-6}, inside)
+    assert abs(share.alone_s - 350e-6) < 1e-12 and abs(share.convs_in_model_s - 560e-6) < 1e-12
+    lines = _in_model_lines(share)
+    assert "3 of its conv kernels take 0.56 ms against 0.35 ms alone" in lines[1]
+    assert "in the model / alone = 1.60" in lines[1]
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| conv")]
+    assert [r.split(" | ")[0] for r in rows] == ["| b", "| a", "| c"]  # the largest loss first
+    assert rows[0] == "| b | 200 | 400 | 500 | 2.00 |" and rows[1].endswith("|  | 1.10 |")
+    assert _in_model_lines(ConvShare(1e-3, 1e-4, {"a": 1e-4})) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -220,6 +221,30 @@ def test_conv_share_sees_the_kernels_inside_segments():
     assert share.rest_s > 0 and share.model_s > 0
     assert not any(s.per_module or s.skip_kernels for s in segments_of(gm))
     assert n_convs
+    # the kernels a segment runs are also timed inside its C call, and the timing is switched off after
+    in_segments = {name for name, m in gm.named_modules()
+                   if any(m is step for seg in segments_of(gm) for step in seg.modules_in_order)}
+    assert share.per_conv_in_model and set(share.per_conv_in_model) <= in_segments & set(share.per_conv)
+    assert all(t > 0 for t in share.per_conv_in_model.values())
+    assert share.alone_s == sum(share.per_conv[n] for n in share.per_conv_in_model)
+    assert all(seg.step_seconds is None for seg in segments_of(gm))
+
+
+def test_a_timed_segment_computes_the_same_and_times_each_step():
+    torch.manual_seed(4)
+    model = _randomize_bn(SmallNet())
+    x = torch.randn(1, 3, 32, 32)
+    gm, _, _, _ = _check(model, x)
+    seg = segments_of(gm)[0]
+    with torch.inference_mode():
+        want = [t.clone() for t in gm(x)]
+        seg.step_seconds = []
+        start = time.perf_counter()
+        got = gm(x)
+        wall = time.perf_counter() - start
+    assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+    (steps,) = seg.step_seconds
+    assert len(steps) == len(seg.modules_in_order) and all(t > 0 for t in steps) and sum(steps) < wall
 
 
 def test_runs_break_at_torch_ops_and_layout_changes():

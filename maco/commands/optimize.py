@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
               f"kernels ({share.model_s * 1e3:.2f} ms vs {share.convs_s * 1e3:.2f} ms"
               + (f"; {share.convs_cold_s * 1e3:.2f} ms with their weights in memory, as in the model)"
                  if share.per_conv_cold else ")"))
+        if share.per_conv_in_model:
+            print(f"inside the model its kernels take {share.convs_in_model_s / share.alone_s:.2f}x their time alone "
+                  f"({share.convs_in_model_s * 1e3:.2f} ms vs {share.alone_s * 1e3:.2f} ms, "
+                  f"{len(share.per_conv_in_model)} kernels timed in the model's C calls)")
     for e in result.engines:
         print(f"{e['engine']}: " + (f"{e['speedup']:.2f}x over torch eager in its own process (medians "
                                     f"{e['engine_ms']:.2f} ms vs {e['eager_ms']:.2f} ms)" if "speedup" in e

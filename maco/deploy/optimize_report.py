@@ -284,9 +284,29 @@ def _time_split_section(result: OptimizeResult) -> list[str]:
                   f"weights in memory, as inside a model whose weights outgrow the caches), the kernels "
                   f"add up to {s.convs_cold_s * 1e3:.2f} ms: model / kernels = "
                   f"{s.model_s / s.convs_cold_s:.2f}."]
+    lines += _in_model_lines(s)
     return lines + ["", "The model's time here and in *End to end* can differ for the same model: here it "
                     "runs round after round beside its own kernels, so its weights are often still in "
                     "cache; there each round alternates it with the other variants, whose runs evict them."]
+
+
+def _in_model_lines(s: Any) -> list[str]:
+    """The kernels timed inside the model's C calls beside the same kernels alone, and the convs
+    that lose most there."""
+    if not s.per_conv_in_model:
+        return []
+    n, alone = len(s.per_conv_in_model), s.alone_s
+    lines = ["", f"Timed inside the model's C calls (model calls back to back), {n} of its conv kernels take "
+             f"{s.convs_in_model_s * 1e3:.2f} ms against {alone * 1e3:.2f} ms alone: **in the model / alone = "
+             f"{s.convs_in_model_s / alone:.2f}**. Where they lose most:", "",
+             "| conv | alone us | in the model us | cold us | in the model / alone |", "|---|---|---|---|---|"]
+    loss = sorted(s.per_conv_in_model, key=lambda c: s.per_conv[c] - s.per_conv_in_model[c])[:5]
+    for name in loss:
+        cold = s.per_conv_cold.get(name)
+        lines.append(f"| {name} | {s.per_conv[name] * 1e6:.0f} | {s.per_conv_in_model[name] * 1e6:.0f} | "
+                     f"{'' if cold is None else f'{cold * 1e6:.0f}'} | "
+                     f"{s.per_conv_in_model[name] / s.per_conv[name]:.2f} |")
+    return lines
 
 
 def _engines_section(result: OptimizeResult) -> list[str]:
