@@ -68,6 +68,11 @@ INPUT = "input"  # the name a layer lists among its inputs for the network's ima
 WINOGRAD_TILES: Mapping[int, tuple[int, ...]] = {3: (2, 4), 5: (2, 4)}
 
 
+def tile_label(m: int, r: int) -> str:
+    """How reports name a Winograd tile size: F(m x m, r x r) written F(4x4,3x3)."""
+    return f"F({m}x{m},{r}x{r})"
+
+
 # -- the symbolic derivation -----------------------------------------------------------------
 @dataclass(frozen=True)
 class NetworkDerivation:
@@ -138,8 +143,8 @@ def layer_macs(spec: ConvSpec, tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_T
     if winograd_applies(spec, tiles):
         r = spec.kh
         for m in tiles[r]:
-            out[f"F({m}x{m},{r}x{r})"] = (spec.n * ceil(spec.out_h / m) * ceil(spec.out_w / m)
-                                          * (m + r - 1) ** 2 * spec.c * spec.k)
+            out[tile_label(m, r)] = (spec.n * ceil(spec.out_h / m) * ceil(spec.out_w / m)
+                                     * (m + r - 1) ** 2 * spec.c * spec.k)
     return out
 
 

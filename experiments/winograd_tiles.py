@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from maco import kernels
+from maco.bounds.network import tile_label
 from maco.bounds.winograd import predict_tile
 from maco.core.timing import CacheEvictor, interleaved_rounds, steady_allocator
 from maco.experiments.common import Figure, num, out_dir, parser, write_csv, write_env
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{target.model}, {target.cores} cores: FMA peak {peak / 1e9:.1f} GFLOP/s, DRAM reads {bw / 1e9:.1f} GB/s "
           f"(this host's best; now {ceilings['fma_gflops']:.1f} and {ceilings['read_gbs']:.1f})", flush=True)
     shares = winograd_ceilings(target, args.rounds)
-    print("Winograd's multiplies reach " + ", ".join(f"F({m}x{m},{r}x{r}) {100 * e:.0f}%" for (m, r), e in shares.items())
+    print("Winograd's multiplies reach " + ", ".join(f"{tile_label(m, r)} {100 * e:.0f}%" for (m, r), e in shares.items())
           + " of the FMA peak", flush=True)
     rows, seen = [], set()
     for net in args.networks.split(","):

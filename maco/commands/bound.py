@@ -104,20 +104,20 @@ def _mb(elements: int | None) -> str:
 
 def _predicted_tiles(f: object, peak: float, bandwidth: float,
                      ceilings: dict[tuple[int, int], float] | None) -> dict[str, str]:
-    from maco.bounds.network import winograd_applies
+    from maco.bounds.network import tile_label, winograd_applies
     from maco.bounds.winograd import predict_tile
 
     out = {}
     for lf in f.layers:  # type: ignore[attr-defined]
         if lf.spec is not None and winograd_applies(lf.spec):
             m = predict_tile(lf.spec, peak, bandwidth, ceilings)[0]
-            out[lf.name] = f"F({m}x{m},{lf.spec.kh}x{lf.spec.kw})"
+            out[lf.name] = tile_label(m, lf.spec.kh)
     return out
 
 
 def run_network(args: argparse.Namespace) -> int:
     """`maco bound NET --network`: the network floor, per layer and in total."""
-    from maco.bounds.network import WINOGRAD_TILES
+    from maco.bounds.network import WINOGRAD_TILES, tile_label
     from maco.layouts.network_floor import fast_memory, floor_of
     from maco.layouts.networks import NETWORKS
 
@@ -144,7 +144,7 @@ def run_network(args: argparse.Namespace) -> int:
         print(json.dumps({"network": args.layer, "batch": args.n, "where": where, "peak_gflops": peak,
                           "read_gbs": bw, "measured": measured or None, "floor": f.to_dict(),
                           "winograd_tile_model": tiles,
-                          "winograd_ceilings": {f"F({m}x{m},{r}x{r})": e for (m, r), e in (shares or {}).items()},
+                          "winograd_ceilings": {tile_label(m, r): e for (m, r), e in (shares or {}).items()},
                           "fused_blocks_S": s_core, "fused_blocks": blocks}, indent=1))
         return 0
     source = ("given" if not measured else
@@ -153,7 +153,7 @@ def run_network(args: argparse.Namespace) -> int:
               f"{measured['fma_spread']:.2f} / {measured['read_spread']:.2f}"
               + (" (busy: figures low)" if max(measured["fma_spread"], measured["read_spread"]) > 1.3 else ""))
     ceiling_note = ("" if not shares else "; Winograd tile model: multiplies at " + ", ".join(
-        f"F({m}x{m},{r}x{r}) {100 * e:.0f}%" for (m, r), e in shares.items()) + " of the peak")
+        f"{tile_label(m, r)} {100 * e:.0f}%" for (m, r), e in shares.items()) + " of the peak")
     _print_network(args.layer, f, tiles, f"{args.layer}, batch {args.n}: {where}; FMA peak {peak:.4g} GFLOP/s, "
                    f"DRAM reads {bw:.4g} GB/s ({source}){ceiling_note}")
     _print_chains(args.layer, blocks, s_core)
