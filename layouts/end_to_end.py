@@ -215,6 +215,8 @@ def _inside_the_model(model: nn.Module, inputs: tuple, segments: list[MacoSegmen
                       calls: int) -> dict[str, float]:
     """The median seconds of each conv in `names` that a segment runs, timed inside its C call
     over `calls` calls of the model back to back (after one more)."""
+    if not segments:
+        return {}
     path = {id(mod): name for name, mod in model.named_modules()}
     model(*inputs)
     for segment in segments:
