@@ -349,7 +349,7 @@ def _register_block(e: Any, rows: int, kv: int, c: int, kp: int, lanes: int) -> 
     for i in range(rows):
         e("          vf " + ", ".join(f"a{i}_{j} = zero" for j in range(kv)) + ";")
     e(f"          for (long cc = 0; cc < {c}; cc++) {{")
-    for line in range(0, lanes * kv, 16):  # U comes from memory inside a model: fetch it ahead
+    for line in range(0, lanes * kv, LINE):  # U comes from memory inside a model: fetch it ahead
         e(f"            __builtin_prefetch(ue + cc * {lanes * kv} + {U_PREFETCH_AHEAD * lanes * kv + line}, 0, 3);")
     for j in range(kv):
         e(f"            const vf u{j} = ld(ue + cc * {lanes * kv} + {lanes * j});")

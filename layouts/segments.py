@@ -257,23 +257,25 @@ class MacoSegment(nn.Module):
         if self.step_seconds is not None:
             self._timed_kernels(inputs, values)
         elif not self.skip_kernels:
-            n, start = len(self._steps), 0
-            while (stop := self._run(*self._tables, start, n)) < n:
-                self._in_python(stop, inputs, values)
-                start = stop + 1
+            self._kernels(self._run, inputs, values)
         if len(self._exports) == 1:
             return values[self._exports[0]]
         return tuple(values[j] for j in self._exports)
+
+    def _kernels(self, run: Any, inputs: tuple, values: list, *extra: int) -> None:
+        """Every step through the dispatcher `run` (its `extra` arguments after start and n), each
+        step it stops at handled in Python before it goes on from the next."""
+        n, start = len(self._steps), 0
+        while (stop := run(*self._tables, start, n, *extra)) < n:
+            self._in_python(stop, inputs, values)
+            start = stop + 1
 
     def _timed_kernels(self, inputs: tuple, values: list) -> None:
         """The kernels as forward runs them, each step's time appended to step_seconds."""
         if self._run_timed is None:
             self._run_timed = sequence_function(self._target, timed=True)
-        n, start = len(self._steps), 0
-        ns = (ctypes.c_longlong * n)()
-        while (stop := self._run_timed(*self._tables, start, n, ctypes.addressof(ns))) < n:
-            self._in_python(stop, inputs, values)
-            start = stop + 1
+        ns = (ctypes.c_longlong * len(self._steps))()
+        self._kernels(self._run_timed, inputs, values, ctypes.addressof(ns))
         self.step_seconds.append([t * 1e-9 for t in ns])
 
     def _fits(self, inputs: tuple) -> bool:

@@ -70,6 +70,13 @@ def _randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
+def _small_net(seed: int) -> tuple[nn.Module, torch.Tensor]:
+    """SmallNet with random BatchNorm statistics and an input, both from `seed`."""
+    torch.manual_seed(seed)
+    model = _randomize_bn(SmallNet())
+    return model, torch.randn(1, 3, 32, 32)
+
+
 def _check(model: nn.Module, x: torch.Tensor, winograd: bool = False):
     gm, p = _planned(model, x, winograd)
     with torch.inference_mode():
@@ -87,9 +94,7 @@ def _check(model: nn.Module, x: torch.Tensor, winograd: bool = False):
 
 
 def test_small_net_one_segment_equals_eager_and_keeps_outputs():
-    torch.manual_seed(0)
-    model = _randomize_bn(SmallNet())
-    x = torch.randn(1, 3, 32, 32)
+    model, x = _small_net(0)
     gm, _, names, outs = _check(model, x, winograd=True)
     assert names, gm.graph
     segs = segments_of(gm)
@@ -139,9 +144,7 @@ def test_networks_equal_eager(net):
 
 
 def test_other_inputs_run_the_modules_one_by_one():
-    torch.manual_seed(1)
-    model = _randomize_bn(SmallNet())
-    x = torch.randn(1, 3, 32, 32)
+    model, x = _small_net(1)
     gm, _, _, _ = _check(model, x)
     seg = segments_of(gm)[0]
     calls = []
@@ -171,9 +174,7 @@ def test_other_inputs_run_the_modules_one_by_one():
 
 
 def test_nan_and_inf_land_where_torch_puts_them():
-    torch.manual_seed(2)
-    model = _randomize_bn(SmallNet())
-    x = torch.randn(1, 3, 32, 32)
+    model, x = _small_net(2)
     gm, _, _, _ = _check(model, x, winograd=True)
     bad = x.clone()
     bad[0, 1, 5, 7] = float("nan")
@@ -210,9 +211,7 @@ def test_saved_model_loads_with_segments_and_without(tmp_path):
 
 
 def test_conv_share_sees_the_kernels_inside_segments():
-    torch.manual_seed(3)
-    model = _randomize_bn(SmallNet())
-    x = torch.randn(1, 3, 32, 32)
+    model, x = _small_net(3)
     gm, _, _, _ = _check(model, x)
     share = conv_share(gm, x, rounds=1, min_run_time=1e-4)
     n_convs = sum(isinstance(m, (MacoConv2d, MacoDepthwise2d, MacoWinograd2d)) or type(m) is nn.Conv2d
@@ -231,9 +230,7 @@ def test_conv_share_sees_the_kernels_inside_segments():
 
 
 def test_a_timed_segment_computes_the_same_and_times_each_step():
-    torch.manual_seed(4)
-    model = _randomize_bn(SmallNet())
-    x = torch.randn(1, 3, 32, 32)
+    model, x = _small_net(4)
     gm, _, _, _ = _check(model, x)
     seg = segments_of(gm)[0]
     with torch.inference_mode():
@@ -261,9 +258,7 @@ def test_runs_break_at_torch_ops_and_layout_changes():
 
 def test_torch_compile_backend_runs_segments():
     torch._dynamo.reset()
-    torch.manual_seed(4)
-    model = _randomize_bn(SmallNet())
-    x = torch.randn(1, 3, 32, 32)
+    model, x = _small_net(4)
     compiled = torch.compile(model, backend="maco", options={"tune": "none", "layouts": "NHWC"})
     with torch.no_grad():
         want = model(x)
@@ -300,9 +295,7 @@ def test_a_run_reads_an_earlier_runs_output():
 
 
 def test_unshared_memory_gives_every_value_its_own_bytes():
-    torch.manual_seed(6)
-    model = _randomize_bn(SmallNet())
-    x = torch.randn(1, 3, 32, 32)
+    model, x = _small_net(6)
     gm, _ = _planned(model, x)
     use_segments(gm, HOST, share_memory=False)
     seg = segments_of(gm)[0]

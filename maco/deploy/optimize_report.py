@@ -290,7 +290,7 @@ def _time_split_section(result: OptimizeResult) -> list[str]:
                     "cache; there each round alternates it with the other variants, whose runs evict them."]
 
 
-def _in_model_lines(s: Any) -> list[str]:
+def _in_model_lines(s: ConvShare) -> list[str]:
     """The kernels timed inside the model's C calls beside the same kernels alone, and the convs
     that lose most there."""
     if not s.per_conv_in_model:
