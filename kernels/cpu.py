@@ -15,7 +15,8 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.cpu_codegen import FUNCTION, CpuPlan, aligned_empty
+from maco.kernels.aligned import aligned_empty
+from maco.kernels.cpu_codegen import FUNCTION, CpuPlan
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target

@@ -32,6 +32,7 @@ from math import prod
 import numpy as np
 
 from maco.core.errors import MacoError
+from maco.kernels.aligned import aligned_copy
 from maco.core.geometry import input_window
 from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, scalar_function, vector_function
 from maco.kernels.source_text import comment
@@ -73,16 +74,6 @@ def _expr(terms: list[tuple[int, str]]) -> str:
             continue
         parts.append(name if coef == 1 else f"{coef}*{name}" if name else str(coef))
     return " + ".join(parts) if parts else "0"
-
-
-def aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
-    """An uninitialised float32 array starting on a cache line. numpy only promises 16 bytes: the
-    weight vectors of a misaligned packing each straddle two lines, and the same kernel measured
-    up to 9% slower in one process than in the next (AlexNet's 5x5 layer)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * 4
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + nbytes].view(np.float32).reshape(shape)
 
 
 def intrinsics_isa(spec: ConvSpec, schedule: Schedule, target: Target) -> str | None:
@@ -271,9 +262,7 @@ class CpuPlan:
                           f["kh"][1], f["kw"][0], f["kw"][1])
             pos = {"c": 4, "kh": 6, "kw": 8}
             v = v.transpose((0, 1, 3, 5, 7) + tuple(pos[a] for a in self.schedule.inner_order) + (2,))
-        out = aligned_empty(v.shape)
-        out[...] = v
-        return out
+        return aligned_copy(v)
 
     # -- micro-kernel flavour -------------------------------------------------------------
     @property

@@ -19,6 +19,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
+from maco.kernels.aligned import aligned_copy
 from maco.kernels.epilogue import (ACTIVATIONS, SMOOTH, scalar_expression, scalar_function, vector_expression,
                                    vector_function, vector_type)
 from maco.kernels.source_text import comment
@@ -65,7 +66,7 @@ class DepthwisePlan:
         """(C, 1, kh, kw) -> the order the kernel reads: (kh, kw, C) in NHWC, (C, kh, kw) in NCHW."""
         s = self.spec
         w = np.asarray(w, dtype=np.float32).reshape(s.c, s.kh, s.kw)
-        return np.ascontiguousarray(w.transpose(1, 2, 0) if self.layout == "NHWC" else w)
+        return aligned_copy(w.transpose(1, 2, 0) if self.layout == "NHWC" else w)
 
     @cached_property
     def source(self) -> str:

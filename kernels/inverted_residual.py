@@ -37,6 +37,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
+from maco.kernels.aligned import aligned_copy
 from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, vector_expression, vector_function, vector_type
 from maco.kernels.source_text import comment
 from maco.core.target import Target
@@ -221,7 +222,7 @@ class BlockPlan:
              project: tuple[Any, Any] | None) -> np.ndarray:
         """The (weight, bias) of each conv (torch shapes; a bias may be None) in the order the
         kernel reads them: expand (c, m), depthwise (r*r, m), project (m, k), each bias after."""
-        out = np.zeros(self.offsets["end"], dtype=np.float32)
+        out = aligned_copy(np.zeros(self.offsets["end"], dtype=np.float32))
         o = self.offsets
 
         def put(name: str, a: Any) -> None:
@@ -282,7 +283,13 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
     L = plan.vector
     full = n - n % L  # columns in whole vectors; the rest (half a vector, BlockPlan.tail) after them
     pt, vb = _tile(plan, full or L)  # no whole vectors: the tile of the one half vector
-    columns_outer = 4 * red * n > L1_BYTES // 2
+    # a few whole vectors and a half one (MobileNet's 24 or 40 outputs): one tile takes them all,
+    # each broadcast input feeding every vector, where two passes would load the inputs twice
+    together = 0 < full < n and full // L + 1 <= 4
+    if together:
+        nv = full // L + 1
+        pt = min(MAX_PIXELS, (plan.registers - 4 - nv) // nv)
+    columns_outer = 4 * red * n > L1_BYTES // 2 and not together
     out = [f"static void {name}(const float *restrict in, const float *restrict W, const float *restrict b, "
            "const float *restrict res, float *restrict out, float *const *rows, long P) {",
            "  (void)res; (void)out; (void)rows; const vf zero = {0}; const vf six = zero + 6.f; (void)six;"]
@@ -293,29 +300,31 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
             return f"out + ({pixel}) * {n}"
         return f"rows[({pixel}) / {row_pixels}] + ({pixel}) % {row_pixels} * {n}"
 
-    def tile(count: int, indent: str, half: bool = False) -> None:
-        """Pixels q .. q + count - 1, columns n0 .. n0 + vb * L - 1; `half`: one vector whose upper
-        half is never stored (ldh/sth read and write L / 2 floats: nothing past the arrays)."""
-        nv, ld, st = (1, "ldh", "sth") if half else (vb, "ld", "st")
+    def tile(count: int, indent: str, whole: int, half: bool = False) -> None:
+        """Pixels q .. q + count - 1, `whole` vectors of columns from n0, then (`half`) one vector
+        whose upper half is never stored (ldh/sth read and write L / 2 floats: nothing past the
+        arrays)."""
+        vectors = [(v * L, "ld", "st") for v in range(whole)] + ([(whole * L, "ldh", "sth")] if half else [])
         e(f"{indent}{{")
         for p in range(count):
             e(f"{indent}  float *restrict o{p} = {where(f'q + {p}')} + n0;")
-        e(f"{indent}  vf " + ", ".join(f"a{p}_{v} = {ld}(b + n0 + {v * L})" for p in range(count) for v in range(nv)) + ";")
+        e(f"{indent}  vf " + ", ".join(f"a{p}_{v} = {ld}(b + n0 + {at})" for p in range(count)
+                                       for v, (at, ld, _) in enumerate(vectors)) + ";")
         e(f"{indent}  const float *restrict ip = in + q * {red};")
         e(f"{indent}  for (long c = 0; c < {red}; c++) {{")
         e(f"{indent}    const float *restrict wr = W + c * {w_stride or n} + n0;")
-        for v in range(nv):
-            e(f"{indent}    const vf w{v} = {ld}(wr + {v * L});")
+        for v, (at, ld, _) in enumerate(vectors):
+            e(f"{indent}    const vf w{v} = {ld}(wr + {at});")
         for p in range(count):
             e(f"{indent}    {{ const float x = ip[{p * red} + c];")
-            for v in range(nv):
+            for v in range(len(vectors)):
                 e(f"{indent}      a{p}_{v} += x * w{v};")
             e(f"{indent}    }}")
         e(f"{indent}  }}")
         for p in range(count):
-            for v in range(nv):
-                add = f" + {ld}(res + (q + {p}) * {n} + n0 + {v * L})" if residual else ""
-                e(f"{indent}  {{ const vf v = a{p}_{v}{add}; {st}(o{p} + {v * L}, {vector_expression(act)}); }}")
+            for v, (at, ld, st) in enumerate(vectors):
+                add = f" + {ld}(res + (q + {p}) * {n} + n0 + {at})" if residual else ""
+                e(f"{indent}  {{ const vf v = a{p}_{v}{add}; {st}(o{p} + {at}, {vector_expression(act)}); }}")
         e(f"{indent}}}")
 
     columns = f"for (long n0 = 0; n0 < {full}; n0 += {vb * L})"
@@ -332,20 +341,28 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
 
     def last_columns(count: int, indent: str) -> None:  # the half vector after the whole ones
         e(f"{indent}{{ const long n0 = {full};")
-        tile(count, indent + "  ", half=True)
+        tile(count, indent + "  ", 0, half=True)
         e(f"{indent}}}")
 
+    def vb_columns(count: int, indent: str) -> None:
+        tile(count, indent, vb)
+
     def all_columns(count: int, indent: str) -> None:  # columns inner: whole vectors, then the rest
+        if together:
+            e(f"{indent}{{ const long n0 = 0;")
+            tile(count, indent + "  ", full // L, half=True)
+            e(f"{indent}}}")
+            return
         if full:
             e(f"{indent}{columns}")
-            tile(count, indent + "  ")
+            vb_columns(count, indent + "  ")
         if full < n:
             last_columns(count, indent)
 
     if columns_outer:
         if full:
             e(f"  {columns} {{")
-            pixels("    ", tile)
+            pixels("    ", vb_columns)
             e("  }")
         if full < n:
             e("  {")
@@ -468,6 +485,8 @@ def _source(plan: BlockPlan) -> str:
     e("#include <stdlib.h>")
     e("#include <string.h>")
     e("#include <omp.h>")
+    e("/* buffers on cache lines: their vectors then never straddle two */")
+    e("static void *lines(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }")
     e(vector_type(L))
     if p.tail or p.m_tail:  # the last channels: half a vector loaded into (and stored from) a whole one
         h = L // 2
@@ -492,7 +511,7 @@ def _source(plan: BlockPlan) -> str:
         e(f"  float *parts[{p.threads}]; int ok[{p.threads}];")
     e(f"  #pragma omp parallel num_threads({p.threads}) reduction(|:failed)")
     e("  {")
-    e(f"    float *ring = malloc(sizeof(float) * {nr * row}), *d = malloc(sizeof(float) * {g * p.out_w * ms if p.project else 1});")
+    e(f"    float *ring = lines(sizeof(float) * {nr * row}), *d = lines(sizeof(float) * {g * p.out_w * ms if p.project else 1});")
     if pad:
         e(f"    for (long i = 0; ring && i < {nr}; i++) {{")
         e(f"      memset(ring + i * {row}, 0, sizeof(float) * {pad * ms});")
@@ -516,7 +535,7 @@ def _source(plan: BlockPlan) -> str:
         planes = p.out_h * p.out_w * p.k
         e("    const int t = omp_get_thread_num();")
         e(f"    const long cs = (long)t * {ms};")
-        e(f"    float *part = t && {int(p.project)} ? malloc(sizeof(float) * {planes}) : 0;")
+        e(f"    float *part = t && {int(p.project)} ? lines(sizeof(float) * {planes}) : 0;")
         e(f"    parts[t] = part; ok[t] = ring && d && (t == 0 || !{int(p.project)} || part);")
         e("    #pragma omp barrier")
         e("    int all = 1;")

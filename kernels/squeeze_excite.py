@@ -18,6 +18,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
+from maco.kernels.aligned import aligned_copy
 from maco.kernels.epilogue import scalar_expression, scalar_function
 from maco.kernels.source_text import comment
 from maco.core.schedule import LAYOUTS
@@ -75,8 +76,7 @@ class SqueezePlan:
         w2 = np.asarray(w2, dtype=np.float32).reshape(c, s)
         b1 = np.zeros(s, np.float32) if b1 is None else np.asarray(b1, dtype=np.float32).reshape(s)
         b2 = np.zeros(c, np.float32) if b2 is None else np.asarray(b2, dtype=np.float32).reshape(c)
-        return (np.ascontiguousarray(np.concatenate([w1.ravel(), w2.T.ravel()])),
-                np.ascontiguousarray(np.concatenate([b1, b2])))
+        return aligned_copy(np.concatenate([w1.ravel(), w2.T.ravel()])), aligned_copy(np.concatenate([b1, b2]))
 
     # A code generator kept whole (past 60 lines): the C it emits reads top to bottom here.
     @cached_property

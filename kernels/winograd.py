@@ -44,6 +44,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
+from maco.kernels.aligned import aligned_copy
 from maco.kernels.epilogue import (ACTIVATIONS, SMOOTH, torch_activation, vector_expression, vector_function,
                                    vector_type)
 from maco.kernels.source_text import comment
@@ -203,7 +204,7 @@ class WinogradPlan:
         filters: each block's C x B panel is contiguous, so the GEMM streams it in order."""
         s, block = self.spec, self.lanes * filter_vectors(self.lanes)
         u = self.transformed_weight(w).reshape(self.elements, s.c, s.k // block, block).transpose(0, 2, 1, 3)
-        return np.ascontiguousarray(u, dtype=np.float32)
+        return aligned_copy(u)
 
     @cached_property
     def source(self) -> str:
