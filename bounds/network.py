@@ -155,6 +155,19 @@ def cheapest(spec: ConvSpec, tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TIL
     return name, macs[name]
 
 
+def conv_floor(spec: ConvSpec, peak: float, bandwidth: float,
+               tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES) -> tuple[str, float]:
+    """(algorithm, seconds): one conv's floor with its weights coming from memory, memory
+    overlapping compute: max(2 * multiply-adds of the cheapest algorithm / peak, weight bytes /
+    bandwidth) (statements 1, 3 and 4 for one layer, its activations in cache). A kernel's time
+    over it says how far that kernel runs from what the host allows."""
+    for name, v in (("peak", peak), ("bandwidth", bandwidth)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise MacoError(f"{name} must be a positive number, got {v!r}")
+    algorithm, macs = cheapest(spec, tiles)
+    return algorithm, max(2 * macs / peak, DTYPE_BYTES * spec.weight_elems / bandwidth)
+
+
 # -- the floor -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LayerFloor:

@@ -21,6 +21,8 @@ from maco.kernels import host_target
 from maco.layouts.latency import strict_cudnn
 from maco.layouts.maco_modules import MacoConv2d, MacoInvertedResidual, MacoSqueezeExcite, MacoWinograd2d
 from maco.layouts.segments import MacoSegment
+from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.core.timing import CacheEvictor, Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
 
@@ -118,6 +120,7 @@ class ConvShare:
     rest_s: float = 0.0  # the model with every MACO kernel call skipped
     per_conv_cold: dict[str, float] = field(default_factory=dict)  # the same, its weights in memory
     per_conv_in_model: dict[str, float] = field(default_factory=dict)  # timed inside the model's C calls
+    specs: dict[str, tuple[ConvSpec, ...]] = field(default_factory=dict)  # the convs each one computes
 
     @property
     def convs_in_model_s(self) -> float:
@@ -208,7 +211,22 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
         in_model = _inside_the_model(model, inputs, segments, set(seen), calls=3 * rounds)
     medians = {name: pool_timings(ts).median for name, ts in per_round.items()}
     model_s, rest_s = medians.pop("model"), medians.pop("rest")
-    return ConvShare(model_s, sum(medians.values()), medians, rest_s, cold, in_model)
+    specs = {name: _specs(mod, args) for name, (mod, args) in seen.items()}
+    return ConvShare(model_s, sum(medians.values()), medians, rest_s, cold, in_model,
+                     {name: s for name, s in specs.items() if s})
+
+
+def _specs(mod: nn.Module, args: tuple) -> tuple[ConvSpec, ...]:
+    """The convs `mod` computes on `args`: a block kernel's, a MACO kernel's, or a torch conv's
+    (none where its shape is outside ConvSpec's: string padding, another padding mode)."""
+    if isinstance(mod, MacoInvertedResidual):
+        return mod.specs
+    if isinstance(getattr(mod, "spec", None), ConvSpec):
+        return (mod.spec,)
+    try:
+        return (ConvSpec.from_module(mod, tuple(args[0].shape)),)
+    except (MacoError, AttributeError, IndexError):
+        return ()
 
 
 def _inside_the_model(model: nn.Module, inputs: tuple, segments: list[MacoSegment], names: set[str],

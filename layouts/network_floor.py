@@ -1,22 +1,25 @@
 """A network as the plain DAG maco.bounds.network takes (convs and linears with their ConvSpec,
 light ops as weightless nodes, element-wise ops folded into what they read), and the host's fast
-memory for its floor. `maco bound NET --network` and experiments/bounds_table.py call this.
+memory for its floor. `maco bound NET --network`, experiments/bounds_table.py and `maco optimize`
+call this.
 
 Folding: an op with one data input and as many output elements as input elements (BatchNorm,
 activations, dropout, reshape, permute, LayerNorm) is the same tensor as its input, as engines
 that fuse epilogues compute it; ops that combine tensors (add, mul, cat) or resize them (pool)
 stay as nodes without weights or flops. Fewer tensors and boundaries only lower the live sets,
 so the floor of the folded DAG is also a floor for an engine that runs every op on its own.
+`maco optimize` reports its model against that floor and each kernel against its own (ModelFloor).
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from maco.bounds.network import INPUT, NetLayer, NetworkFloor, WINOGRAD_TILES, network_floor
+from maco.bounds.network import INPUT, NetLayer, NetworkFloor, WINOGRAD_TILES, conv_floor, network_floor
 from maco.core.errors import MacoError
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -92,3 +95,38 @@ def floor_of(name: str, target: Target, batch: int = 1, peak: float | None = Non
     layers, image = network_dag(name, batch)
     return network_floor(layers, S if S is not None else fast_memory(target), image,
                          winograd=winograd, peak=peak, bandwidth=bandwidth)
+
+
+@dataclass
+class ModelFloor:
+    """A model's network floor (maco.bounds.network) and each of its conv kernels' own floor
+    (bounds.network.conv_floor, a block kernel's the sum of its convs'), on one host's peak and
+    bandwidth: how far the model and each kernel run from what the host allows."""
+
+    network: NetworkFloor
+    per_conv: dict[str, float]  # module path -> seconds
+    algorithms: dict[str, str]  # module path -> the cheapest algorithm of each of its convs, joined by "+"
+
+    @property
+    def seconds(self) -> float:
+        return self.network.t or 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"network_s": self.seconds, "binds": self.network.binds, "peak": self.network.peak,
+                "bandwidth": self.network.bandwidth, "flops": self.network.flops,
+                "per_conv_s": self.per_conv, "algorithms": self.algorithms}
+
+
+def model_floor(model: nn.Module, example: torch.Tensor, specs: Mapping[str, tuple[ConvSpec, ...]],
+                target: Target, peak: float, bandwidth: float) -> ModelFloor:
+    """The floor of `model` (as given: its DAG before MACO's rewrites) on `example` with the
+    target's caches as fast memory, peak in flop/s and bandwidth in bytes/s, and the floor of
+    each module in `specs` (path -> the convs it computes)."""
+    layers, image = dag_of(model, example)
+    network = network_floor(layers, fast_memory(target), image, peak=peak, bandwidth=bandwidth)
+    per_conv, algorithms = {}, {}
+    for path, convs in specs.items():
+        floors = [conv_floor(spec, peak, bandwidth) for spec in convs]
+        per_conv[path] = sum(t for _, t in floors)
+        algorithms[path] = "+".join(a for a, _ in floors)
+    return ModelFloor(network, per_conv, algorithms)

@@ -197,3 +197,42 @@ def test_the_brute_force_is_exact_on_a_hand_count():
     assert min_io(g, 3, once=True, layers=True) == 16
     assert min_io(g, 4, once=True, layers=True) == 6 + 4 + 2 * 2  # one more red: a_1..a_2 spill
     assert time.perf_counter() - t0 < 60
+
+
+def test_a_conv_floor_is_its_cheapest_multiplies_or_its_weights_from_memory():
+    from maco.bounds.network import conv_floor
+    peak, bw = 500e9, 80e9
+    wino = ConvSpec.parse("n1_c64_h56_w56_k64_r3x3_p1")  # compute binds: F(4x4)'s multiplies
+    algo, t = conv_floor(wino, peak, bw)
+    assert (algo, t) == (cheapest(wino)[0], 2 * cheapest(wino)[1] / peak)
+    assert algo == "F(4x4,3x3)" and t < 2 * wino.macs / peak
+    fc = ConvSpec.parse("n1_c2048_h1_w1_k1000_r1x1")  # a classifier: its weights bind
+    assert conv_floor(fc, peak, bw) == ("direct", 4 * fc.weight_elems / bw)
+    assert conv_floor(wino, peak, bw, tiles={}) == ("direct", 2 * wino.macs / peak)
+    for bad in (0, -1.0, float("inf"), True, "5e11"):
+        with pytest.raises(MacoError, match="peak must be a positive number"):
+            conv_floor(wino, bad, bw)
+    with pytest.raises(MacoError, match="bandwidth must be a positive number"):
+        conv_floor(wino, peak, 0)
+
+
+def test_a_models_floor_and_its_kernels_own_floors():
+    import torch
+    from torch import nn
+
+    from maco.bounds.network import conv_floor
+    from maco.core.target import Target
+    from maco.layouts.network_floor import dag_of, fast_memory, model_floor
+
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, stride=2, padding=1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
+    x = torch.randn(1, 16, 20, 20)
+    a, b = ConvSpec.parse("n1_c16_h20_w20_k32_r3x3_p1"), ConvSpec.parse("n1_c32_h20_w20_k32_r3x3_s2_p1")
+    target = Target.host()
+    f = model_floor(model, x, {"0": (a,), "block": (a, b)}, target, 4e11, 6e10)
+    layers, image = dag_of(model, x)
+    assert f.seconds == network_floor(layers, fast_memory(target), image, peak=4e11, bandwidth=6e10).t > 0
+    assert f.per_conv["0"] == conv_floor(a, 4e11, 6e10)[1]
+    assert f.per_conv["block"] == conv_floor(a, 4e11, 6e10)[1] + conv_floor(b, 4e11, 6e10)[1]
+    assert f.algorithms == {"0": "F(4x4,3x3)", "block": "F(4x4,3x3)+direct"}
+    assert f.to_dict()["per_conv_s"] == f.per_conv and f.to_dict()["network_s"] == f.seconds

@@ -60,3 +60,26 @@ def test_the_report_names_the_convs_that_lose_most_inside_the_model() -> None:
     assert [r.split(" | ")[0] for r in rows] == ["| b", "| a", "| c"]  # the largest loss first
     assert rows[0] == "| b | 200 | 400 | 500 | 2.00 |" and rows[1].endswith("|  | 1.10 |")
     assert _in_model_lines(ConvShare(1e-3, 1e-4, {"a": 1e-4})) == []
+
+
+def test_the_report_puts_the_model_and_its_kernels_beside_their_floors() -> None:
+    from maco.bounds.network import NetworkFloor
+    from maco.deploy.optimize_report import _floor_lines
+    from maco.layouts.end_to_end import ConvShare
+    from maco.layouts.network_floor import ModelFloor
+
+    alone = {"a": 100e-6, "b": 300e-6, "c": 60e-6}
+    share = ConvShare(2e-3, sum(alone.values()), alone, 0.0, {}, {"a": 150e-6, "b": 320e-6})
+    network = NetworkFloor(1000, (), 0, 0, 0, 0, 0, flops=int(5e8), flops_direct=int(9e8), peak=5e11,
+                           bandwidth=8e10)
+    floor = ModelFloor(network, {"a": 50e-6, "b": 280e-6, "c": 20e-6},
+                       {"a": "F(4x4,3x3)", "b": "direct", "c": "direct"})
+    lines = _floor_lines(share, floor)
+    assert "the network floor is 1.00 ms, bound by compute; the model's 2.00 ms is **2.00x** it" in lines[1]
+    assert "peak 500 GFLOP/s and DRAM read 80.0 GB/s" in lines[1]
+    # a and b timed inside the model, c alone: 150 + 320 + 60 us against 50 + 280 + 20 us
+    assert "3 kernels take 0.53 ms" in lines[2] and "against 0.35 ms of floors (1.51x)" in lines[2]
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| conv")]
+    assert [r.split(" | ")[0] for r in rows] == ["| a", "| b", "| c"]  # the largest excess first: 100, 40, 40 us
+    assert rows[0] == "| a | F(4x4,3x3) | 50 | 150 | 3.00 |"
+    assert _floor_lines(share, None) == []

@@ -227,6 +227,14 @@ def test_conv_share_sees_the_kernels_inside_segments():
     assert all(t > 0 for t in share.per_conv_in_model.values())
     assert share.alone_s == sum(share.per_conv[n] for n in share.per_conv_in_model)
     assert all(seg.step_seconds is None for seg in segments_of(gm))
+    # each conv timed names the convs it computes, for its floor (maco optimize's report)
+    assert set(share.specs) == set(share.per_conv)
+    for name, specs in share.specs.items():
+        mod = gm.get_submodule(name)
+        if hasattr(mod, "spec"):  # a MACO kernel: the spec it was built for
+            assert specs == (mod.spec,)
+        else:  # a torch conv: its spec on the input it gets in the model
+            assert len(specs) == 1 and specs[0].k == mod.out_channels and specs[0].c == mod.in_channels
 
 
 def test_a_timed_segment_computes_the_same_and_times_each_step():

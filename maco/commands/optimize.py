@@ -85,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"inside the model its kernels take {share.convs_in_model_s / share.alone_s:.2f}x their time alone "
                   f"({share.convs_in_model_s * 1e3:.2f} ms vs {share.alone_s * 1e3:.2f} ms, "
                   f"{len(share.per_conv_in_model)} kernels timed in the model's C calls)")
+    if result.floor is not None and result.floor.seconds and result.share is not None:
+        net = result.floor.network
+        print(f"the handed-back model runs at {result.share.model_s / result.floor.seconds:.2f}x its network floor "
+              f"({result.floor.seconds * 1e3:.2f} ms at {(net.peak or 0) / 1e9:.0f} GFLOP/s and "
+              f"{(net.bandwidth or 0) / 1e9:.1f} GB/s; maco.bounds.network)")
     for e in result.engines:
         print(f"{e['engine']}: " + (f"{e['speedup']:.2f}x over torch eager in its own process (medians "
                                     f"{e['engine_ms']:.2f} ms vs {e['eager_ms']:.2f} ms)" if "speedup" in e

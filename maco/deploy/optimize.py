@@ -16,7 +16,9 @@ from maco.deploy.engines import ENGINES, Job, compare
 from maco.core.errors import MacoError
 from maco.core.files import check_writable
 from maco.deploy.kernel_choice import MIN_GAIN
-from maco.layouts.end_to_end import conv_share
+from maco.kernels.cpu_peak import measure_ceilings
+from maco.layouts.end_to_end import ConvShare, conv_share
+from maco.layouts.network_floor import ModelFloor, model_floor
 from maco.layouts.networks import NETWORKS, example_input, load_model
 from maco.deploy.optimize_report import (LayerRow, OptimizeResult, end_to_end_rows, hold_output_folder,
                                   one_run_per_output_folder, save_output, write_outputs)
@@ -24,7 +26,7 @@ from maco.deploy.pipeline import PipelineRun, Tuning, Variants, distinct_layers,
 from maco.tune.records import Record, RecordStore
 from maco.kernels import resolve_target
 from maco.core.spec import ConvSpec
-from maco.core.target import require_memory
+from maco.core.target import Target, require_memory
 from maco.tune.tuning import BUDGETS, budget_trials
 
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)
@@ -76,8 +78,9 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
     built, pick = run.built, run.pick
     rows = _layer_rows(run, store.best)
     share = conv_share(built.models[pick], x, target=tgt if tgt.kind == "cpu" else None) if pick != "default" else None
+    floor = _floor(model, x, share, tgt, log) if share is not None and tgt.kind == "cpu" else None
     result = OptimizeResult(name, out, rows, built.plan, end_to_end_rows(run.times, pick),
-                            time.perf_counter() - start, built.models[pick], pick, x, share, tgt)
+                            time.perf_counter() - start, built.models[pick], pick, x, share, tgt, floor=floor)
     if save:
         deployment.save(result, save)
         log(f"      saved the {pick} model to {save} (maco.load({str(save)!r}, model) rebuilds it)")
@@ -87,6 +90,20 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         log("      the other engines run on the CPU: none timed beside a CUDA model")
     write_outputs(result, tgt, records, built.swapped)
     return result
+
+
+def _floor(model: torch.nn.Module, x: torch.Tensor, share: ConvShare, target: Target,
+           log: Callable[[str], None]) -> ModelFloor | None:
+    """The model's network floor and each kernel's own on this host's best FMA peak and DRAM read
+    bandwidth (kernels.cpu_peak.measure_ceilings, timed now; the best this host has shown, as
+    `maco bound --network` takes them); None, with one line, where the model's graph has none."""
+    ceilings = measure_ceilings(target, 3)
+    try:
+        return model_floor(model, x, share.specs, target, ceilings["fma_gflops_best"] * 1e9,
+                           ceilings["read_gbs_best"] * 1e9)
+    except MacoError as exc:
+        log(f"      no network floor for this model: {exc}")
+        return None
 
 
 def _check_choices(engines: Sequence[str], cluster: str | None, budget: str) -> str | None:

@@ -24,6 +24,7 @@ from maco.core.files import write_atomic
 from maco.deploy.kernel_choice import MIN_GAIN
 from maco.layouts import LayoutPlan
 from maco.layouts.end_to_end import ConvShare, ModelTimes
+from maco.layouts.network_floor import ModelFloor
 from maco.layouts.maco_modules import MacoConv2d
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -59,6 +60,7 @@ class OptimizeResult:
     share: ConvShare | None = None  # the chosen model's time beside its conv kernels'
     target: Target | None = None
     engines: list[dict[str, Any]] = field(default_factory=list)  # maco.deploy.engines rows, MACO's last
+    floor: ModelFloor | None = None  # the network floor and each kernel's, on this host (CPU)
 
 
 LOCK_NAME = ".maco-optimize.lock"  # in the output folder: held (flock) by the run writing there
@@ -136,7 +138,8 @@ def write_outputs(result: OptimizeResult, target: Target, records: Path, swapped
     files = {"layers.csv": lambda: text.getvalue(), "layers.png": lambda: _plot(result),
              "end_to_end.json": lambda: json.dumps(result.end_to_end, indent=2)}
     if result.share is not None:
-        files["time_split.json"] = lambda: json.dumps(result.share.to_dict(), indent=2)
+        split = result.share.to_dict() | ({"floor": result.floor.to_dict()} if result.floor else {})
+        files["time_split.json"] = lambda: json.dumps(split, indent=2)
     files["report.md"] = lambda: report_markdown(result, target, records, swapped)
     # each file whole or not at all, and one that cannot be written (a full disk) does not keep
     # the others from being written: then one line names the folder and what is missing
@@ -284,7 +287,7 @@ def _time_split_section(result: OptimizeResult) -> list[str]:
                   f"weights in memory, as inside a model whose weights outgrow the caches), the kernels "
                   f"add up to {s.convs_cold_s * 1e3:.2f} ms: model / kernels = "
                   f"{s.model_s / s.convs_cold_s:.2f}."]
-    lines += _in_model_lines(s)
+    lines += _in_model_lines(s) + _floor_lines(s, result.floor)
     return lines + ["", "The model's time here and in *End to end* can differ for the same model: here it "
                     "runs round after round beside its own kernels, so its weights are often still in "
                     "cache; there each round alternates it with the other variants, whose runs evict them."]
@@ -307,6 +310,35 @@ def _in_model_lines(s: ConvShare) -> list[str]:
                      f"{'' if cold is None else f'{cold * 1e6:.0f}'} | "
                      f"{s.per_conv_in_model[name] / s.per_conv[name]:.2f} |")
     return lines
+
+
+def _floor_lines(s: ConvShare, floor: ModelFloor | None) -> list[str]:
+    """The model beside its network floor, and the kernels furthest above their own floors."""
+    if floor is None or not floor.seconds:
+        return []
+    net = floor.network
+    lines = ["", f"**Against the floor** (maco.bounds.network, `maco bound NET --network`; this host's best FMA "
+             f"peak {(net.peak or 0) / 1e9:.0f} GFLOP/s and DRAM read {(net.bandwidth or 0) / 1e9:.1f} GB/s, "
+             f"memory overlapping compute): the network floor is {_time(floor.seconds)}, bound by "
+             f"{net.binds}; the model's {_time(s.model_s)} is **{s.model_s / floor.seconds:.2f}x** it."]
+    timed = {name: s.per_conv_in_model.get(name, s.per_conv.get(name)) for name in floor.per_conv}
+    timed = {name: t for name, t in timed.items() if t}
+    if not timed:
+        return lines
+    total, mine = sum(floor.per_conv[n] for n in timed), sum(timed.values())
+    lines += [f"Each kernel's own floor is its convs' cheapest multiplies at that peak or its weights from DRAM, "
+              f"whichever takes longer: {len(timed)} kernels take {_time(mine)} (inside the model where "
+              f"timed there) against {_time(total)} of floors ({mine / total:.2f}x). Furthest above theirs:",
+              "", "| conv | cheapest algorithm | floor us | time us | time / floor |", "|---|---|---|---|---|"]
+    for name in sorted(timed, key=lambda n: floor.per_conv[n] - timed[n])[:5]:
+        lines.append(f"| {name} | {floor.algorithms[name]} | {floor.per_conv[name] * 1e6:.0f} | "
+                     f"{timed[name] * 1e6:.0f} | {timed[name] / floor.per_conv[name]:.2f} |")
+    return lines
+
+
+def _time(seconds: float) -> str:
+    """Milliseconds to two decimals, or microseconds below a tenth of one."""
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.1f} us"
 
 
 def _engines_section(result: OptimizeResult) -> list[str]:
