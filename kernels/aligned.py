@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 LINE_BYTES = 64
+LINE_FLOATS = LINE_BYTES // 4  # the fp32 values of one line: what one prefetch fetches
 
 
 def aligned_empty(shape: tuple[int, ...], align: int = LINE_BYTES) -> np.ndarray:

@@ -32,7 +32,7 @@ from math import prod
 import numpy as np
 
 from maco.core.errors import MacoError
-from maco.kernels.aligned import aligned_copy
+from maco.kernels.aligned import LINE_FLOATS, aligned_copy
 from maco.core.geometry import input_window
 from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, scalar_function, vector_function
 from maco.kernels.source_text import comment
@@ -470,7 +470,7 @@ class _Generator:
         for i, (n, g, k, oh, ow) in enumerate(accs):
             by_a.setdefault((n, g, oh, ow), []).append((i, (g, k)))
         # blocked weights are read in order, k3 floats per step of the innermost R1 loop
-        for line in range(0, p.f["k"][3] if self.sch.weight_packing == "blocked" else 0, 16):
+        for line in range(0, p.f["k"][3] if self.sch.weight_packing == "blocked" else 0, LINE_FLOATS):
             emit(ind + f"_mm_prefetch((const char *)(wq + {WEIGHT_PREFETCH_AHEAD + line}), _MM_HINT_T0);")
         if p.vaxis == "k":  # weight vectors first, then each input broadcast feeds them
             bs = sorted({b for lst in by_a.values() for _, b in lst})

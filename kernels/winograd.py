@@ -44,7 +44,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.aligned import aligned_copy
+from maco.kernels.aligned import LINE_FLOATS, aligned_copy
 from maco.kernels.epilogue import (ACTIVATIONS, SMOOTH, torch_activation, vector_expression, vector_function,
                                    vector_type)
 from maco.kernels.source_text import comment
@@ -55,7 +55,6 @@ FUNCTION = "maco_winograd"
 TILES = {4: 36, 6: 16, 8: 9}  # output tiles per block at most, per input tile side: V and M stay in L2
 BLOCK_BYTES = 4 << 20  # V and M of one larger F(4x4, 3x3) block, at most (see WinogradPlan.split)
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
-LINE = 16  # floats in a 64-byte cache line
 U_PREFETCH_AHEAD = 32  # channels ahead that the GEMM prefetches its panel of U (read in order)
 KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
 TILE_SIZES = {3: (2, 4), 5: (2, 4)}  # filter size r -> the output tile sizes m of F(m x m, r x r)
@@ -242,7 +241,7 @@ def _source(plan: WinogradPlan) -> str:
     # one element's V and M rows, a cache line more than they hold: the transforms read and write
     # all elements at once, and at a power-of-two stride (16 tiles x 256 channels: 16 KiB) those
     # 36 streams all map to the same set of the L1 cache and evict each other
-    vstride, mstride = per_block * c + LINE, per_block * kp + LINE
+    vstride, mstride = per_block * c + LINE_FLOATS, per_block * kp + LINE_FLOATS
     act = vector_expression(plan.activation)
     L: list[str] = []
     e = L.append
@@ -350,7 +349,7 @@ def _register_block(e: Any, rows: int, kv: int, c: int, kp: int, lanes: int) -> 
     for i in range(rows):
         e("          vf " + ", ".join(f"a{i}_{j} = zero" for j in range(kv)) + ";")
     e(f"          for (long cc = 0; cc < {c}; cc++) {{")
-    for line in range(0, lanes * kv, LINE):  # U comes from memory inside a model: fetch it ahead
+    for line in range(0, lanes * kv, LINE_FLOATS):  # U comes from memory inside a model: fetch it ahead
         e(f"            __builtin_prefetch(ue + cc * {lanes * kv} + {U_PREFETCH_AHEAD * lanes * kv + line}, 0, 3);")
     for j in range(kv):
         e(f"            const vf u{j} = ld(ue + cc * {lanes * kv} + {lanes * j});")
