@@ -55,9 +55,12 @@ def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["optimize", f"{model_file}:Small", "--input-shape", "1,3,20,20", "--batch", "2", "--out", str(out)])
     assert rc == 0
-    assert "report:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "report:" in printed and "its network floor" in printed
     report = (out / "report.md").read_text()
-    assert "## Per conv layer" in report and "## End to end" in report
+    assert "## Per conv layer" in report and "## End to end" in report and "**Against the floor**" in report
+    floor = json.loads((out / "time_split.json").read_text())["floor"]
+    assert floor["network_s"] > 0 and floor["per_conv_s"] and all(t > 0 for t in floor["per_conv_s"].values())
     assert f"batch 2, {torch.get_num_threads()} threads" in report
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] and (out / "layers.csv").is_file() and (out / "layers.png").is_file()
@@ -72,6 +75,23 @@ def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
         assert record["spec"]["n"] == 2 and record["target"]["cores"] == torch.get_num_threads()
     assert main(["optimize", "--batch", "0"]) == 2
     assert "--batch" in capsys.readouterr().err
+
+
+def test_a_floor_that_cannot_be_computed_costs_one_line_not_the_job(monkeypatch):
+    """The floor is a report line: an error there leaves the model the job found to the user."""
+    import maco.deploy.optimize as opt
+    from maco.core.target import Target
+    from maco.layouts.end_to_end import ConvShare
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot trace this graph")
+
+    monkeypatch.setattr(opt, "measure_ceilings", lambda target, rounds: {"fma_gflops_best": 1.0, "read_gbs_best": 1.0})
+    monkeypatch.setattr(opt, "model_floor", broken)
+    said = []
+    share = ConvShare(1e-3, 1e-3, {"conv": 1e-3})
+    assert opt._floor(torch.nn.Conv2d(3, 4, 3), torch.randn(1, 3, 8, 8), share, Target.host(), said.append) is None
+    assert said == ["      no network floor for this model (RuntimeError: cannot trace this graph)"]
 
 
 def test_maco_conv_in_a_model_matches_torch(model_file):
