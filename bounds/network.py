@@ -155,15 +155,20 @@ def cheapest(spec: ConvSpec, tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TIL
     return name, macs[name]
 
 
+def _check_rates(peak: float | None, bandwidth: float | None) -> None:
+    """A given FMA peak (flop/s) and DRAM bandwidth (bytes/s) are finite positive numbers."""
+    for name, v in (("peak", peak), ("bandwidth", bandwidth)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+            raise MacoError(f"{name} must be a positive number, got {v!r}")
+
+
 def conv_floor(spec: ConvSpec, peak: float, bandwidth: float,
                tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES) -> tuple[str, float]:
     """(algorithm, seconds): one conv's floor with its weights coming from memory, memory
     overlapping compute: max(2 * multiply-adds of the cheapest algorithm / peak, weight bytes /
     bandwidth) (statements 1, 3 and 4 for one layer, its activations in cache). A kernel's time
     over it says how far that kernel runs from what the host allows."""
-    for name, v in (("peak", peak), ("bandwidth", bandwidth)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-            raise MacoError(f"{name} must be a positive number, got {v!r}")
+    _check_rates(peak, bandwidth)
     algorithm, macs = cheapest(spec, tiles)
     return algorithm, max(2 * macs / peak, DTYPE_BYTES * spec.weight_elems / bandwidth)
 
@@ -346,9 +351,7 @@ def network_floor(layers: Sequence[NetLayer], S: int, image: int, *,
         raise MacoError(f"fast memory S must be a positive int of elements, got {S!r}")
     if isinstance(image, bool) or not isinstance(image, int) or image < 0:
         raise MacoError(f"image must be a non-negative int of elements, got {image!r}")
-    for name, v in (("peak", peak), ("bandwidth", bandwidth)):
-        if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
-            raise MacoError(f"{name} must be a positive number, got {v!r}")
+    _check_rates(peak, bandwidth)
     live, _ = live_sets(layers)
     total_spill, charged = spill(layers, S)
     read = {src for layer in layers for src in layer.inputs}

@@ -37,7 +37,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.aligned import aligned_copy
+from maco.kernels.aligned import LINE_BYTES, aligned_empty
 from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, vector_expression, vector_function, vector_type
 from maco.kernels.source_text import comment
 from maco.core.target import Target
@@ -222,7 +222,8 @@ class BlockPlan:
              project: tuple[Any, Any] | None) -> np.ndarray:
         """The (weight, bias) of each conv (torch shapes; a bias may be None) in the order the
         kernel reads them: expand (c, m), depthwise (r*r, m), project (m, k), each bias after."""
-        out = aligned_copy(np.zeros(self.offsets["end"], dtype=np.float32))
+        out = aligned_empty((self.offsets["end"],))
+        out[...] = 0  # the padding between the arrays too
         o = self.offsets
 
         def put(name: str, a: Any) -> None:
@@ -486,7 +487,8 @@ def _source(plan: BlockPlan) -> str:
     e("#include <string.h>")
     e("#include <omp.h>")
     e("/* buffers on cache lines: their vectors then never straddle two */")
-    e("static void *lines(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }")
+    e(f"static void *lines(size_t bytes) {{ return aligned_alloc({LINE_BYTES}, "
+      f"(bytes + {LINE_BYTES - 1}) / {LINE_BYTES} * {LINE_BYTES}); }}")
     e(vector_type(L))
     if p.tail or p.m_tail:  # the last channels: half a vector loaded into (and stored from) a whole one
         h = L // 2
