@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 from typing import Any
 
@@ -35,10 +36,13 @@ from maco.core.geometry import input_window
 from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES
 from maco.core.schedule import Schedule
 from maco.core.sketch_cuda import GPU_MAX_ACCUMULATORS, GPU_MAX_SMEM_BYTES, GPU_MAX_THREADS
+from maco.kernels import cuda_banks
 from maco.kernels.source_text import comment
 from maco.core.spec import ConvSpec
 
 INT32_MAX = 2**31 - 1
+SM_SHARED_BYTES = 228 << 10  # per SM on sm_90 (1 KiB of it reserved per block)
+SM_MAX_BLOCKS, SM_MAX_THREADS = 32, 2048
 KERNEL_NAME = "maco_conv"
 
 
@@ -119,18 +123,42 @@ class CudaPlan:
         s = self.spec
         return input_window(s, self.block_tile("oh"), self.block_tile("ow"), self.stage_kh, self.stage_kw)
 
+    @cached_property
+    def padding(self) -> tuple[int, int]:
+        """(floats added to each patch row, weight-row skew) that the bank model reads fastest
+        with (kernels.cuda_banks), among those that keep the blocks an SM holds at once."""
+        cap = min(SM_MAX_BLOCKS, SM_MAX_THREADS // (-(-self.threads // 32) * 32))
+
+        def per_sm(floats: int) -> int:
+            return min(cap, SM_SHARED_BYTES // (4 * floats + 1024)) if 4 * floats <= GPU_MAX_SMEM_BYTES else 0
+
+        least = per_sm(self._smem_floats(cuda_banks.plane_of(self, self.patch[1]), self.block_tile("k")))
+
+        def fits(row_pad: int, skew: int) -> bool:
+            plane = cuda_banks.plane_of(self, self.patch[1] + row_pad)
+            row = cuda_banks.skewed_row(self.block_tile("k"), skew)
+            return row_pad == skew == 0 or per_sm(self._smem_floats(plane, row)) >= max(least, 1)
+
+        return cuda_banks.choose(self, fits)
+
+    @property
+    def row_pitch(self) -> int:
+        """Shared-memory stride between the rows of the staged input patch."""
+        return self.patch[1] + self.padding[0]
+
     @property
     def plane(self) -> int:
-        """Shared-memory stride between channels of the patch; odd for NHWC so that the
-        channel-fastest stores of a warp land in distinct banks."""
-        ph, pw = self.patch
-        p = ph * pw
-        return p + 1 if self.schedule.layout == "NHWC" and p % 2 == 0 else p
+        """Shared-memory stride between channels of the patch (odd for NHWC, see cuda_banks)."""
+        return cuda_banks.plane_of(self, self.row_pitch)
+
+    @property
+    def weight_skew(self) -> int:
+        return self.padding[1]
 
     @property
     def weight_row(self) -> int:
-        """Shared-memory stride of the k axis rows of the weight tile (padded to dodge conflicts)."""
-        return self.block_tile("k")
+        """Shared-memory stride of the k axis rows of the weight tile (skewed to dodge conflicts)."""
+        return cuda_banks.skewed_row(self.block_tile("k"), self.weight_skew)
 
     @property
     def buffers(self) -> int:
@@ -160,11 +188,21 @@ class CudaPlan:
 
     @property
     def input_stage_floats(self) -> int:
-        return _round4(self.block_tile("n") * self.block_tile("g") * self.stage_c * self.plane)
+        return self._input_stage_floats(self.plane)
 
     @property
     def weight_stage_floats(self) -> int:
-        return _round4(self.block_tile("g") * self.stage_c * self.stage_kh * self.stage_kw * self.weight_row)
+        return self._weight_stage_floats(self.weight_row)
+
+    def _input_stage_floats(self, plane: int) -> int:
+        return _round4(self.block_tile("n") * self.block_tile("g") * self.stage_c * plane)
+
+    def _weight_stage_floats(self, weight_row: int) -> int:
+        return _round4(self.block_tile("g") * self.stage_c * self.stage_kh * self.stage_kw * weight_row)
+
+    def _smem_floats(self, plane: int, weight_row: int) -> int:
+        main = self.buffers * (self._input_stage_floats(plane) + self._weight_stage_floats(weight_row))
+        return max(main, self.split_c * self.block_outputs if self.stage_out else 0)
 
     @property
     def input_stage_elems(self) -> int:
@@ -177,9 +215,7 @@ class CudaPlan:
 
     @property
     def smem_floats(self) -> int:
-        main = self.buffers * self.stage_floats
-        out = self.split_c * self.block_outputs if self.stage_out else 0
-        return max(main, out)
+        return self._smem_floats(self.plane, self.weight_row)
 
     @property
     def smem_bytes(self) -> int:
@@ -250,7 +286,7 @@ class CudaPlan:
                  HAS_RELU=int(self.relu), HAS_RES=int(self.residual), SPLIT=self.split_c,
                  STAGE_OUT=int(self.stage_out), NT=self.threads, NTS=self.spatial_threads,
                  CC=self.stage_c, KHC=self.stage_kh, KWC=self.stage_kw, PH=ph, PW=pw,
-                 PLANE=self.plane, WROW=self.weight_row, IN_ELEMS=self.input_stage_elems,
+                 PWP=self.row_pitch, PLANE=self.plane, WROW=self.weight_row, WSKEW=self.weight_skew, IN_ELEMS=self.input_stage_elems,
                  IN_STAGE=self.input_stage_floats, W_STAGE=self.weight_stage_floats,
                  STAGE=self.stage_floats, NSTAGES=self.stages, NACC=self.accumulators,
                  TB=self.block_outputs, NBUF=self.buffers, W_FLAT=int(self.weight_flat),
@@ -296,7 +332,7 @@ class CudaPlan:
         defines = [ln.split()[1] for ln in self.constants().splitlines() if ln.startswith("#define")]
         return (self.constants() + f"namespace ns_{name} {{\n" + self.body()
                 + _KERNEL.replace("maco_conv(", f"{name}(") + "}\n"
-                + "".join(f"#undef {d}\n" for d in defines + ["LOC"]))
+                + "".join(f"#undef {d}\n" for d in defines + ["LOC", "WSK"]))
 
     def source(self) -> str:
         """The CUDA C translation unit (one extern "C" kernel named maco_conv)."""
@@ -379,6 +415,8 @@ struct float4 { float x, y, z, w; };
 _BODY = r"""
 // local index of register r of a thread t along an axis with factors f1 f2 f3 f4
 #define LOC(r, t, F2, F3, F4) ((((r) / ((F3) * (F4))) * (F2) + (t)) * ((F3) * (F4)) + (r) % ((F3) * (F4)))
+// where element kl of a weight row sits in shared memory: WSKEW floats after every 32 (cuda_banks)
+#define WSK(kl) ((kl) + WSKEW * ((kl) / 32))
 
 struct Coord { int n, g, k, h, w; };
 
@@ -425,12 +463,12 @@ DEV void load_stage(const float* RESTRICT x, const float* RESTRICT w, float* sI,
 #else
     const long src = ((long)(n * C + ch) * H + ih) * W + iw;
 #endif
-    cp_async4(sI + ((nl * B_G + gl) * CC + cl) * PLANE + ph * PW + pw, x + (ok ? src : 0), ok);
+    cp_async4(sI + ((nl * B_G + gl) * CC + cl) * PLANE + ph * PWP + pw, x + (ok ? src : 0), ok);
   }
 #if W_FLAT
   {  // the stage's weights: one contiguous run [CC][KH][KW][B_K] of the blocked packing
     const float* src = w + ((long)(b.g * F0_K + b.k) * CG + c0 * CC) * (KH * KW * B_K);
-    for (int e = tid * 4; e < W_ELEMS; e += NT * 4) cp_async16(sW + e, src + e);
+    for (int e = tid * 4; e < W_ELEMS; e += NT * 4) cp_async16(sW + (e / B_K) * WROW + WSK(e % B_K), src + e);
   }
 #else
   for (int e = tid; e < W_ELEMS; e += NT) {
@@ -448,7 +486,7 @@ DEV void load_stage(const float* RESTRICT x, const float* RESTRICT w, float* sI,
     const long src = (((long)(g * KG + b.k * B_K + kl) * CG + c0 * CC + cl) * KH + h0 * KHC + r) * KW
                      + w0 * KWC + s;
 #endif
-    cp_async4(sW + ((gl * CC + cl) * KHC + r) * KWC * WROW + s * WROW + kl, w + src, true);
+    cp_async4(sW + ((gl * CC + cl) * KHC + r) * KWC * WROW + s * WROW + WSK(kl), w + src, true);
   }
 #endif
 }
@@ -470,7 +508,7 @@ DEV void compute_stage(const float* RESTRICT sI, const float* RESTRICT sW, float
 #pragma unroll
         for (int ik = 0; ik < R_K; ++ik)
           wr[ig * R_K + ik] = sW[((LOC(ig, t.g, F2_G, F3_G, F4_G) * CC + c) * KHC + r) * KWC * WROW
-                                 + s * WROW + LOC(ik, t.k, F2_K, F3_K, F4_K)];
+                                 + s * WROW + WSK(LOC(ik, t.k, F2_K, F3_K, F4_K))];
 #pragma unroll
       for (int in = 0; in < R_N; ++in)
 #pragma unroll
@@ -481,7 +519,7 @@ DEV void compute_stage(const float* RESTRICT sI, const float* RESTRICT sW, float
             for (int iw = 0; iw < R_OW; ++iw)
               xr[((in * R_G + ig) * R_OH + ih) * R_OW + iw] =
                   sI[((LOC(in, t.n, F2_N, F3_N, F4_N) * B_G + LOC(ig, t.g, F2_G, F3_G, F4_G)) * CC + c) * PLANE
-                     + (LOC(ih, t.h, F2_OH, F3_OH, F4_OH) * SH + r * DH) * PW
+                     + (LOC(ih, t.h, F2_OH, F3_OH, F4_OH) * SH + r * DH) * PWP
                      + LOC(iw, t.w, F2_OW, F3_OW, F4_OW) * SW + s * DW];
 #pragma unroll
       for (int in = 0; in < R_N; ++in)

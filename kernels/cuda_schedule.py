@@ -16,7 +16,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.core.geometry import paper_reuse
-from maco.kernels.cuda_codegen import CudaPlan
+from maco.kernels.cuda_codegen import SM_MAX_BLOCKS, SM_MAX_THREADS, CudaPlan
 from maco.core.axes import REDUCTION_AXES, axis_extents
 from maco.core.schedule import UNROLL_STEPS, Schedule
 from maco.core.sketch_cuda import gpu_max_shared_bytes
@@ -31,7 +31,7 @@ WARP_IPC = 0.5  # instructions per cycle one warp sustains (dependent loads, FMA
 MEM_LATENCY = 800  # cycles from issuing a global->shared copy to its arrival (L2 hit)
 BARRIER = 40  # cycles per __syncthreads
 COPY_INSTR = 14  # instructions per element copied global -> shared (index decode + cp.async)
-MAX_THREADS_SM, MAX_BLOCKS_SM, REGS_SM = 2048, 32, 65536
+REGS_SM = 65536
 DRAM_BYTES_PER_S = 3.0e12
 L2_BYTES_PER_S = 5.5e12
 LAUNCH_SECONDS = 2e-6
@@ -136,7 +136,7 @@ def _blocks_per_sm(target: Target, nt: np.ndarray, warps: np.ndarray, smem: np.n
     """Blocks resident on one SM at once: the least of what the block slots, threads, shared memory
     and registers allow (0 when one block does not fit, which makes the candidate infeasible)."""
     with np.errstate(divide="ignore"):
-        return np.minimum.reduce([np.full_like(nt, MAX_BLOCKS_SM), MAX_THREADS_SM // (warps * 32),
+        return np.minimum.reduce([np.full_like(nt, SM_MAX_BLOCKS), SM_MAX_THREADS // (warps * 32),
                                   target.level("shared").capacity // (smem + 1024),
                                   REGS_SM // (warps * 32 * regs)])
 

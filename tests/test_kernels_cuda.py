@@ -70,6 +70,24 @@ def _hand_made() -> list[CudaPlan]:
            plan(b, grouped, bias=True, residual=True), plan(b, grouped)]
     for p in out:
         assert p.vec_store == 4 and p.weight_flat and p.buffers >= 3, _ids(p)
+    return out + _padded()
+
+
+def _padded() -> list[CudaPlan]:
+    """Schedules whose warps would hit one bank many times, so that the generator pads the patch
+    rows (lanes along oh, rows 16 floats apart) or skews the weight rows (lanes along k, runs of 8
+    of a 64-wide row), the latter with the 16-byte weight copy and without it."""
+    rows = ConvSpec(1, 8, 16, 16, 64, 1, 1)
+    pad = Schedule(kind="cuda", spatial=((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (2, 1, 8, 1, 4), (4, 1, 4, 1, 1),
+                                         (1, 1, 1, 1, 16)), reduction=((2, 4, 1), (1, 1, 1), (1, 1, 1)))
+    ks = ConvSpec(1, 8, 8, 8, 64, 3, 3, padding=1)
+    spatial = ((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (1, 1, 8, 1, 8), (2, 1, 4, 1, 1), (1, 1, 1, 1, 8))
+    flat = Schedule(kind="cuda", spatial=spatial, reduction=((2, 4, 1), (1, 1, 3), (1, 1, 3)))
+    split = Schedule(kind="cuda", spatial=spatial, reduction=((8, 1, 1), (3, 1, 1), (1, 1, 3)))
+    out = [plan(rows, pad, bias=True, relu=True, residual=True), plan(ks, flat, bias=True, residual=True),
+           plan(ks, split, relu=True)]
+    assert out[0].padding[0] > 0 and out[1].weight_skew and out[2].weight_skew, [p.padding for p in out]
+    assert out[1].weight_flat and not out[2].weight_flat
     return out
 
 

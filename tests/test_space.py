@@ -239,7 +239,13 @@ def test_samples_agree_with_the_cuda_backend():
             for s in space.sample_many(spec, H100, 40, rng, pruned=pruned):
                 plan = codegen.CudaPlan(spec, s)
                 assert plan.problems() == []
-                assert plan.smem_bytes == sketch_cuda.shared_bytes(s, spec)
+                # the backend may pad the sketch's layout against bank conflicts, never so far
+                # that an SM holds fewer blocks at once
+                least = sketch_cuda.shared_bytes(s, spec)
+                assert plan.smem_bytes >= least
+                cap = min(codegen.SM_MAX_BLOCKS, codegen.SM_MAX_THREADS // (-(-plan.threads // 32) * 32))
+                per_sm = lambda b: min(cap, codegen.SM_SHARED_BYTES // (b + 1024))  # noqa: E731
+                assert per_sm(plan.smem_bytes) == per_sm(least) or plan.padding == (0, 0)
                 assert plan.threads == sketch_cuda.threads(s)
 
 
