@@ -3,7 +3,8 @@
 # own time limit, so that a slow part costs only its own results. Run from the repository root:
 #   bash experiments/device_run.sh     (carry .whl, the xgboost wheel, and .carry/fig15cubin.tgz, the cubins
 #   `fig15_kernels_gpu.py --prebuild-only sm_90 --cubin-dir .cubin/fig15` built here, *.cubin and *.sha256 tarred)
-# PARTS (default: all of tests fig15 fig17 tune cpu2 network cpu16) picks the parts; RECORDS names
+# PARTS (default: all of tests fig15 fig17 tune cpu2 network cpu16) picks the parts, <PART>_S (upper
+# case: TESTS_S, FIG15_S, FIG17_S, NETWORK_S, CPU16_S) their time limits in seconds; RECORDS names
 # CUDA records for the network part (default: the tune part's); CPU_NETWORKS the CPU parts' networks.
 # Writes $OUT/log.txt (every part's tail) and $OUT/device.tgz (full logs, CSVs, plots, records).
 set -u
@@ -48,16 +49,16 @@ if want cpu2; then
 fi
 G="taskset -c 2-15"
 # part 1: today's code on the GPU
-part tests 60 $G python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernels_cuda.py tests/test_target_schedule.py tests/test_cuda_graph.py
-part fig15 130 $G python3 experiments/fig15_kernels_gpu.py --out "$R/res" --cubin-dir .cubin/fig15
-part fig17 70 $G python3 experiments/fig17_cache.py --out "$R/res"
+part tests ${TESTS_S:-60} $G python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernels_cuda.py tests/test_target_schedule.py tests/test_cuda_graph.py
+part fig15 ${FIG15_S:-130} $G python3 experiments/fig15_kernels_gpu.py --out "$R/res" --cubin-dir .cubin/fig15
+part fig17 ${FIG17_S:-70} $G python3 experiments/fig17_cache.py --out "$R/res"
 # part 2: a whole network on the GPU (a short tuning run first, whose records the network uses)
 part tune 55 $G python3 -m maco.cli tune resnet18 --target cuda --trials 44 --round 11 --records "$R/res/records_cuda_resnet18.jsonl"
 if [ -n "$CPU2" ]; then
     wait $CPU2
     echo "=== cpu2 (2 cores, run beside the GPU parts)" >> "$LOG"; tail -c 3000 "$R/cpu2.log" >> "$LOG"
 fi
-part network ${NETWORK_S:-150} python3 experiments/network_gpu.py --out "$R/res" --records "${RECORDS:-$R/res/records_cuda_resnet18.jsonl}"
+part network ${NETWORK_S:-150} python3 experiments/network_gpu.py --out "$R/res" --records "${RECORDS:-$R/res/records_cuda_resnet18.jsonl}" ${NETWORK_ARGS:-}
 # part 4: every CPU core (ONNX Runtime and MACO first: Inductor compiles for a minute)
 part cpu16 ${CPU16_S:-100} python3 experiments/threads_cpu.py --out "$R/res" --networks ${CPU_NETWORKS:-resnet18} --engines ${CPU16_ENGINES:-onnxruntime,maco,inductor} --rounds 5
 
