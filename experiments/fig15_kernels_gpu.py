@@ -17,6 +17,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--candidates", type=int, default=8, help="schedules measured per layer")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="runs per contender per round")
+    ap.add_argument("--unrolls", default="",
+                    help="also measure every candidate at these unroll steps (e.g. 16: a shorter unrolled "
+                         "body, for kernels whose warps stall on instruction fetch)")
     ap.add_argument("--cubin-dir", default=None, help="nvcc build cache (parallel prebuild)")
     ap.add_argument("--prebuild-only", metavar="ARCH", default=None,
                     help="only compile every candidate for ARCH (e.g. sm_90) into --cubin-dir, no GPU "
@@ -64,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         for layout in args.layouts.split(","):
             configs.append((spec, layout))
-    plans = {cfg: [CudaPlan(cfg[0], s) for s in candidates(cfg[0], target, cfg[1], args.candidates)]
-             for cfg in configs}
+    unrolls = [int(u) for u in filter(None, args.unrolls.split(","))]
+    plans = {}
+    for cfg in configs:
+        found = candidates(cfg[0], target, cfg[1], args.candidates)
+        found += [replace(s, unroll=u) for u in unrolls for s in found if s.unroll != u]
+        plans[cfg] = [CudaPlan(cfg[0], s) for s in found]
     t0 = time.time()
     if args.prebuild_only:
         if not args.cubin_dir:
