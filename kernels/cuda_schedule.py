@@ -37,6 +37,9 @@ L2_BYTES_PER_S = 5.5e12
 LAUNCH_SECONDS = 2e-6
 PARTIAL_WRITE = 7  # cost factor of output sectors written in halves (see predict)
 KEEP = 4000  # ranked candidates kept per layer
+# FMAs one unrolled body of the reduction may hold: above it, an H200 ran the same kernels faster
+# with the R2 loops alone unrolled (results/gpu_h100/README.md, "unroll")
+MAX_UNROLLED_FMAS = 2048
 AXES = ("n", "g", "k", "oh", "ow")
 
 
@@ -206,17 +209,22 @@ def _ranked(spec: ConvSpec, target: Target, layout: str) -> list[tuple[float, tu
 
 
 def _schedule(spec: ConvSpec, layout: str, raw: tuple[int, ...]) -> Schedule:
+    """The schedule of a raw candidate. Its unroll step is 64 unless that unrolls more than
+    MAX_UNROLLED_FMAS FMAs into one body, then 16 (the R2 loops alone): such kernels' warps wait
+    on instruction fetch."""
     tn, rn, tg, rg, tk, rk, th, rh, tw, rw, cc, split, buf = raw
     e = dict(n=spec.n, g=spec.groups, k=spec.k_per_group, oh=spec.out_h, ow=spec.out_w)
 
     def sp(axis: str, t: int, r: int) -> tuple[int, ...]:
         return (e[axis] // (t * r), 1, t, 1, r)
 
+    taps = spec.kh * spec.kw
+    unrolled = rn * rg * rk * rh * rw * taps * max(1, min(cc // split, 64 // taps))
     return Schedule(kind="cuda",
                     spatial=(sp("n", tn, rn), sp("g", tg, rg), sp("k", tk, rk), sp("oh", th, rh),
                              sp("ow", tw, rw)),
                     reduction=((spec.c_per_group // cc, cc, 1), (1, 1, spec.kh), (1, 1, spec.kw)),
-                    unroll=64, layout=layout, weight_packing="blocked",
+                    unroll=64 if unrolled <= MAX_UNROLLED_FMAS else 16, layout=layout, weight_packing="blocked",
                     extra=((("split_c", split),) if split > 1 else ()) + ((("buffers", buf),) if buf != 2 else ()))
 
 

@@ -187,6 +187,22 @@ def test_candidates_are_distinct_and_valid():
         assert sch.layout == "NHWC" and CudaPlan(spec, sch).problems() == []
 
 
+def test_candidates_unroll_less_where_the_body_would_grow_too_long():
+    from dataclasses import replace
+
+    from maco.kernels.cuda_schedule import MAX_UNROLLED_FMAS
+
+    seen = set()
+    for spec in (ConvSpec(8, 256, 28, 28, 512, 3, 3, padding=1), ConvSpec(1, 64, 56, 56, 64, 3, 3, padding=1),
+                 ConvSpec(8, 128, 28, 28, 256, 1, 1, stride=2)):
+        for sch in candidates(spec, layout="NCHW", limit=16):
+            full = CudaPlan(spec, replace(sch, unroll=64)).unrolled_fmas
+            assert sch.unroll == (64 if full <= MAX_UNROLLED_FMAS else 16), (spec, sch.describe(), full)
+            assert CudaPlan(spec, sch).unrolled_fmas <= MAX_UNROLLED_FMAS
+            seen.add(sch.unroll)
+    assert seen == {16, 64}
+
+
 def test_bad_schedules_raise_naming_the_problem():
     spec = ConvSpec(1, 8, 12, 12, 16, 3, 3, padding=1)
     good = default_schedule(spec)
