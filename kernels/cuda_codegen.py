@@ -124,22 +124,20 @@ class CudaPlan:
         return input_window(s, self.block_tile("oh"), self.block_tile("ow"), self.stage_kh, self.stage_kw)
 
     @cached_property
-    def padding(self) -> tuple[int, int]:
-        """(floats added to each patch row, weight-row skew) that the bank model reads fastest
-        with (kernels.cuda_banks), among those that keep the blocks an SM holds at once."""
+    def padding(self) -> tuple[int, int, int, int]:
+        """(patch row pad, patch plane pad, weight skew, weight channel pad) that the bank model reads
+        fastest with (kernels.cuda_banks), among those that keep the blocks an SM holds at once."""
         cap = min(SM_MAX_BLOCKS, SM_MAX_THREADS // (-(-self.threads // 32) * 32))
 
         def per_sm(floats: int) -> int:
             return min(cap, SM_SHARED_BYTES // (4 * floats + 1024)) if 4 * floats <= GPU_MAX_SMEM_BYTES else 0
 
-        least = per_sm(self._smem_floats(cuda_banks.plane_of(self, self.patch[1]), self.block_tile("k")))
+        def floats(pad: tuple[int, int, int, int]) -> int:
+            plane = cuda_banks.plane_of(self, self.patch[1] + pad[0], pad[1])
+            return self._smem_floats(plane, cuda_banks.weight_channel(self, pad[2], pad[3]))
 
-        def fits(row_pad: int, skew: int) -> bool:
-            plane = cuda_banks.plane_of(self, self.patch[1] + row_pad)
-            row = cuda_banks.skewed_row(self.block_tile("k"), skew)
-            return row_pad == skew == 0 or per_sm(self._smem_floats(plane, row)) >= max(least, 1)
-
-        return cuda_banks.choose(self, fits)
+        least = per_sm(floats((0, 0, 0, 0)))
+        return cuda_banks.choose(self, lambda *pad: not any(pad) or per_sm(floats(pad)) >= max(least, 1))
 
     @property
     def row_pitch(self) -> int:
@@ -149,16 +147,21 @@ class CudaPlan:
     @property
     def plane(self) -> int:
         """Shared-memory stride between channels of the patch (odd for NHWC, see cuda_banks)."""
-        return cuda_banks.plane_of(self, self.row_pitch)
+        return cuda_banks.plane_of(self, self.row_pitch, self.padding[1])
 
     @property
     def weight_skew(self) -> int:
-        return self.padding[1]
+        return self.padding[2]
 
     @property
     def weight_row(self) -> int:
-        """Shared-memory stride of the k axis rows of the weight tile (skewed to dodge conflicts)."""
+        """Shared-memory stride of the k axis rows of the weight tile (skewed)."""
         return cuda_banks.skewed_row(self.block_tile("k"), self.weight_skew)
+
+    @property
+    def weight_channel(self) -> int:
+        """Shared-memory stride between the channels of the weight tile (padded)."""
+        return cuda_banks.weight_channel(self, self.weight_skew, self.padding[3])
 
     @property
     def buffers(self) -> int:
@@ -192,16 +195,16 @@ class CudaPlan:
 
     @property
     def weight_stage_floats(self) -> int:
-        return self._weight_stage_floats(self.weight_row)
+        return self._weight_stage_floats(self.weight_channel)
 
     def _input_stage_floats(self, plane: int) -> int:
         return _round4(self.block_tile("n") * self.block_tile("g") * self.stage_c * plane)
 
-    def _weight_stage_floats(self, weight_row: int) -> int:
-        return _round4(self.block_tile("g") * self.stage_c * self.stage_kh * self.stage_kw * weight_row)
+    def _weight_stage_floats(self, weight_channel: int) -> int:
+        return _round4(self.block_tile("g") * self.stage_c * weight_channel)
 
-    def _smem_floats(self, plane: int, weight_row: int) -> int:
-        main = self.buffers * (self._input_stage_floats(plane) + self._weight_stage_floats(weight_row))
+    def _smem_floats(self, plane: int, weight_channel: int) -> int:
+        main = self.buffers * (self._input_stage_floats(plane) + self._weight_stage_floats(weight_channel))
         return max(main, self.split_c * self.block_outputs if self.stage_out else 0)
 
     @property
@@ -215,7 +218,7 @@ class CudaPlan:
 
     @property
     def smem_floats(self) -> int:
-        return self._smem_floats(self.plane, self.weight_row)
+        return self._smem_floats(self.plane, self.weight_channel)
 
     @property
     def smem_bytes(self) -> int:
@@ -286,7 +289,8 @@ class CudaPlan:
                  HAS_RELU=int(self.relu), HAS_RES=int(self.residual), SPLIT=self.split_c,
                  STAGE_OUT=int(self.stage_out), NT=self.threads, NTS=self.spatial_threads,
                  CC=self.stage_c, KHC=self.stage_kh, KWC=self.stage_kw, PH=ph, PW=pw,
-                 PWP=self.row_pitch, PLANE=self.plane, WROW=self.weight_row, WSKEW=self.weight_skew, IN_ELEMS=self.input_stage_elems,
+                 PWP=self.row_pitch, PLANE=self.plane, WROW=self.weight_row, WCH=self.weight_channel,
+                 WSKEW=self.weight_skew, IN_ELEMS=self.input_stage_elems,
                  IN_STAGE=self.input_stage_floats, W_STAGE=self.weight_stage_floats,
                  STAGE=self.stage_floats, NSTAGES=self.stages, NACC=self.accumulators,
                  TB=self.block_outputs, NBUF=self.buffers, W_FLAT=int(self.weight_flat),
@@ -468,7 +472,10 @@ DEV void load_stage(const float* RESTRICT x, const float* RESTRICT w, float* sI,
 #if W_FLAT
   {  // the stage's weights: one contiguous run [CC][KH][KW][B_K] of the blocked packing
     const float* src = w + ((long)(b.g * F0_K + b.k) * CG + c0 * CC) * (KH * KW * B_K);
-    for (int e = tid * 4; e < W_ELEMS; e += NT * 4) cp_async16(sW + (e / B_K) * WROW + WSK(e % B_K), src + e);
+    for (int e = tid * 4; e < W_ELEMS; e += NT * 4) {
+      const int row = e / B_K;  // (channel, kh, kw) of the stage
+      cp_async16(sW + (row / (KH * KW)) * WCH + (row % (KH * KW)) * WROW + WSK(e % B_K), src + e);
+    }
   }
 #else
   for (int e = tid; e < W_ELEMS; e += NT) {
@@ -486,7 +493,7 @@ DEV void load_stage(const float* RESTRICT x, const float* RESTRICT w, float* sI,
     const long src = (((long)(g * KG + b.k * B_K + kl) * CG + c0 * CC + cl) * KH + h0 * KHC + r) * KW
                      + w0 * KWC + s;
 #endif
-    cp_async4(sW + ((gl * CC + cl) * KHC + r) * KWC * WROW + s * WROW + WSK(kl), w + src, true);
+    cp_async4(sW + (gl * CC + cl) * WCH + (r * KWC + s) * WROW + WSK(kl), w + src, true);
   }
 #endif
 }
@@ -507,8 +514,8 @@ DEV void compute_stage(const float* RESTRICT sI, const float* RESTRICT sW, float
       for (int ig = 0; ig < R_G; ++ig)
 #pragma unroll
         for (int ik = 0; ik < R_K; ++ik)
-          wr[ig * R_K + ik] = sW[((LOC(ig, t.g, F2_G, F3_G, F4_G) * CC + c) * KHC + r) * KWC * WROW
-                                 + s * WROW + WSK(LOC(ik, t.k, F2_K, F3_K, F4_K))];
+          wr[ig * R_K + ik] = sW[(LOC(ig, t.g, F2_G, F3_G, F4_G) * CC + c) * WCH + (r * KWC + s) * WROW
+                                 + WSK(LOC(ik, t.k, F2_K, F3_K, F4_K))];
 #pragma unroll
       for (int in = 0; in < R_N; ++in)
 #pragma unroll

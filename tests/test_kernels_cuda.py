@@ -76,7 +76,7 @@ def _hand_made() -> list[CudaPlan]:
 def _padded() -> list[CudaPlan]:
     """Schedules whose warps would hit one bank many times, so that the generator pads the patch
     rows (lanes along oh, rows 16 floats apart) or skews the weight rows (lanes along k, runs of 8
-    of a 64-wide row), the latter with the 16-byte weight copy and without it."""
+    of a 64-wide row), with the 16-byte weight copy and without it."""
     rows = ConvSpec(1, 8, 16, 16, 64, 1, 1)
     pad = Schedule(kind="cuda", spatial=((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (2, 1, 8, 1, 4), (4, 1, 4, 1, 1),
                                          (1, 1, 1, 1, 16)), reduction=((2, 4, 1), (1, 1, 1), (1, 1, 1)))
@@ -84,10 +84,25 @@ def _padded() -> list[CudaPlan]:
     spatial = ((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (1, 1, 8, 1, 8), (2, 1, 4, 1, 1), (1, 1, 1, 1, 8))
     flat = Schedule(kind="cuda", spatial=spatial, reduction=((2, 4, 1), (1, 1, 3), (1, 1, 3)))
     split = Schedule(kind="cuda", spatial=spatial, reduction=((8, 1, 1), (3, 1, 1), (1, 1, 3)))
+    # split_c: a warp spans two thread groups reading other channels, so the generator pads the
+    # stride between channels (patch planes, weight channels) too
+    one = ConvSpec(1, 64, 7, 7, 16, 1, 1)
+    ch = Schedule(kind="cuda", spatial=((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (1, 2, 1, 1, 8), (7, 1, 1, 1, 1),
+                                        (7, 1, 1, 1, 1)), reduction=((8, 4, 2), (1, 1, 1), (1, 1, 1)), unroll=16,
+                  weight_packing="none", extra=(("split_c", 2), ("buffers", 3)))
+    both = Schedule(kind="cuda", spatial=((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (2, 1, 1, 2, 4), (7, 1, 1, 1, 1),
+                                          (1, 1, 7, 1, 1)), reduction=((8, 2, 4), (1, 1, 1), (1, 1, 1)),
+                    extra=(("split_c", 2), ("buffers", 4)))
+    plane = Schedule(kind="cuda", spatial=((1, 1, 1, 1, 1), (1, 1, 1, 1, 1), (4, 1, 2, 2, 1), (1, 1, 4, 2, 1),
+                                           (1, 2, 2, 1, 2)), reduction=((8, 2, 2), (1, 1, 3), (1, 1, 3)), unroll=0,
+                     extra=(("split_c", 2),))
+    three = ConvSpec(1, 32, 8, 8, 16, 3, 3, padding=1)
     out = [plan(rows, pad, bias=True, relu=True, residual=True), plan(ks, flat, bias=True, residual=True),
-           plan(ks, split, relu=True)]
-    assert out[0].padding[0] > 0 and out[1].weight_skew and out[2].weight_skew, [p.padding for p in out]
-    assert out[1].weight_flat and not out[2].weight_flat
+           plan(ks, split, relu=True), plan(one, ch, bias=True), plan(one, both, relu=True, residual=True),
+           plan(three, plane, bias=True, relu=True)]
+    pads = [p.padding for p in out]
+    assert pads[0][0] and pads[1][2] and pads[2][2] and pads[3][3] and pads[4][0] and pads[4][3] and pads[5][1], pads
+    assert [p.weight_flat for p in out[1:5]] == [True, False, False, True], [p.weight_flat for p in out]
     return out
 
 
