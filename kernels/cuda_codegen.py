@@ -136,8 +136,12 @@ class CudaPlan:
             plane = cuda_banks.plane_of(self, self.patch[1] + pad[0], pad[1])
             return self._smem_floats(plane, cuda_banks.weight_channel(self, pad[2], pad[3]))
 
-        least = per_sm(floats((0, 0, 0, 0)))
+        least = per_sm(self._smem_floats(cuda_banks.plane_of(self, self.patch[1]), self._weight_channel0))
         return cuda_banks.choose(self, lambda *pad: not any(pad) or per_sm(floats(pad)) >= max(least, 1))
+
+    @property
+    def _weight_channel0(self) -> int:
+        return cuda_banks.weight_channel(self, 0)
 
     @property
     def row_pitch(self) -> int:
@@ -256,8 +260,9 @@ class CudaPlan:
             out.append(f"{self.threads} threads per block exceed {GPU_MAX_THREADS}")
         if self.accumulators > GPU_MAX_ACCUMULATORS:
             out.append(f"register tile of {self.accumulators} outputs per thread exceeds {GPU_MAX_ACCUMULATORS}")
-        if self.smem_bytes > GPU_MAX_SMEM_BYTES:
-            out.append(f"shared memory {self.smem_bytes} B per block exceeds {GPU_MAX_SMEM_BYTES} B")
+        unpadded = 4 * self._smem_floats(cuda_banks.plane_of(self, self.patch[1]), self._weight_channel0)
+        if unpadded > GPU_MAX_SMEM_BYTES:  # the padding never takes a block past the limit
+            out.append(f"shared memory {unpadded} B per block exceeds {GPU_MAX_SMEM_BYTES} B")
         if self.blocks > INT32_MAX:
             out.append(f"{self.blocks} blocks exceed the grid limit")
         sp = self.spec

@@ -202,6 +202,16 @@ def test_candidates_are_distinct_and_valid():
         assert sch.layout == "NHWC" and CudaPlan(spec, sch).problems() == []
 
 
+def test_checking_a_schedule_leaves_the_bank_model_alone():
+    # random_schedule and the space check thousands of schedules; the padding model costs
+    # milliseconds each, so only a plan that is built (its source, its launch) runs it
+    spec = ConvSpec(1, 64, 28, 28, 64, 3, 3, padding=1)
+    p = CudaPlan(spec, default_schedule(spec))
+    assert p.problems() == [] and "padding" not in p.__dict__
+    p.source()
+    assert "padding" in p.__dict__ and p.smem_bytes >= 4 * p._smem_floats(p.patch[0] * p.patch[1], p._weight_channel0)
+
+
 def test_candidates_unroll_less_where_the_body_would_grow_too_long():
     from dataclasses import replace
 
