@@ -3,12 +3,12 @@
 # own time limit, so that a slow part costs only its own results. Run from the repository root:
 #   bash experiments/device_run.sh     (carry .whl, the xgboost wheel, and .carry/fig15cubin.tgz, the cubins
 #   `fig15_kernels_gpu.py --prebuild-only sm_90 --cubin-dir .cubin/fig15` built here, *.cubin and *.sha256 tarred)
-# PARTS (default: all of tests fig15 fig17 tune cpu2 network cpu16) picks the parts, <PART>_S (upper
-# case: TESTS_S, FIG15_S, FIG17_S, NETWORK_S, CPU16_S) their time limits in seconds; RECORDS names
+# PARTS (default: all of tests fig15 fig17 tune cpu2 wtiles network cpu16) picks the parts, <PART>_S
+# (upper case: TESTS_S, FIG15_S, FIG17_S, WTILES_S, NETWORK_S, CPU16_S) their time limits in seconds; RECORDS names
 # CUDA records for the network part (default: the tune part's); CPU_NETWORKS the CPU parts' networks.
 # Writes $OUT/log.txt (every part's tail) and $OUT/device.tgz (full logs, CSVs, plots, records).
 set -u
-PARTS=${PARTS:-tests fig15 fig17 tune cpu2 network cpu16}
+PARTS=${PARTS:-tests fig15 fig17 tune cpu2 wtiles network cpu16}
 OUT=${OUT:-/tmp/device-out}
 R=/tmp/dev
 mkdir -p "$OUT" "$R/res"
@@ -40,12 +40,19 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 
 if [ -f .carry/fig15cubin.tgz ]; then mkdir -p .cubin/fig15 && tar xzf .carry/fig15cubin.tgz -C .cubin/fig15; fi
-# part 4 at 2 cores, beside the GPU parts (cores 0-1 here, 2-15 for them; noted with the results)
-CPU2=
-if want cpu2; then
-    (timeout -k 5 240 taskset -c 0-1 python3 experiments/threads_cpu.py --out "$R/res" --networks ${CPU_NETWORKS:-resnet18} --engines onnxruntime,maco \
-        --rounds 5 > "$R/cpu2.log" 2>&1; echo "=== cpu2: exit $?" >> "$R/cpu2.log") &
-    CPU2=$!
+# on cores 0-1, beside the GPU parts (which take cores 2-15; noted with the results), one after
+# the other: part 4 at 2 cores, and issue 40's Winograd tile model on this host's CPU
+BG=
+if want cpu2 || want wtiles; then
+    (if want cpu2; then
+        timeout -k 5 240 taskset -c 0-1 python3 experiments/threads_cpu.py --out "$R/res" --networks ${CPU_NETWORKS:-resnet18} \
+            --engines onnxruntime,maco --rounds 5 > "$R/cpu2.log" 2>&1; echo "=== cpu2: exit $?" >> "$R/cpu2.log"
+     fi
+     if want wtiles; then
+        timeout -k 5 ${WTILES_S:-300} taskset -c 0-1 python3 experiments/winograd_tiles.py --out "$R/res" > "$R/wtiles.log" 2>&1
+        echo "=== wtiles: exit $?" >> "$R/wtiles.log"
+     fi) &
+    BG=$!
 fi
 G="taskset -c 2-15"
 # part 1: today's code on the GPU
@@ -54,11 +61,14 @@ part fig15 ${FIG15_S:-130} $G python3 experiments/fig15_kernels_gpu.py --out "$R
 part fig17 ${FIG17_S:-70} $G python3 experiments/fig17_cache.py --out "$R/res"
 # part 2: a whole network on the GPU (a short tuning run first, whose records the network uses)
 part tune 55 $G python3 -m maco.cli tune resnet18 --target cuda --trials 44 --round 11 --records "$R/res/records_cuda_resnet18.jsonl"
-if [ -n "$CPU2" ]; then
-    wait $CPU2
-    echo "=== cpu2 (2 cores, run beside the GPU parts)" >> "$LOG"; tail -c 3000 "$R/cpu2.log" >> "$LOG"
+part network ${NETWORK_S:-150} $G python3 experiments/network_gpu.py --out "$R/res" --records "${RECORDS:-$R/res/records_cuda_resnet18.jsonl}" ${NETWORK_ARGS:-}
+if [ -n "$BG" ]; then
+    wait $BG
+    for f in cpu2 wtiles; do
+        [ -f "$R/$f.log" ] && { echo "=== $f (cores 0-1, beside the GPU parts)" >> "$LOG"; tail -c 3000 "$R/$f.log" >> "$LOG"; }
+    done
+    tar czf "$OUT/device.tgz" -C "$R" .
 fi
-part network ${NETWORK_S:-150} python3 experiments/network_gpu.py --out "$R/res" --records "${RECORDS:-$R/res/records_cuda_resnet18.jsonl}" ${NETWORK_ARGS:-}
 # part 4: every CPU core (ONNX Runtime and MACO first: Inductor compiles for a minute)
 part cpu16 ${CPU16_S:-100} python3 experiments/threads_cpu.py --out "$R/res" --networks ${CPU_NETWORKS:-resnet18} --engines ${CPU16_ENGINES:-onnxruntime,maco,inductor} --rounds 5
 
