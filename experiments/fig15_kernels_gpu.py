@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from maco import ConvSpec, Target
+from maco.core.schedule import UNROLL_STEPS
 from maco.experiments.common import Figure, geomean, num, out_dir, parser, pyplot, save_plot, write_csv
 from maco.tune.gpu_measure import CudnnConv, GpuTimer, cudnn_version
 from maco.kernels import cuda_build
@@ -68,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         for layout in args.layouts.split(","):
             configs.append((spec, layout))
-    unrolls = [int(u) for u in filter(None, args.unrolls.split(","))]
+    unrolls = [u.strip() for u in filter(None, args.unrolls.split(","))]
+    if any(u not in map(str, UNROLL_STEPS) for u in unrolls):
+        ap.error(f"--unrolls takes unroll steps from {UNROLL_STEPS}, got {args.unrolls!r}")
+    unrolls = [int(u) for u in unrolls]
     plans = {}
     for cfg in configs:
         found = candidates(cfg[0], target, cfg[1], args.candidates)
