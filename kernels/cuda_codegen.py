@@ -129,19 +129,17 @@ class CudaPlan:
         fastest with (kernels.cuda_banks), among those that keep the blocks an SM holds at once."""
         cap = min(SM_MAX_BLOCKS, SM_MAX_THREADS // (-(-self.threads // 32) * 32))
 
-        def per_sm(floats: int) -> int:
+        def per_sm(pad: tuple[int, ...]) -> int:
+            floats = self._padded_smem_floats(*pad)
             return min(cap, SM_SHARED_BYTES // (4 * floats + 1024)) if 4 * floats <= GPU_MAX_SMEM_BYTES else 0
 
-        def floats(pad: tuple[int, int, int, int]) -> int:
-            plane = cuda_banks.plane_of(self, self.patch[1] + pad[0], pad[1])
-            return self._smem_floats(plane, cuda_banks.weight_channel(self, pad[2], pad[3]))
+        least = per_sm((0, 0, 0, 0))
+        return cuda_banks.choose(self, lambda *pad: not any(pad) or per_sm(pad) >= max(least, 1))
 
-        least = per_sm(self._smem_floats(cuda_banks.plane_of(self, self.patch[1]), self._weight_channel0))
-        return cuda_banks.choose(self, lambda *pad: not any(pad) or per_sm(floats(pad)) >= max(least, 1))
-
-    @property
-    def _weight_channel0(self) -> int:
-        return cuda_banks.weight_channel(self, 0)
+    def _padded_smem_floats(self, row_pad: int, plane_pad: int, skew: int, channel_pad: int) -> int:
+        """Shared memory of one block (floats) with this padding; all zeros: the sketch's layout."""
+        plane = cuda_banks.plane_of(self, self.patch[1] + row_pad, plane_pad)
+        return self._smem_floats(plane, cuda_banks.weight_channel(self, skew, channel_pad))
 
     @property
     def row_pitch(self) -> int:
@@ -222,7 +220,7 @@ class CudaPlan:
 
     @property
     def smem_floats(self) -> int:
-        return self._smem_floats(self.plane, self.weight_channel)
+        return self._padded_smem_floats(*self.padding)
 
     @property
     def smem_bytes(self) -> int:
@@ -260,7 +258,7 @@ class CudaPlan:
             out.append(f"{self.threads} threads per block exceed {GPU_MAX_THREADS}")
         if self.accumulators > GPU_MAX_ACCUMULATORS:
             out.append(f"register tile of {self.accumulators} outputs per thread exceeds {GPU_MAX_ACCUMULATORS}")
-        unpadded = 4 * self._smem_floats(cuda_banks.plane_of(self, self.patch[1]), self._weight_channel0)
+        unpadded = 4 * self._padded_smem_floats(0, 0, 0, 0)
         if unpadded > GPU_MAX_SMEM_BYTES:  # the padding never takes a block past the limit
             out.append(f"shared memory {unpadded} B per block exceeds {GPU_MAX_SMEM_BYTES} B")
         if self.blocks > INT32_MAX:

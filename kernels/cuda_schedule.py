@@ -9,6 +9,7 @@ too few warps cannot hide. The top candidates are what a measured search starts 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from math import sqrt
 
@@ -38,7 +39,7 @@ LAUNCH_SECONDS = 2e-6
 PARTIAL_WRITE = 7  # cost factor of output sectors written in halves (see predict)
 KEEP = 4000  # ranked candidates kept per layer
 # FMAs one unrolled body of the reduction may hold: above it, an H200 ran the same kernels faster
-# with the R2 loops alone unrolled (results/gpu_h100/README.md, "unroll")
+# with the R2 loops alone unrolled (results/gpu_1127/README.md, "Instruction fetch")
 MAX_UNROLLED_FMAS = 2048
 AXES = ("n", "g", "k", "oh", "ow")
 
@@ -218,14 +219,13 @@ def _schedule(spec: ConvSpec, layout: str, raw: tuple[int, ...]) -> Schedule:
     def sp(axis: str, t: int, r: int) -> tuple[int, ...]:
         return (e[axis] // (t * r), 1, t, 1, r)
 
-    taps = spec.kh * spec.kw
-    unrolled = rn * rg * rk * rh * rw * taps * max(1, min(cc // split, 64 // taps))
-    return Schedule(kind="cuda",
-                    spatial=(sp("n", tn, rn), sp("g", tg, rg), sp("k", tk, rk), sp("oh", th, rh),
-                             sp("ow", tw, rw)),
-                    reduction=((spec.c_per_group // cc, cc, 1), (1, 1, spec.kh), (1, 1, spec.kw)),
-                    unroll=64 if unrolled <= MAX_UNROLLED_FMAS else 16, layout=layout, weight_packing="blocked",
-                    extra=((("split_c", split),) if split > 1 else ()) + ((("buffers", buf),) if buf != 2 else ()))
+    sch = Schedule(kind="cuda",
+                   spatial=(sp("n", tn, rn), sp("g", tg, rg), sp("k", tk, rk), sp("oh", th, rh),
+                            sp("ow", tw, rw)),
+                   reduction=((spec.c_per_group // cc, cc, 1), (1, 1, spec.kh), (1, 1, spec.kw)),
+                   unroll=64, layout=layout, weight_packing="blocked",
+                   extra=((("split_c", split),) if split > 1 else ()) + ((("buffers", buf),) if buf != 2 else ()))
+    return sch if CudaPlan(spec, sch).unrolled_fmas <= MAX_UNROLLED_FMAS else replace(sch, unroll=16)
 
 
 def predicted_seconds(spec: ConvSpec, schedule: Schedule, target: Target | None = None) -> float | None:

@@ -209,7 +209,7 @@ def test_checking_a_schedule_leaves_the_bank_model_alone():
     p = CudaPlan(spec, default_schedule(spec))
     assert p.problems() == [] and "padding" not in p.__dict__
     p.source()
-    assert "padding" in p.__dict__ and p.smem_bytes >= 4 * p._smem_floats(p.patch[0] * p.patch[1], p._weight_channel0)
+    assert "padding" in p.__dict__ and p.smem_bytes >= 4 * p._padded_smem_floats(0, 0, 0, 0)
 
 
 def test_candidates_unroll_less_where_the_body_would_grow_too_long():
