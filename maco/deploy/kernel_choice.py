@@ -472,15 +472,15 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
 
 
 def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, others: bool = True,
-                       winograd: Callable[[int], bool] | None = None,
+                       winograd: Callable[[int], bool | int] | None = None,
                        portable: bool = True) -> tuple[fx.GraphModule, LayoutPlan]:
     """The planned MACO model without tuning or timing, and its plan: every layer NHWC, every conv
     a direct kernel runs on its bound-derived default schedule, and with `others` the depthwise
     convs and pooling layers on the generated kernels too; `winograd(i)` picks which of the
-    Winograd-capable convs (i counts them) run MACO's Winograd F(2x2) instead. With `portable`
-    False, a conv that only portable C computes on a host with vector intrinsics (its filters not
-    a whole number of the host's vectors: 24 or 40 of AVX-512's 16 lanes, at a tenth of torch's
-    speed) stays torch's. What `maco optimize` builds before it times anything (portable False):
+    Winograd-capable convs (i counts them) run MACO's Winograd instead: True for F(2x2), or the
+    output tile size. With `portable` False, a conv that only portable C computes on a host with
+    vector intrinsics (its filters not a whole number of the host's vectors: 24 or 40 of
+    AVX-512's 16 lanes, at a tenth of torch's speed) stays torch's. What `maco optimize` builds before it times anything (portable False):
     for experiments and tests that need MACO kernels everywhere."""
     specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
     fused = fuse(model, x)
@@ -515,8 +515,9 @@ def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, oth
                 swap_module(gm, path, MacoDepthwise2d(conv, spec, "NHWC", target, own))
             elif winograd is not None and winograd_module_can_run(conv, spec, target):
                 capable += 1
-                if winograd(capable - 1):
-                    swap_module(gm, path, MacoWinograd2d(conv, spec, target, own, m=2))
+                tile = winograd(capable - 1)
+                if tile:
+                    swap_module(gm, path, MacoWinograd2d(conv, spec, target, own, m=2 if tile is True else tile))
         elif (others and isinstance(mod, POOLS) and _layout(args[0]) is not None
               and plan_for(mod, shape, _layout(args[0]), target.cores) is not None):
             swap_module(gm, path, MacoPool2d(mod, shape, _layout(args[0]), target, own))
