@@ -40,6 +40,19 @@ class CompiledKernel(Protocol):
         """Pack the weights once for this kernel's layout and blocking."""
 
 
+def check_binding(spec: ConvSpec, has_bias: bool, weight_shape: tuple[int, ...], bias_shape: tuple[int, ...] | None) -> None:
+    """What bind() checks on every backend, naming the value: weights of the spec's shape (K,
+    C/groups, kh, kw), and a bias of K values exactly where the kernel was compiled with one."""
+    if tuple(weight_shape) != spec.weight_shape:
+        raise MacoError(f"weight has shape {tuple(weight_shape)}, expected {spec.weight_shape} for {spec}")
+    if has_bias and bias_shape is None:
+        raise MacoError(f"the kernel for {spec} was compiled with bias=True but bind() got no bias")
+    if not has_bias and bias_shape is not None:
+        raise MacoError(f"the kernel for {spec} was compiled with bias=False but bind() got a bias")
+    if bias_shape is not None and tuple(bias_shape) != (spec.k,):
+        raise MacoError(f"bias has shape {tuple(bias_shape)}, expected ({spec.k},)")
+
+
 def host_target() -> Target:
     """This CPU as MACO's kernels run on it inside torch: with torch's intra-op thread count."""
     return Target.host(_torch_threads())

@@ -15,6 +15,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
+from maco.kernels.api import check_binding
 from maco.kernels.aligned import aligned_empty
 from maco.kernels.cpu_codegen import FUNCTION, CpuPlan
 from maco.core.schedule import Schedule
@@ -68,18 +69,8 @@ class CpuKernel:
     def bind(self, weight: Any, bias: Any = None) -> "CpuConv":
         """Weights in torch layout (K, C/groups, kh, kw), torch or numpy float32; packed once."""
         w = _numpy(weight, "weight")
-        if tuple(w.shape) != self.spec.weight_shape:
-            raise MacoError(f"weight has shape {tuple(w.shape)}, expected {self.spec.weight_shape} "
-                            f"for {self.spec}")
-        if self.has_bias and bias is None:
-            raise MacoError(f"the kernel for {self.spec} was compiled with bias=True but bind() got no bias")
-        if not self.has_bias and bias is not None:
-            raise MacoError(f"the kernel for {self.spec} was compiled with bias=False but bind() got a bias")
-        b = None
-        if bias is not None:
-            b = np.ascontiguousarray(_numpy(bias, "bias"))
-            if b.shape != (self.spec.k,):
-                raise MacoError(f"bias has shape {b.shape}, expected ({self.spec.k},)")
+        b = None if bias is None else np.ascontiguousarray(_numpy(bias, "bias"))
+        check_binding(self.spec, self.has_bias, w.shape, None if b is None else b.shape)
         self.function()
         return CpuConv(self, self.plan.pack_weight(w), b)
 

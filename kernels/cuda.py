@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from maco.core.errors import MacoError
 from maco.kernels import cuda_build
+from maco.kernels.api import check_binding
 from maco.kernels.cuda_codegen import KERNEL_NAME, CudaPlan, pack_weight, plan as make_plan
 from maco.kernels.cuda_schedule import candidates, default_schedule as _default_schedule
 from maco.core.schedule import Schedule
@@ -134,18 +135,8 @@ class CudaKernel:
         packed and copied to the GPU once."""
         cupy = cupy_module()
         w = _to_cupy(weight, "weight")
-        if tuple(w.shape) != self.spec.weight_shape:
-            raise MacoError(f"weight has shape {tuple(w.shape)}, expected {self.spec.weight_shape} "
-                            f"for {self.spec}")
-        if self.has_bias and bias is None:
-            raise MacoError(f"the kernel for {self.spec} was compiled with bias=True but bind() got no bias")
-        if not self.has_bias and bias is not None:
-            raise MacoError(f"the kernel for {self.spec} was compiled with bias=False but bind() got a bias")
-        b = None
-        if bias is not None:
-            b = cupy.ascontiguousarray(_to_cupy(bias, "bias"))
-            if tuple(b.shape) != (self.spec.k,):
-                raise MacoError(f"bias has shape {tuple(b.shape)}, expected ({self.spec.k},)")
+        b = None if bias is None else cupy.ascontiguousarray(_to_cupy(bias, "bias"))
+        check_binding(self.spec, self.has_bias, w.shape, None if b is None else b.shape)
         packed = pack_weight(self.plan, w, xp=cupy)
         self.build()
         return CudaConv(self, packed, b)

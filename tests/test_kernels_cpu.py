@@ -305,6 +305,10 @@ def test_errors_name_the_bad_value():
         kernels.compile(spec, good).bind(torch.randn(16, 8, 3, 2))
     with pytest.raises(MacoError, match="bias=False"):
         kernels.compile(spec, good).bind(torch.randn(spec.weight_shape), torch.randn(16))
+    with pytest.raises(MacoError, match="bias=True but bind\\(\\) got no bias"):
+        kernels.compile(spec, good, bias=True).bind(torch.randn(spec.weight_shape))
+    with pytest.raises(MacoError, match=r"bias has shape \(15,\), expected \(16,\)"):
+        kernels.compile(spec, good, bias=True).bind(torch.randn(spec.weight_shape), torch.randn(15))
     with pytest.raises(MacoError, match="residual=False"):
         conv(torch.randn(spec.input_shape), residual=torch.randn(spec.output_shape))
     with pytest.raises(MacoError, match="out must be contiguous NCHW"):
