@@ -64,6 +64,7 @@ def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
     assert f"batch 2, {torch.get_num_threads()} threads" in report
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] and (out / "layers.csv").is_file() and (out / "layers.png").is_file()
+    assert (out / "time_split.png").read_bytes().startswith(b"\x89PNG")
     e2e = json.loads((out / "end_to_end.json").read_text())
     for result in e2e.values():
         assert result["max_abs_diff"] < 1e-3 and result["speedup"] > 0

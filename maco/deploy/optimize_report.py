@@ -140,6 +140,7 @@ def write_outputs(result: OptimizeResult, target: Target, records: Path, swapped
     if result.share is not None:
         split = result.share.to_dict() | ({"floor": result.floor.to_dict()} if result.floor else {})
         files["time_split.json"] = lambda: json.dumps(split, indent=2)
+        files["time_split.png"] = lambda: _time_split_plot(result.model_name, result.share, result.floor)
     files["report.md"] = lambda: report_markdown(result, target, records, swapped)
     # each file whole or not at all, and one that cannot be written (a full disk) does not keep
     # the others from being written: then one line names the folder and what is missing
@@ -197,8 +198,46 @@ def _plot(result: OptimizeResult) -> bytes:
     ax.set_title(f"{result.model_name}: best kernel per layer and layout")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    return _png(fig)
+
+
+def _time_split_plot(model_name: str, s: ConvShare, floor: ModelFloor | None) -> bytes:
+    """Each conv kernel in the model's order: its time alone, with its weights in memory, inside
+    the model, and its own floor, as PNG bytes: where the model's time goes at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(s.per_conv)
+    series = [("alone", s.per_conv), ("weights in memory", s.per_conv_cold), ("inside the model", s.per_conv_in_model)]
+    series = [(label, d) for label, d in series if d]
+    idx = np.arange(len(names))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(8, max(3.0, 0.28 * len(names) + 1.5)))
+    for i, (label, d) in enumerate(series):
+        ax.barh(idx + (i - (len(series) - 1) / 2) * width, [d.get(n, 0) * 1e6 for n in names], width, label=label)
+    if floor is not None and floor.per_conv:
+        ax.scatter([floor.per_conv.get(n, np.nan) * 1e6 for n in names], idx, marker="|", s=200, color="black",
+                   zorder=3, label="its floor")
+    ax.set_yticks(idx, names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("microseconds")
+    title = f"{model_name}: {s.model_s * 1e3:.2f} ms"
+    if floor is not None and floor.seconds:
+        title += f", {s.model_s / floor.seconds:.2f}x its network floor ({floor.seconds * 1e3:.2f} ms)"
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.6 / fig.get_figheight()), ncol=4)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _png(fig: Any) -> bytes:
+    """A matplotlib figure as PNG bytes (its legend kept when it sits outside the axes); closes it."""
+    import matplotlib.pyplot as plt
+
     png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=120)
+    fig.savefig(png, format="png", dpi=120, bbox_inches="tight")
     plt.close(fig)
     return png.getvalue()
 
@@ -210,7 +249,7 @@ def report_markdown(result: OptimizeResult, target: Target, records: Path, swapp
              + _end_to_end_section(result, swapped) + _time_split_section(result) + _engines_section(result))
     lines += ["", "Files: `plan.json` (the plan of the fused graph: "
               "`maco.layouts.LayoutPlan.load(...).apply(maco.layouts.fuse(model, example_input))`), "
-              f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`; records: `{records}`.", ""]
+              f"`layers.csv`, `layers.png`, `end_to_end.json`, `time_split.json`, `time_split.png`; records: `{records}`.", ""]
     return "\n".join(lines)
 
 
