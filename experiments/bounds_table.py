@@ -35,7 +35,7 @@ FIGURE = Figure(
     "bounds", "eq. (8): Q >= kh*kw*C*Ho*Wo*K / (4*sqrt(2*R*S)); optimal tiles x*y = R*z, "
     "x*y*z = S/Np", "exact arithmetic, no measurement: a ratio above 1 is the price of integer, "
     "edge-clipped tiles against a bound that allows any schedule; the network floor (not in the "
-    "paper) is measured per host", csv=("bounds_table.csv", "bounds_network.csv"), quick=False,
+    "paper) is measured per host", csv=("bounds_table.csv", "bounds_network.csv", "bounds_network_zen5.csv"), quick=False,
     hosts={"bounds_table.csv": ("1e18664238be84b1", "Intel Xeon (avx512, 2 cores)")})
 
 NETWORKS = ("resnet18", "alexnet", "vgg11")
