@@ -480,8 +480,9 @@ def kernels_everywhere(model: nn.Module, x: torch.Tensor, target: Target, *, oth
     Winograd-capable convs (i counts them) run MACO's Winograd instead: True for F(2x2), or the
     output tile size. With `portable` False, a conv that only portable C computes on a host with
     vector intrinsics (its filters not a whole number of the host's vectors: 24 or 40 of
-    AVX-512's 16 lanes, at a tenth of torch's speed) stays torch's. What `maco optimize` builds before it times anything (portable False):
-    for experiments and tests that need MACO kernels everywhere."""
+    AVX-512's 16 lanes, at a tenth of torch's speed) stays torch's. What `maco optimize` builds
+    before it times anything (portable False): for experiments and tests that need MACO kernels
+    everywhere."""
     specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
     fused = fuse(model, x)
     table = {(s, lay): (1.0 if lay == "NHWC" else 2.0) for s in specs for lay in ("NCHW", "NHWC")}

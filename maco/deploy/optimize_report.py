@@ -180,11 +180,7 @@ def _fmt(v: float | None) -> str:
 
 def _plot(result: OptimizeResult) -> bytes:
     """The per-layer plot as PNG bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = result.rows
     idx = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
@@ -204,11 +200,7 @@ def _plot(result: OptimizeResult) -> bytes:
 def _time_split_plot(model_name: str, s: ConvShare, floor: ModelFloor | None) -> bytes:
     """Each conv kernel in the model's order: its time alone, with its weights in memory, inside
     the model, and its own floor, as PNG bytes: where the model's time goes at a glance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     names = list(s.per_conv)
     series = [("alone", s.per_conv), ("weights in memory", s.per_conv_cold), ("inside the model", s.per_conv_in_model)]
     series = [(label, d) for label, d in series if d]
@@ -230,6 +222,16 @@ def _time_split_plot(model_name: str, s: ConvShare, floor: ModelFloor | None) ->
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.6 / fig.get_figheight()), ncol=4)
     fig.tight_layout()
     return _png(fig)
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _png(fig: Any) -> bytes:
