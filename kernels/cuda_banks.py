@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 BANKS = 32
 WARP = 32
 PADS = range(8)  # floats added to a patch row, or to a patch plane
@@ -36,37 +38,45 @@ def skewed_row(b_k: int, skew: int) -> int:
     return skewed(b_k - 1, skew) + 1 if b_k else 0
 
 
-def wavefronts(lanes: list[tuple[int, ...]]) -> tuple[int, int]:
-    """(wavefronts, conflict-free wavefronts) of one warp load; `lanes` holds each lane's words."""
-    words = {w for ws in lanes for w in ws}
-    per_bank: dict[int, int] = {}
-    for w in words:
-        per_bank[w % BANKS] = per_bank.get(w % BANKS, 0) + 1
-    ideal = max(1, -(-len(words) * 4 // 128))
-    return max(max(per_bank.values()), ideal), ideal
+def wavefronts(words: np.ndarray) -> tuple[int, int]:
+    """(wavefronts, conflict-free wavefronts) summed over warp loads: row i of `words` holds every
+    word load i's lanes read. A load costs the most distinct words on one bank, at least its
+    distinct bytes over 128."""
+    words = np.sort(words.reshape(len(words), -1), axis=1)
+    first = np.ones(words.shape, dtype=bool)
+    first[:, 1:] = words[:, 1:] != words[:, :-1]
+    ideal = np.maximum(1, -(-first.sum(axis=1) * 4 // 128))
+    load = np.nonzero(first)[0]
+    per_bank = np.bincount(load * BANKS + words[first] % BANKS, minlength=len(words) * BANKS)
+    worst = per_bank.reshape(len(words), BANKS).max(axis=1)
+    return int(np.maximum(worst, ideal).sum()), int(ideal.sum())
 
 
 class _Warp:
-    """The first warp's thread coordinates and the LOC index of a plan (as in the CUDA body).
-    With split_c the warp may reach into the next thread group, which reads other channels."""
+    """The first warp's thread coordinates (one array per axis, a value per lane) and the LOC
+    index of a plan, as in the CUDA body. With split_c the warp may reach into the next thread
+    group, which reads other channels."""
 
     def __init__(self, plan: Any):
-        self.plan = plan
+        self.f = {a: plan.f(a) for a in ("n", "g", "k", "oh", "ow", "c")}
         order = ("k", "ow", "oh") if plan.schedule.layout == "NHWC" else ("ow", "oh", "k")
-        _, c1, c2 = plan.f("c")
-        self.lanes = []
-        for tid in range(min(WARP, plan.threads)):
-            t = tid % plan.spatial_threads
-            c = {"c": tid // plan.spatial_threads * (c1 // plan.split_c) * c2}
-            for a in order:
-                f2 = plan.f(a)[2]
-                c[a], t = t % f2, t // f2
-            c["g"], c["n"] = t % plan.f("g")[2], t // plan.f("g")[2]
-            self.lanes.append(c)
+        _, c1, c2 = self.f["c"]
+        tid = np.arange(min(WARP, plan.threads))
+        t = tid % plan.spatial_threads
+        self.lane = {"c": tid // plan.spatial_threads * (c1 // plan.split_c) * c2}
+        for a in order:
+            f2 = self.f[a][2]
+            self.lane[a], t = t % f2, t // f2
+        self.lane["g"], self.lane["n"] = t % self.f["g"][2], t // self.f["g"][2]
 
-    def loc(self, axis: str, r: int, t: int) -> int:
-        _, _, f2, f3, f4 = self.plan.f(axis)
+    def loc(self, axis: str, r: Any, t: Any) -> Any:
+        """LOC of register index r (int or array) for thread coordinate t (int or array)."""
+        _, _, f2, f3, f4 = self.f[axis]
         return ((r // (f3 * f4)) * f2 + t) * (f3 * f4) + r % (f3 * f4)
+
+    def locs(self, axis: str, regs: int) -> np.ndarray:
+        """LOC of each register index (rows) for each lane (columns)."""
+        return self.loc(axis, np.arange(regs)[:, None], self.lane[axis][None, :])
 
 
 def weight_wavefronts(plan: Any, skew: int, channel: int) -> tuple[int, int]:
@@ -76,42 +86,41 @@ def weight_wavefronts(plan: Any, skew: int, channel: int) -> tuple[int, int]:
     rk, rg = plan.reg_tile("k"), plan.reg_tile("g")
     row = skewed_row(plan.block_tile("k"), skew)
     vec = 4 if rk % 4 == 0 and plan.f("k")[4] % 4 == 0 and row % 4 == 0 else 1
-    total = ideal = 0
-    for r in range(plan.stage_kh):
-        for s in range(plan.stage_kw):
-            for ig in range(rg):
-                for ik in range(0, rk, vec):
-                    lanes = []
-                    for L in w.lanes:
-                        base = (w.loc("g", ig, L["g"]) * plan.stage_c + L["c"]) * channel + (r * plan.stage_kw + s) * row
-                        lanes.append(tuple(base + skewed(w.loc("k", ik + j, L["k"]), skew) for j in range(vec)))
-                    a, b = wavefronts(lanes)
-                    total, ideal = total + a, ideal + b
-    return total, ideal
+    taps = np.arange(plan.stage_kh * plan.stage_kw) * row  # (r, s) in the loop's order
+    g = (w.locs("g", rg) * plan.stage_c + w.lane["c"]) * channel  # (ig, lane)
+    k = skewed(w.locs("k", rk), skew)  # (ik + j, lane)
+    k = k.reshape(rk // vec, vec, -1).transpose(0, 2, 1)  # (load, lane, word)
+    words = taps[:, None, None, None, None] + g[None, :, None, :, None] + k[None, None, :, :, :]
+    return wavefronts(words.reshape(-1, words.shape[3] * vec))
 
 
-def input_wavefronts(plan: Any, row_pitch: int, plane: int) -> tuple[int, int]:
-    """(wavefronts, ideal) of one channel's input reads with patch rows `row_pitch` floats apart
-    and channels `plane` floats apart."""
+def _input_reads(plan: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The input reads of one stage's first channel, one row per warp load and one column per
+    lane, as (channel, patch row, column) whose word is channel*plane + row*row_pitch + column."""
     w = _Warp(plan)
     sh, sw = plan.spec.stride
     dh, dw = plan.spec.dilation
-    cols = sorted({w.loc("ow", iw, 0) * sw + s * dw for iw in range(plan.reg_tile("ow"))
+    cols = sorted({int(w.loc("ow", iw, 0)) * sw + s * dw for iw in range(plan.reg_tile("ow"))
                    for s in range(plan.stage_kw)})
-    total = ideal = 0
-    for r in range(plan.stage_kh):
-        for inn in range(plan.reg_tile("n")):
-            for ig in range(plan.reg_tile("g")):
-                for ih in range(plan.reg_tile("oh")):
-                    for col in cols:
-                        lanes = []
-                        for L in w.lanes:
-                            ch = (w.loc("n", inn, L["n"]) * plan.block_tile("g") + w.loc("g", ig, L["g"])) * plan.stage_c + L["c"]
-                            row = w.loc("oh", ih, L["oh"]) * sh + r * dh
-                            lanes.append((ch * plane + row * row_pitch + col + (w.loc("ow", 0, L["ow"]) - w.loc("ow", 0, 0)) * sw,))
-                        a, b = wavefronts(lanes)
-                        total, ideal = total + a, ideal + b
-    return total, ideal
+    ch = (w.locs("n", plan.reg_tile("n"))[:, None] * plan.block_tile("g")
+          + w.locs("g", plan.reg_tile("g"))[None, :]) * plan.stage_c + w.lane["c"]  # (inn, ig, lane)
+    rows = (w.locs("oh", plan.reg_tile("oh"))[None, :] * sh
+            + (np.arange(plan.stage_kh) * dh)[:, None, None])  # (r, ih, lane)
+    lane_col = (w.loc("ow", 0, w.lane["ow"]) - w.loc("ow", 0, 0)) * sw
+    col = np.asarray(cols)[:, None] + lane_col[None, :]  # (col, lane)
+    shape = (plan.stage_kh, plan.reg_tile("n"), plan.reg_tile("g"), plan.reg_tile("oh"), len(cols), len(lane_col))
+    ch = np.broadcast_to(ch[None, :, :, None, None, :], shape)
+    rows = np.broadcast_to(rows[:, None, None, :, None, :], shape)
+    col = np.broadcast_to(col[None, None, None, None, :, :], shape)
+    return tuple(a.reshape(-1, shape[-1]) for a in (ch, rows, col))
+
+
+def input_wavefronts(plan: Any, row_pitch: int, plane: int,
+                     reads: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> tuple[int, int]:
+    """(wavefronts, ideal) of one channel's input reads with patch rows `row_pitch` floats apart
+    and channels `plane` floats apart (`reads`: _input_reads(plan), when already at hand)."""
+    ch, rows, col = reads if reads is not None else _input_reads(plan)
+    return wavefronts(ch * plane + rows * row_pitch + col)
 
 
 def plane_of(plan: Any, row_pitch: int, plane_pad: int = 0) -> int:
@@ -131,9 +140,10 @@ def choose(plan: Any, fits: Any) -> tuple[int, int, int, int]:
     and the weights' reads are independent; each takes its row layout first, then the stride
     between channels (which the thread groups of split_c read at once)."""
     pw = plan.patch[1]
+    reads = _input_reads(plan)
 
     def reads_in(row: int, plane: int) -> int:
-        return input_wavefronts(plan, pw + row, plane_of(plan, pw + row, plane))[0]
+        return input_wavefronts(plan, pw + row, plane_of(plan, pw + row, plane), reads)[0]
 
     def reads_w(skew: int, pad: int) -> int:
         return weight_wavefronts(plan, skew, weight_channel(plan, skew, pad))[0]

@@ -228,15 +228,6 @@ def _schedule(spec: ConvSpec, layout: str, raw: tuple[int, ...]) -> Schedule:
     return sch if CudaPlan(spec, sch).unrolled_fmas <= MAX_UNROLLED_FMAS else replace(sch, unroll=16)
 
 
-def predicted_seconds(spec: ConvSpec, schedule: Schedule, target: Target | None = None) -> float | None:
-    """The model's time for a schedule of the structured family (None if not in it)."""
-    target = target or Target.h100()
-    for sec, raw in _ranked(spec, target, schedule.layout):
-        if _schedule(spec, schedule.layout, raw) == schedule:
-            return sec
-    return None
-
-
 def candidates(spec: ConvSpec, target: Target | None = None, layout: str = "NCHW",
                limit: int = 16) -> list[Schedule]:
     """The model's `limit` best schedules with distinct block/thread shapes (best first)."""

@@ -90,10 +90,6 @@ class LayerGraph:
     def convs(self) -> list[Layer]:
         return [layer for layer in self.layers.values() if layer.kind == "conv"]
 
-    def signature(self) -> list[tuple[str, str, str]]:
-        """(name, op, target) of every layer: what must match for a plan to fit a model."""
-        return [(layer.name, layer.op, layer.target) for layer in self.layers.values()]
-
     def __len__(self) -> int:
         return len(self.layers)
 
