@@ -63,6 +63,36 @@ def test_the_backend_follows_changed_weights(change, caplog):
     assert change == "new_parameter" or any("changed" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("rebuilt", ["kept", "wrong", "unfit"])
+def test_new_weights_run_on_the_kernels_chosen_before_unless_those_miss_torchs_output(rebuilt, monkeypatch, caplog):
+    """The recompile after a weight change rebuilds the first compile's kernels without timing;
+    where that rebuild's output is wrong or it cannot be built, the whole pipeline runs again."""
+    from maco.deploy import compile_backend
+    runs = []
+    real_pipeline, real_rebuild = compile_backend.run_pipeline, compile_backend.rebuild
+    monkeypatch.setattr(compile_backend, "run_pipeline", lambda *a, **k: runs.append(1) or real_pipeline(*a, **k))
+    if rebuilt == "wrong":  # a kernel that now computes something else
+        def rebuild(*a, **k):
+            model = real_rebuild(*a, **k)
+            return lambda x: [t * 1.01 for t in model(x)]  # the lifted graph returns its outputs as a list
+        monkeypatch.setattr(compile_backend, "rebuild", rebuild)
+    elif rebuilt == "unfit":
+        def rebuild(*a, **k):
+            raise MacoError("its fused layers differ")
+        monkeypatch.setattr(compile_backend, "rebuild", rebuild)
+    model = _net()
+    built: list = []
+    fast = _compiled(model, built)
+    x = torch.randn(1, 16, 12, 12)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="maco"):
+        fast(x)
+        model[2].weight.mul_(-3)
+        got, want = fast(x), model(x)
+    assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    assert len(runs) == (1 if rebuilt == "kept" else 2)
+    assert any("chosen before" in r.getMessage() for r in caplog.records) == (rebuilt == "kept")
+
+
 def test_after_many_changes_the_graph_is_torchs_and_still_right(caplog):
     model = _net()
     fast = _compiled(model)

@@ -18,7 +18,8 @@ where they beat torch in this process, and the fastest variant kept.
 Dynamo passes parameters as graph inputs. MACO reads them at compile time (folds BatchNorm, packs
 the weights for its kernels) and checks on every call that each is the same tensor at the same
 version: after `weight.mul_(2)` or `load_state_dict` it compiles again from the new values (one
-log line), and after MAX_RECOMPILES such changes the graph stays torch's. What MACO does not
+log line), on the kernels it chose the first time where the output still equals torch's (no
+timing), and after MAX_RECOMPILES such changes the graph stays torch's. What MACO does not
 handle stays torch's, with one log line saying why: training mode, tensors that are not fp32 or
 not on the CPU, dynamic shapes, a graph without a conv, parameters made under inference_mode (they
 carry no version to check). A new input shape makes dynamo compile one more graph, with kernels
@@ -43,8 +44,11 @@ from torch.nn import functional as F
 from maco import kernels
 from maco.core.errors import MacoError
 from maco.core.files import short
-from maco.deploy.kernel_choice import MIN_GAIN
+from maco.deploy.deployment import Deployment, describe, rebuild
+from maco.deploy.kernel_choice import MIN_GAIN, OUTPUT_RTOL
 from maco.deploy.pipeline import Tuning, run_pipeline
+from maco.layouts.cuda_graph import unwrap
+from maco.layouts.end_to_end import output_diff
 from maco.tune.records import RecordStore
 
 log = logging.getLogger("maco")
@@ -73,8 +77,8 @@ def maco_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
                     "carry no version, so a change to them could not be seen; build the model outside it")
         return gm.forward
     with _cache_folder(opts.get("cache")):
-        model = _optimized(lifted, [example_inputs[i] for i in keep], opts)
-    state = {"model": model, "seen": _versions(example_inputs, weights), "recompiles": 0}
+        model, dep = _optimized(lifted, [example_inputs[i] for i in keep], opts)
+    state = {"model": model, "dep": dep, "seen": _versions(example_inputs, weights), "recompiles": 0}
 
     def run(*args: Any) -> Any:
         if state["model"] is not None and _versions(args, weights) != state["seen"]:
@@ -105,8 +109,35 @@ def _follow_parameters(gm: fx.GraphModule, args: Any, keep: list[int], weights: 
     log.warning("maco: the parameters changed since they were read (in-place update or load_state_dict); "
                 "compiling again from the new values")
     lifted, _ = lift_parameters(gm, list(args))
+    inputs = [args[i] for i in keep]
     with _cache_folder(opts.get("cache")):
-        state["model"] = _optimized(lifted, [args[i] for i in keep], opts)
+        state["model"] = _same_kernels(lifted, inputs, state["dep"], opts)
+        if state["model"] is None:
+            state["model"], state["dep"] = _optimized(lifted, inputs, opts)
+
+
+def _same_kernels(lifted: fx.GraphModule, inputs: list[torch.Tensor], dep: Deployment | None,
+                  opts: dict[str, Any]) -> nn.Module | None:
+    """The graph rebuilt from new parameter values with the kernels, plan and variant chosen the
+    first time (they were timed on these shapes; values do not change their speed), if its output
+    on a finite input still equals torch's to OUTPUT_RTOL; else None (compile from scratch)."""
+    if dep is None:
+        return None
+    try:
+        model = rebuild(dep, lifted, kernels.host_target(), exact=opts["exact"])
+    except MacoError as exc:
+        log.info("maco: the first compile's kernels do not fit the new parameters (%s)", exc)
+        return None
+    x = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(0)).to(memory_format=_format(inputs[0]))
+    with torch.inference_mode():
+        want, got = lifted(x), model(x)
+    want, got = (list(v) if isinstance(v, (tuple, list)) else [v] for v in (want, got))
+    scale = max((float(t[t.isfinite()].abs().max()) for t in want if t.isfinite().any()), default=0.0) or 1.0
+    if output_diff(want, got) > OUTPUT_RTOL * scale:
+        log.info("maco: with the new parameters the first compile's kernels miss torch's output; timing again")
+        return None
+    log.info("maco: the new parameters run on the kernels chosen before (no timing)")
+    return model
 
 
 @contextmanager
@@ -295,10 +326,11 @@ def _kind(node: fx.Node) -> str:
     return {F.batch_norm: "bn", F.linear: "fc"}.get(node.target, "pool" if node.target in POOL_FUNCTIONS else "conv")
 
 
-def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str, Any]) -> nn.Module:
+def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor],
+               opts: dict[str, Any]) -> tuple[nn.Module, Deployment | None]:
     """The pipeline on the lifted graph: candidates from the records (or the defaults, or a quick
     or normal tuning of the missing layers), torch's seconds from the records' baselines (timed
-    here only where they have none), the fastest variant kept."""
+    here only where they have none), the fastest variant kept; with its Deployment."""
     target = kernels.host_target()
     if not all(bool(t.isfinite().all()) for t in inputs if t.is_floating_point()):
         log.info("maco: the example input holds NaN or Inf; optimizing on a finite input of its shape")
@@ -314,7 +346,10 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor], opts: dict[str
     log.info("maco: %s, %.2fx the graph as torch runs it (%d MACO convs, %d MACO linear layers)", pick,
              run.times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
              sum(r >= MIN_GAIN for r in built.linears.values()) if pick == "planned_maco" else 0)
-    return built.models[pick]
+    model = built.models[pick]
+    # what rebuilds it from new parameter values (one input tensor, as a saved model has)
+    dep = describe(unwrap(model), pick, x, target, built.plan) if isinstance(x, torch.Tensor) else None
+    return model, dep
 
 
 def _format(t: torch.Tensor) -> torch.memory_format:

@@ -185,17 +185,25 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
     require_memory(16 * 4 * math.prod(dep.input_shape), f"the saved input shape {short(dep.input_shape)}")
     host = host_target()
     foreign = _tuned_elsewhere(path, dep, host, other_machine)
+    return rebuild(dep, model, host, source=path, foreign=foreign, exact=exact, segments=segments)
+
+
+def rebuild(dep: Deployment, model: nn.Module, host: Target, *, source: Any = "the deployment",
+            foreign: bool = False, exact: bool = False, segments: bool = True) -> nn.Module:
+    """`model` rebuilt as `dep` describes it, with no tuning and no timing: the same deterministic
+    passes (fuse, plan.apply), then each kernel from its schedule, checked against this model
+    (`source` names where `dep` came from in errors; `foreign`: defaults instead of its schedules)."""
     model = model.eval()
     if dep.variant == "default":
         return model
     fused = fuse(model, torch.zeros(dep.input_shape))
     if _fusion(fused) != dep.fusion:
-        raise MacoError(f"{str(path)!r} was saved for another model: its fused layers differ from this model's")
+        raise MacoError(f"{str(source)!r} was saved for another model: its fused layers differ from this model's")
     if dep.variant == "fused":
         fused.meta["maco"] = dep
         return fused
     gm = LayoutPlan.from_dict(dep.plan).apply(fused)
-    _swap_in_kernels(gm, dep, path, host, foreign, exact)
+    _swap_in_kernels(gm, dep, source, host, foreign, exact)
     if segments:
         use_segments(gm, host)
     gm.meta["maco"] = dep
