@@ -63,34 +63,38 @@ def test_the_backend_follows_changed_weights(change, caplog):
     assert change == "new_parameter" or any("changed" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("rebuilt", ["kept", "wrong", "unfit"])
-def test_new_weights_run_on_the_kernels_chosen_before_unless_those_miss_torchs_output(rebuilt, monkeypatch, caplog):
+def test_new_weights_run_on_the_kernels_chosen_before_unless_those_miss_torchs_output(monkeypatch, caplog):
     """The recompile after a weight change rebuilds the first compile's kernels without timing;
     where that rebuild's output is wrong or it cannot be built, the whole pipeline runs again."""
     from maco.deploy import compile_backend
-    runs = []
-    real_pipeline, real_rebuild = compile_backend.run_pipeline, compile_backend.rebuild
-    monkeypatch.setattr(compile_backend, "run_pipeline", lambda *a, **k: runs.append(1) or real_pipeline(*a, **k))
-    if rebuilt == "wrong":  # a kernel that now computes something else
-        def rebuild(*a, **k):
-            model = real_rebuild(*a, **k)
-            return lambda x: [t * 1.01 for t in model(x)]  # the lifted graph returns its outputs as a list
-        monkeypatch.setattr(compile_backend, "rebuild", rebuild)
-    elif rebuilt == "unfit":
-        def rebuild(*a, **k):
-            raise MacoError("its fused layers differ")
-        monkeypatch.setattr(compile_backend, "rebuild", rebuild)
+    real_rebuild = compile_backend.rebuild
+
+    def wrong(*a, **k):  # a kernel that now computes something else
+        model = real_rebuild(*a, **k)
+        return lambda x: [t * 1.01 for t in model(x)]  # the lifted graph returns its outputs as a list
+
+    def unfit(*a, **k):
+        raise MacoError("its fused layers differ")
+
+    real_optimized, first = compile_backend._optimized, []
+    monkeypatch.setattr(compile_backend, "_optimized", lambda *a: first.append(real_optimized(*a)) or first[0])
     model = _net()
-    built: list = []
-    fast = _compiled(model, built)
+    fast = _compiled(model)
     x = torch.randn(1, 16, 12, 12)
-    with torch.no_grad(), caplog.at_level(logging.INFO, logger="maco"):
+    with torch.no_grad():
         fast(x)
-        model[2].weight.mul_(-3)
-        got, want = fast(x), model(x)
-    assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
-    assert len(runs) == (1 if rebuilt == "kept" else 2)
-    assert any("chosen before" in r.getMessage() for r in caplog.records) == (rebuilt == "kept")
+    assert first[0][1] is not None  # what a recompile rebuilds from
+    again = []  # the whole pipeline again, here torch's graph with the first compile's kernels to rebuild next
+    monkeypatch.setattr(compile_backend, "_optimized", lambda lifted, *_: again.append(1) or (lifted, first[0][1]))
+    for rebuild, pipelines in ((real_rebuild, 0), (wrong, 1), (unfit, 2)):
+        monkeypatch.setattr(compile_backend, "rebuild", rebuild)
+        caplog.clear()
+        with torch.no_grad(), caplog.at_level(logging.INFO, logger="maco"):
+            model[2].weight.mul_(-3)
+            got, want = fast(x), model(x)
+        assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max()), rebuild
+        assert len(again) == pipelines, rebuild
+        assert any("chosen before" in r.getMessage() for r in caplog.records) == (rebuild is real_rebuild)
 
 
 def test_after_many_changes_the_graph_is_torchs_and_still_right(caplog):
