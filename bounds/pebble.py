@@ -52,6 +52,7 @@ class PebbleBound:
     T: sp.Expr | None  # closed form of T(S), or None
     split: tuple[sp.Expr, ...] | None  # the maximising k_1..k_m (closed form)
     conditions: list[sp.Basic] = field(default_factory=list)  # where the closed form holds
+    checked_at: list[dict[str, float]] = field(default_factory=list)  # numeric checks passed
 
     @property
     def Q_lower(self) -> sp.Expr | None:
