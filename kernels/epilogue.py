@@ -10,29 +10,64 @@ from maco.core.errors import MacoError
 ACTIVATIONS = ("none", "relu", "relu6", "silu", "hardswish", "gelu")
 SMOOTH = ("silu", "hardswish", "gelu")  # computed by the C functions below (the others inline, per kernel)
 
-# exp(t), Cephes' expf: t = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial in r, and 2^n added
-# to the exponent bits. t is clamped to [-87, 88] first (2^n stays a normal float), and t > 88
+# exp(x), Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial in r, and 2^n added
+# to the exponent bits. x is clamped to [-87, 88] first (2^n stays a normal float), and x > 88
 # gives inf afterwards, so silu(-inf) = -inf / inf = NaN, as torch's x / (1 + exp(-x)); past -87,
-# 1 + exp(t) rounds to 1 either way. A NaN fails both clamps, and the callers keep it.
-_EXP_STEPS = """  t = {sel_hi}; t = {sel_lo};
-  {F} f = t * 1.44269504088896341f + 12582912.f;  /* 1.5 * 2^23: f's low bits hold round(t / ln2) */
-  {F} n = f - 12582912.f;
-  {F} r = t - n * 0.693359375f + n * 2.12194440e-4f;
-  {F} p = r * 1.9875691500e-4f + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;"""
+# 1 + exp(x) rounds to 1 either way. A NaN fails both clamps, and the callers keep it.
+def _exp_lines(j: str, vector: bool) -> list[str]:
+    """C statements that set e{j} = exp(x{j}) (x{j} a float, or a maco_vf with `zero` in scope);
+    every local carries the suffix j, so that several can be interleaved (maco_vact4)."""
+    F = "maco_vf" if vector else "float"
+    if vector:
+        head = [f"const maco_vu big{j} = (maco_vu)(x{j} > zero + 88.f);",
+                f"x{j} = maco_vmin(zero + 88.f, x{j}); x{j} = maco_vmax(zero - 87.f, x{j});"]
+    else:
+        head = [f"const int big{j} = x{j} > 88.f;", f"x{j} = x{j} > 88.f ? 88.f : x{j}; x{j} = x{j} < -87.f ? -87.f : x{j};"]
+    steps = [f"{F} f{j} = x{j} * 1.44269504088896341f + 12582912.f;",  # 1.5 * 2^23: f's low bits hold round(x / ln2)
+             f"{F} n{j} = f{j} - 12582912.f;",
+             f"{F} r{j} = x{j} - n{j} * 0.693359375f + n{j} * 2.12194440e-4f;",
+             f"{F} p{j} = r{j} * 1.9875691500e-4f + 1.3981999507e-3f;", f"p{j} = p{j} * r{j} + 8.3334519073e-3f;",
+             f"p{j} = p{j} * r{j} + 4.1665795894e-2f;", f"p{j} = p{j} * r{j} + 1.6666665459e-1f;",
+             f"p{j} = p{j} * r{j} + 5.0000001201e-1f;", f"p{j} = p{j} * r{j} * r{j} + r{j} + 1.f;"]
+    if vector:
+        tail = [f"p{j} = (maco_vf)((maco_vu)p{j} + (((maco_vu)f{j} - 0x4B400000u) << 23));",
+                f"const maco_vf e{j} = maco_sel(big{j}, zero + __builtin_inff(), p{j});"]
+    else:
+        tail = [f"unsigned pb{j}, fb{j};", f"__builtin_memcpy(&pb{j}, &p{j}, 4); __builtin_memcpy(&fb{j}, &f{j}, 4);",
+                f"pb{j} += (fb{j} - 0x4B400000u) << 23;", f"__builtin_memcpy(&p{j}, &pb{j}, 4);",
+                f"const float e{j} = big{j} ? __builtin_inff() : p{j};"]
+    return head + steps + tail
+
+
 # gelu(v) = v / 2 * (1 + erf(v / sqrt 2)), with erfc(z) = t exp(-z^2 + poly(t)), t = 1 / (1 + z / 2)
 # (Numerical Recipes' erfcc: relative error < 1.2e-7 for z >= 0), z = |v| / sqrt 2: 1 + erf is
 # erfc(z) for v < 0 (no cancellation) and 2 - erfc(z) above. gelu(+inf) = inf and gelu(-inf) =
 # -inf * 0 = NaN, as in torch.
-_ERFC = ("t * {exp}(-z * z - 1.26551223f + t * (1.00002368f + t * (0.37409196f + t * (0.09678418f + t * ("
-         "-0.18628806f + t * (0.27886807f + t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + "
-         "t * 0.17087277f)))))))))")
-_ACT_BODY = {
-    "silu": "  return v / (1.f + {exp}(-v));",
-    "gelu": ("  const {F} z = {abs_v} * 0.70710678118654752f;\n  const {F} t = 1.f / (1.f + 0.5f * z);\n"
-             "  const {F} c = " + _ERFC + ";\n  return 0.5f * v * {c_or_2_minus_c};"),
-}
+_ERFC_ARG = ("-{z} * {z} - 1.26551223f + {t} * (1.00002368f + {t} * (0.37409196f + {t} * (0.09678418f + {t} * ("
+             "-0.18628806f + {t} * (0.27886807f + {t} * (-1.13520398f + {t} * (1.48851587f + {t} * (-0.82215223f + "
+             "{t} * 0.17087277f))))))))")
+
+
+def _act_lines(activation: str, j: str, vector: bool) -> list[str]:
+    """C statements that set y{j} = activation(v{j}), as torch computes it (see _exp_lines)."""
+    F = "maco_vf" if vector else "float"
+
+    def sel(cond: str, a: str, b: str) -> str:
+        return f"maco_sel((maco_vu)({cond}), {a}, {b})" if vector else f"({cond} ? {a} : {b})"
+    zero = "zero" if vector else "0.f"
+    if activation == "hardswish":  # v * min(max(v + 3, 0), 6) / 6; a NaN v makes the product NaN
+        six = "zero + 6.f" if vector else "6.f"
+        return [f"{F} c{j} = v{j} + 3.f;", f"c{j} = {sel(f'c{j} > {zero}', f'c{j}', zero)};",
+                f"c{j} = {sel(f'c{j} < {six}', f'c{j}', six)};", f"const {F} y{j} = v{j} * c{j} / 6.f;"]
+    if activation == "silu":
+        return [f"{F} x{j} = -v{j};", *_exp_lines(j, vector), f"const {F} y{j} = v{j} / (1.f + e{j});"]
+    if activation == "gelu":
+        return [f"const {F} z{j} = {sel(f'v{j} < {zero}', f'-v{j}', f'v{j}')} * 0.70710678118654752f;",
+                f"const {F} t{j} = 1.f / (1.f + 0.5f * z{j});",
+                f"{F} x{j} = {_ERFC_ARG.format(z=f'z{j}', t=f't{j}')};", *_exp_lines(j, vector),
+                f"const {F} c{j} = t{j} * e{j};",
+                f"const {F} y{j} = 0.5f * v{j} * {sel(f'v{j} < {zero}', f'c{j}', f'2.f - c{j}')};"]
+    raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")
 
 
 def scalar_expression(activation: str) -> str:
@@ -84,54 +119,46 @@ def _check_smooth(activation: str) -> None:
 
 
 def scalar_function(activation: str) -> str:
-    """C `static inline float maco_act(float v)` for a SMOOTH activation, as torch computes it."""
+    """C `static inline float maco_act(float v)` for a SMOOTH activation, as torch computes it, and
+    `maco_exp(float x)`, the exp it uses (squeeze-excitation's sigmoid gate calls it too)."""
     _check_smooth(activation)
-    if activation == "hardswish":  # x * min(max(x + 3, 0), 6) / 6; a NaN x makes the product NaN
-        return ("static inline float maco_act(float v) {\n  float c = v + 3.f; c = c > 0.f ? c : 0.f; "
-                "c = c < 6.f ? c : 6.f;\n  return v * c / 6.f;\n}")
-    steps = _EXP_STEPS.format(F="float", sel_hi="t > 88.f ? 88.f : t", sel_lo="t < -87.f ? -87.f : t")
-    body = _ACT_BODY[activation].format(F="float", exp="maco_exp", abs_v="(v < 0.f ? -v : v)",
-                                        c_or_2_minus_c="(v < 0.f ? c : 2.f - c)")
-    return f"""static inline float maco_exp(float t) {{
-  const int big = t > 88.f;
-{steps}
-  unsigned pb, fb;
-  __builtin_memcpy(&pb, &p, 4); __builtin_memcpy(&fb, &f, 4);
-  pb += (fb - 0x4B400000u) << 23;
-  __builtin_memcpy(&p, &pb, 4);
-  return big ? __builtin_inff() : p;
-}}
-static inline float maco_act(float v) {{
-{body}
-}}"""
+    exp = "\n".join("  " + line for line in _exp_lines("", vector=False))
+    body = "\n".join("  " + line for line in _act_lines(activation, "", vector=False))
+    return (f"static inline __attribute__((unused)) float maco_exp(float x) {{\n{exp}\n  return e;\n}}\n"
+            f"static inline float maco_act(float v) {{\n{body}\n  return y;\n}}")
+
+
+VACT_WAYS = 4  # vectors maco_vact4 interleaves
 
 
 def vector_function(activation: str, lanes: int) -> str:
     """C `static inline maco_vf maco_vact(maco_vf v)` on GCC vectors of `lanes` floats (the same
-    type as __m256 / __m512 at 8 / 16: cast those to maco_vf) for a SMOOTH activation; it defines
-    maco_vf and maco_vu first."""
+    type as __m256 / __m512 at 8 / 16: cast those to maco_vf) for a SMOOTH activation, and
+    `maco_vact4(maco_vf *a0, ..., maco_vf *a3)` in place on four: its statements interleaved, so
+    that the four long dependency chains (exp's and erfc's polynomials) overlap where one after
+    another would leave the core waiting on each (GELU on ConvNeXt's MLP outputs: ~2.5 ns a float
+    one vector at a time). Defines maco_vf and maco_vu first."""
     _check_smooth(activation)
     head = (f"typedef float maco_vf __attribute__((vector_size({4 * lanes})));\n"
             f"typedef unsigned maco_vu __attribute__((vector_size({4 * lanes})));\n"
             "static inline maco_vf maco_sel(maco_vu m, maco_vf a, maco_vf b) "
             "{ return (maco_vf)(((maco_vu)a & m) | ((maco_vu)b & ~m)); }\n" + _min_max(lanes, "maco_vf", "maco_vu", "maco_"))
-    if activation == "hardswish":
-        return head + ("static inline maco_vf maco_vact(maco_vf v) {\n  const maco_vf zero = {0};\n"
-                       "  maco_vf c = v + 3.f;\n  c = maco_sel((maco_vu)(c > zero), c, zero);\n"
-                       "  c = maco_sel((maco_vu)(c < zero + 6.f), c, zero + 6.f);\n  return v * c / 6.f;\n}")
-    steps = _EXP_STEPS.format(F="maco_vf", sel_hi="maco_vmin(zero + 88.f, t)", sel_lo="maco_vmax(zero - 87.f, t)")
-    body = _ACT_BODY[activation].format(F="maco_vf", exp="maco_vexp", abs_v="maco_sel((maco_vu)(v < zero), -v, v)",
-                                        c_or_2_minus_c="maco_sel((maco_vu)(v < zero), c, 2.f - c)")
-    return head + f"""static inline maco_vf maco_vexp(maco_vf t) {{
-  const maco_vf zero = {{0}};
-  const maco_vu big = (maco_vu)(t > zero + 88.f);
-{steps}
-  p = (maco_vf)((maco_vu)p + (((maco_vu)f - 0x4B400000u) << 23));
-  return maco_sel(big, zero + __builtin_inff(), p);
-}}
-static inline maco_vf maco_vact(maco_vf v) {{
+    one = "\n".join("  " + line for line in _act_lines(activation, "", vector=True))
+    ways = [_act_lines(activation, str(j), vector=True) for j in range(VACT_WAYS)]
+    interleaved = "\n".join("  " + line for step in zip(*ways) for line in step)
+    args = ", ".join(f"maco_vf *a{j}" for j in range(VACT_WAYS))
+    loads = " ".join(f"const maco_vf v{j} = *a{j};" for j in range(VACT_WAYS))
+    stores = " ".join(f"*a{j} = y{j};" for j in range(VACT_WAYS))
+    return head + f"""static inline maco_vf maco_vact(maco_vf v) {{
   const maco_vf zero = {{0}}; (void)zero;
-{body}
+{one}
+  return y;
+}}
+static inline __attribute__((unused)) void maco_vact4({args}) {{
+  const maco_vf zero = {{0}}; (void)zero;
+  {loads}
+{interleaved}
+  {stores}
 }}"""
 
 
