@@ -39,13 +39,22 @@ def _exp_lines(j: str, vector: bool) -> list[str]:
     return head + steps + tail
 
 
-# gelu(v) = v / 2 * (1 + erf(v / sqrt 2)), with erfc(z) = t exp(-z^2 + poly(t)), t = 1 / (1 + z / 2)
-# (Numerical Recipes' erfcc: relative error < 1.2e-7 for z >= 0), z = |v| / sqrt 2: 1 + erf is
-# erfc(z) for v < 0 (no cancellation) and 2 - erfc(z) above. gelu(+inf) = inf and gelu(-inf) =
+# gelu(v) = v / 2 * (1 + erf(v / sqrt 2)) with z = |v| / sqrt 2: 1 + erf is erfc(z) for v < 0 (no
+# cancellation) and 2 - erfc(z) above. erfc(z) = t exp(-z^2) R(t), t = 1 / (1 + z / 2), R a degree-8
+# polynomial fitted to erfc(z) / (t exp(-z^2)) on z in [0, 10] (least squares in relative error, 1.9e-7
+# at most; Numerical Recipes' erfcc has the same form with exp(-z^2 + Q(t))): exp(-z^2) does not wait
+# for the polynomial, which took GELU from 6.7 to 4.8 ns a vector. gelu(+inf) = inf and gelu(-inf) =
 # -inf * 0 = NaN, as in torch.
-_ERFC_ARG = ("-{z} * {z} - 1.26551223f + {t} * (1.00002368f + {t} * (0.37409196f + {t} * (0.09678418f + {t} * ("
-             "-0.18628806f + {t} * (0.27886807f + {t} * (-1.13520398f + {t} * (1.48851587f + {t} * (-0.82215223f + "
-             "{t} * 0.17087277f))))))))")
+_ERFC_R = (0.2820769246, 0.2825660295, 0.2415228631, 0.2097619536, -0.045383764, 0.3083559347, -0.516409526,
+           0.3000201548, -0.0625107641)
+
+
+def _horner(coefficients: tuple[float, ...], x: str) -> str:
+    """C of the polynomial sum(c_i x^i) in Horner's form."""
+    text = f"{coefficients[-1]!r}f"
+    for c in reversed(coefficients[:-1]):
+        text = f"({c!r}f + {x} * {text})"
+    return text
 
 
 def _act_lines(activation: str, j: str, vector: bool) -> list[str]:
@@ -64,8 +73,8 @@ def _act_lines(activation: str, j: str, vector: bool) -> list[str]:
     if activation == "gelu":
         return [f"const {F} z{j} = {sel(f'v{j} < {zero}', f'-v{j}', f'v{j}')} * 0.70710678118654752f;",
                 f"const {F} t{j} = 1.f / (1.f + 0.5f * z{j});",
-                f"{F} x{j} = {_ERFC_ARG.format(z=f'z{j}', t=f't{j}')};", *_exp_lines(j, vector),
-                f"const {F} c{j} = t{j} * e{j};",
+                f"{F} x{j} = -z{j} * z{j};", *_exp_lines(j, vector),
+                f"const {F} c{j} = t{j} * {_horner(_ERFC_R, f't{j}')} * e{j};",
                 f"const {F} y{j} = 0.5f * v{j} * {sel(f'v{j} < {zero}', f'c{j}', f'2.f - c{j}')};"]
     raise MacoError(f"no C function for activation {activation!r}; it has one for {', '.join(SMOOTH)}")
 
