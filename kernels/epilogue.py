@@ -43,8 +43,8 @@ def _exp_lines(j: str, vector: bool) -> list[str]:
 # cancellation) and 2 - erfc(z) above. erfc(z) = t exp(-z^2) R(t), t = 1 / (1 + z / 2), R a degree-8
 # polynomial fitted to erfc(z) / (t exp(-z^2)) on z in [0, 10] (least squares in relative error, 1.9e-7
 # at most; Numerical Recipes' erfcc has the same form with exp(-z^2 + Q(t))): exp(-z^2) does not wait
-# for the polynomial, which took GELU from 6.7 to 4.8 ns a vector. gelu(+inf) = inf and gelu(-inf) =
-# -inf * 0 = NaN, as in torch.
+# for the polynomial, so the two chains overlap. gelu(+inf) = inf and gelu(-inf) = -inf * 0 = NaN, as
+# in torch.
 _ERFC_R = (0.2820769246, 0.2825660295, 0.2415228631, 0.2097619536, -0.045383764, 0.3083559347, -0.516409526,
            0.3000201548, -0.0625107641)
 
@@ -145,8 +145,7 @@ def vector_function(activation: str, lanes: int) -> str:
     type as __m256 / __m512 at 8 / 16: cast those to maco_vf) for a SMOOTH activation, and
     `maco_vact4(maco_vf *a0, ..., maco_vf *a3)` in place on four: its statements interleaved, so
     that the four long dependency chains (exp's and erfc's polynomials) overlap where one after
-    another would leave the core waiting on each (GELU on ConvNeXt's MLP outputs: ~2.5 ns a float
-    one vector at a time). Defines maco_vf and maco_vu first."""
+    another would leave the core waiting on each. Defines maco_vf and maco_vu first."""
     _check_smooth(activation)
     head = (f"typedef float maco_vf __attribute__((vector_size({4 * lanes})));\n"
             f"typedef unsigned maco_vu __attribute__((vector_size({4 * lanes})));\n"
