@@ -83,9 +83,9 @@ def time_models(models: Mapping[str, Callable[..., Any]], example_input: Any, *,
     cuda = any(t.is_cuda for t in inputs if isinstance(t, torch.Tensor))
     runs = {label: (lambda m=m: m(*inputs)) for label, m in models.items()}
     with torch.inference_mode(), _strict_fp32(cuda):
-        outputs = {label: [t.clone() for t in _tensors(fn())] for label, fn in runs.items()}
+        outputs = {label: [t.clone() for t in output_tensors(fn())] for label, fn in runs.items()}
         want = outputs[next(iter(outputs))]
-        scale = max((_finite_max(t) for t in want), default=0.0) or 1.0
+        scale = output_scale(want)
         diff = {label: output_diff(want, got) for label, got in outputs.items()}
         for _ in range(warmup):  # first calls build oneDNN/cuDNN primitives: keep them off the clock
             for fn in runs.values():
@@ -345,18 +345,25 @@ def output_diff(want: list[torch.Tensor], got: list[torch.Tensor]) -> float:
     return diff
 
 
+def output_scale(want: list[torch.Tensor]) -> float:
+    """The largest finite |value| of a model's outputs (1 where there is none): what output_diff
+    is measured against for a relative tolerance."""
+    return max((_finite_max(t) for t in want), default=0.0) or 1.0
+
+
 def _finite_max(t: torch.Tensor) -> float:
     finite = t[t.isfinite()]
     return float(finite.abs().max()) if finite.numel() else 0.0
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output (a tensor, or tuples, lists and dicts of them), in order."""
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
+        return [t for o in out for t in output_tensors(o)]
     if isinstance(out, Mapping):
-        return [t for o in out.values() for t in _tensors(o)]
+        return [t for o in out.values() for t in output_tensors(o)]
     return []
 
 

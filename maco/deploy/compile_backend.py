@@ -48,7 +48,7 @@ from maco.deploy.deployment import Deployment, describe, rebuild
 from maco.deploy.kernel_choice import MIN_GAIN, OUTPUT_RTOL
 from maco.deploy.pipeline import Tuning, run_pipeline
 from maco.layouts.cuda_graph import unwrap
-from maco.layouts.end_to_end import output_diff
+from maco.layouts.end_to_end import output_diff, output_scale, output_tensors
 from maco.tune.records import RecordStore
 
 log = logging.getLogger("maco")
@@ -130,10 +130,8 @@ def _same_kernels(lifted: fx.GraphModule, inputs: list[torch.Tensor], dep: Deplo
         return None
     x = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(0)).to(memory_format=_format(inputs[0]))
     with torch.inference_mode():
-        want, got = lifted(x), model(x)
-    want, got = (list(v) if isinstance(v, (tuple, list)) else [v] for v in (want, got))
-    scale = max((float(t[t.isfinite()].abs().max()) for t in want if t.isfinite().any()), default=0.0) or 1.0
-    if output_diff(want, got) > OUTPUT_RTOL * scale:
+        want, got = output_tensors(lifted(x)), output_tensors(model(x))
+    if output_diff(want, got) > OUTPUT_RTOL * output_scale(want):
         log.info("maco: with the new parameters the first compile's kernels miss torch's output; timing again")
         return None
     log.info("maco: the new parameters run on the kernels chosen before (no timing)")
