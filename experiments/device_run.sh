@@ -6,7 +6,8 @@
 # PARTS (default: all of tests fig15 fig17 tune cpu2 wtiles network cpu16) picks the parts, <PART>_S
 # (upper case: TESTS_S, FIG15_S, FIG17_S, WTILES_S, NETWORK_S, CPU16_S) their time limits in seconds; RECORDS names
 # CUDA records for the network part (default: the tune part's); CPU_NETWORKS the CPU parts' networks.
-# Writes $OUT/log.txt (every part's tail) and $OUT/device.tgz (full logs, CSVs, plots, records).
+# Writes $OUT/log.txt (every part's tail), $OUT/device.tgz (full logs, CSVs, plots, records) and, after the
+# network part, $OUT/inductor_cache.tgz (carry it back as .carry/inductor_cache.tgz).
 set -u
 PARTS=${PARTS:-tests fig15 fig17 tune cpu2 wtiles network cpu16}
 OUT=${OUT:-/tmp/device-out}
@@ -39,6 +40,11 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     export PYTHONPATH=$PWD:/tmp/site
 fi
 
+# Inductor's autotuning results (max-autotune benchmarks each conv shape for minutes): carried in as
+# .carry/inductor_cache.tgz where an earlier call brought them back, so that its autotuning resumes
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+if [ -f .carry/inductor_cache.tgz ]; then tar xzf .carry/inductor_cache.tgz -C "$TORCHINDUCTOR_CACHE_DIR"; fi
 if [ -f .carry/fig15cubin.tgz ]; then mkdir -p .cubin/fig15 && tar xzf .carry/fig15cubin.tgz -C .cubin/fig15; fi
 # on cores 0-1, beside the GPU parts (which take cores 2-15; noted with the results), one after
 # the other: part 4 at 2 cores, and issue 40's Winograd tile model on this host's CPU
@@ -62,6 +68,9 @@ part fig17 ${FIG17_S:-70} $G python3 experiments/fig17_cache.py --out "$R/res"
 # part 2: a whole network on the GPU (a short tuning run first, whose records the network uses)
 part tune 55 $G python3 -m maco.cli tune resnet18 --target cuda --trials 44 --round 11 --records "$R/res/records_cuda_resnet18.jsonl"
 part network ${NETWORK_S:-150} $G python3 experiments/network_gpu.py --out "$R/res" --records "${RECORDS:-$R/res/records_cuda_resnet18.jsonl}" ${NETWORK_ARGS:-}
+if want network && [ -d "$TORCHINDUCTOR_CACHE_DIR/cache" ]; then  # written after each shape: kept even when the part ran out
+    tar czf "$OUT/inductor_cache.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" cache
+fi
 if [ -n "$BG" ]; then
     wait $BG
     for f in cpu2 wtiles; do
