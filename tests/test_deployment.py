@@ -2,6 +2,7 @@
 outputs equal to the optimized model's; files from another machine or another model, or tampered
 with, are refused with a clear error."""
 import json
+import math
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import maco
 from maco import kernels
 from maco.deploy.deployment import describe, load, save
 from maco.core.errors import MacoError
+from maco.core.target import Target
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
 from maco.layouts.maco_modules import MacoConv2d, MacoLinear, MacoPool2d, swap_module
@@ -205,3 +207,80 @@ def test_a_linear_as_conv_falls_back_on_other_inputs():
                 torch.testing.assert_close(mod(other), linear(other), rtol=1e-5, atol=1e-5)
     with pytest.raises(MacoError, match="on \\(2, 5, 7, 23\\)"):
         MacoLinearAsConv(nn.Linear(24, 8), (2, 5, 7, 23), HOST)
+
+
+def _cuda_file(tmp_path, **extra):
+    """A small model's saved description as `maco optimize --target cuda` writes one (its CPU
+    schedules' fields do not matter: a CUDA file is refused or rebuilt before they are read)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)).eval()
+    x = torch.randn(1, 3, 12, 12)
+    gm, p = _planned(model, x)
+    dep = describe(gm, "planned_maco", x, HOST, p)
+    dep.target = Target.h100().fingerprint()
+    for name, value in extra.items():
+        setattr(dep, name, value)
+    save(dep, tmp_path / "gpu.maco")
+    return model, tmp_path / "gpu.maco"
+
+
+def test_a_cuda_file_holds_convs_alone_and_needs_a_gpu(tmp_path):
+    from maco.kernels.cuda import gpu_available
+
+    model, path = _cuda_file(tmp_path, pools={"1": {"shape": [1, 8, 12, 12], "layout": "NCHW"}})
+    with pytest.raises(MacoError, match="CUDA GPU holds convs alone, this one also pools"):
+        load(path, model)
+    model, path = _cuda_file(tmp_path)
+    if gpu_available():
+        pytest.skip("a GPU is usable here: the GPU test below loads such a file")
+    with pytest.raises(MacoError, match="tuned for a CUDA GPU needs an NVIDIA GPU"):
+        load(path, model)
+
+
+def test_a_model_in_a_cuda_graph_saves_what_it_replays(tmp_path):
+    """save() reads the model inside a CudaGraphed one (as optimize and load hand it back on a GPU)."""
+    from maco.layouts.cuda_graph import CudaGraphed
+
+    model, x, gm, dep = _optimized("alexnet")
+    save(dep, tmp_path / "m.maco")
+    loaded = load(tmp_path / "m.maco", build("alexnet"))
+    save(CudaGraphed(loaded), tmp_path / "graphed.maco")
+    assert json.loads((tmp_path / "graphed.maco").read_text()) == json.loads((tmp_path / "m.maco").read_text())
+
+
+@pytest.mark.gpu
+def test_gpu_a_cuda_file_loads_onto_the_gpu(tmp_path):
+    """What `maco optimize --target cuda --save` writes (every conv on a default CUDA schedule)
+    loads back onto the GPU, in a CUDA graph, to eager's outputs, and saves again unchanged."""
+    from maco.kernels.cuda import gpu_available
+    from maco.layouts.cuda_graph import CudaGraphed, unwrap
+    from maco.layouts.maco_modules import use_maco_kernels
+
+    if not (gpu_available() and torch.cuda.is_available()):
+        pytest.skip("no NVIDIA GPU with CuPy here")
+    prev = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        gpu = Target.h100()
+        model = build("resnet18").cuda().eval()
+        x = example_input(1).cuda()
+        specs = [s for s, _ in distinct_convs(conv_layers(model, x))]
+        fused = fuse(model, x)  # every conv in NHWC, as kernels_everywhere plans a CPU model
+        p = plan(fused, x, latency={(s, lay): 1.0 if lay == "NHWC" else 2.0 for s in specs for lay in ("NCHW", "NHWC")},
+                 conversion=lambda shape, a, b: 1e-12 * math.prod(shape))
+        gm = p.apply(fused)
+        chosen = {s: {"NHWC": kernels.default_schedule(s, gpu, "NHWC")} for s in specs}
+        assert use_maco_kernels(gm, p, chosen, gpu)
+        dep = describe(gm, "planned_maco", x, gpu, p)
+        save(dep, tmp_path / "gpu.maco")
+        loaded = load(tmp_path / "gpu.maco", build("resnet18"))
+        assert isinstance(loaded, CudaGraphed)
+        convs = [m for m in unwrap(loaded).modules() if isinstance(m, MacoConv2d)]
+        assert len(convs) == len(dep.convs) > 0 and all(m._device == "cuda" for m in convs)
+        with torch.inference_mode():
+            want, got, again = model(x), loaded(x), loaded(x)
+        assert float((want - got).abs().max() / want.abs().max()) < 1e-4
+        torch.testing.assert_close(got, again)
+        save(loaded, tmp_path / "again.maco")
+        assert json.loads((tmp_path / "again.maco").read_text()) == json.loads((tmp_path / "gpu.maco").read_text())
+    finally:
+        torch.backends.cudnn.allow_tf32 = prev

@@ -30,7 +30,7 @@ from maco.deploy.kernel_choice import POOLS
 from maco.kernels.inverted_residual import SPLITS
 from maco.kernels.pool import plan_for
 from maco.kernels.winograd import TILE_SIZES
-from maco.layouts.cuda_graph import unwrap
+from maco.layouts.cuda_graph import CudaGraphed, unwrap
 from maco.layouts.blocks import find_blocks, find_squeeze_excites, use_block, use_squeeze_excite
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear,
                                        MacoLinearAsConv, MacoPool2d, MacoSqueezeExcite, MacoWinograd2d, block_plan,
@@ -104,7 +104,18 @@ class Deployment:
                 raise MacoError(f"{name} must be an object, got {short(value)}")
         if not isinstance(dep.fusion, list) or not all(isinstance(f, str) for f in dep.fusion):
             raise MacoError(f"fusion must be a list of strings, got {short(dep.fusion)}")
+        if dep.cuda:  # the CUDA pipeline swaps convs alone, each reading its input as planned
+            cpu_only = [name for name in ("linears", "pools", "depthwise", "winograd", "blocks", "squeeze")
+                        if getattr(dep, name)]
+            cpu_only += [f"convs[{short(p)}].input" for p, e in dep.convs.items() if isinstance(e, dict) and "input" in e]
+            if cpu_only:
+                raise MacoError(f"a saved model tuned for a CUDA GPU holds convs alone, this one also {', '.join(cpu_only)}")
         return dep
+
+    @property
+    def cuda(self) -> bool:
+        """Whether its kernels were tuned for a CUDA GPU (maco optimize --target cuda)."""
+        return self.target.get("kind") == "cuda"
 
 
 def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target: Target,
@@ -153,6 +164,7 @@ def describe(model: nn.Module, variant: str, example_input: torch.Tensor, target
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """Write the optimized model of an OptimizeResult, a model `load` returned, or a Deployment
     `describe` made, to one file."""
+    obj = unwrap(obj) if isinstance(obj, nn.Module) else obj
     if isinstance(obj, Deployment):
         dep = obj
     elif isinstance(obj, OptimizeResult):
@@ -173,6 +185,8 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
     """`model` (the same architecture and weights as when it was optimized) rebuilt as the saved
     optimized model. On a machine other than the one it was tuned on: a MacoError naming both
     (other_machine="error"), or each conv on its bound-derived default schedule ("defaults").
+    A file tuned for a CUDA GPU needs one here: `model` is moved to it, its convs run MACO's CUDA
+    kernels, and the model it hands back replays from a CUDA graph (layouts.cuda_graph).
     exact=True leaves the saved Winograd convs to torch (docs/exactness.md). segments=False calls
     the kernel modules one by one, not each run of them as one call (maco.layouts.segments)."""
     if other_machine not in ("error", "defaults"):
@@ -183,7 +197,7 @@ def load(path: str | os.PathLike[str], model: nn.Module, *, other_machine: str =
         raise MacoError(f"segments must be True or False, got {short(segments)}")
     dep = Deployment.from_dict(load_json_file(path, "saved MACO model", MAX_BYTES))
     require_memory(16 * 4 * math.prod(dep.input_shape), f"the saved input shape {short(dep.input_shape)}")
-    host = host_target()
+    host = _target_for(dep)
     foreign = _tuned_elsewhere(path, dep, host, other_machine)
     return rebuild(dep, model, host, source=path, foreign=foreign, exact=exact, segments=segments)
 
@@ -193,21 +207,34 @@ def rebuild(dep: Deployment, model: nn.Module, host: Target, *, source: Any = "t
     """`model` rebuilt as `dep` describes it, with no tuning and no timing: the same deterministic
     passes (fuse, plan.apply), then each kernel from its schedule, checked against this model
     (`source` names where `dep` came from in errors; `foreign`: defaults instead of its schedules)."""
-    model = model.eval()
+    cuda = host.kind == "cuda"
+    model = model.eval().to("cuda") if cuda else model.eval()
+    graphed: Callable[[nn.Module], nn.Module] = CudaGraphed if cuda else (lambda m: m)  # as the pipeline hands it back
     if dep.variant == "default":
-        return model
-    fused = fuse(model, torch.zeros(dep.input_shape))
+        return graphed(model)
+    fused = fuse(model, torch.zeros(dep.input_shape, device="cuda" if cuda else "cpu"))
     if _fusion(fused) != dep.fusion:
         raise MacoError(f"{str(source)!r} was saved for another model: its fused layers differ from this model's")
     if dep.variant == "fused":
         fused.meta["maco"] = dep
-        return fused
+        return graphed(fused)
     gm = LayoutPlan.from_dict(dep.plan).apply(fused)
     _swap_in_kernels(gm, dep, source, host, foreign, exact)
-    if segments:
+    if segments and not cuda:
         use_segments(gm, host)
     gm.meta["maco"] = dep
-    return gm
+    return graphed(gm)
+
+
+def _target_for(dep: Deployment) -> Target:
+    """The target whose kernels rebuild `dep` here: this machine's GPU for a file tuned for a CUDA
+    GPU (a MacoError where none is usable), else its CPU."""
+    if not dep.cuda:
+        return host_target()
+    from maco.kernels.cuda import require_gpu
+
+    require_gpu("a saved model tuned for a CUDA GPU")
+    return Target.h100()
 
 
 def _tuned_elsewhere(path: Any, dep: Deployment, host: Target, other_machine: str) -> bool:
@@ -299,7 +326,7 @@ def _swap_conv(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: Targe
     """A generated kernel on the saved schedule (checked), or on the default one for a foreign file."""
     conv = _submodule(gm, conv_path, nn.Conv2d)
     spec = _saved_spec(path, "conv", conv_path, conv, entry)
-    if not kernel_can_run(conv):
+    if not kernel_can_run(conv, host):
         raise MacoError(f"{str(path)!r}: no generated kernel computes conv {short(conv_path)} with its epilogue")
     schedule = Schedule.from_dict(entry.get("schedule"))
     schedule = default_schedule(spec, host, schedule.layout) if foreign else schedule.validate(spec, host)
