@@ -62,7 +62,7 @@ if want cpu2 || want wtiles; then
 fi
 G="taskset -c 2-15"
 # part 1: today's code on the GPU
-part tests ${TESTS_S:-60} $G python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernels_cuda.py tests/test_target_schedule.py tests/test_cuda_graph.py tests/test_deployment.py
+part tests ${TESTS_S:-120} $G python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_kernels_cuda.py tests/test_target_schedule.py tests/test_cuda_graph.py tests/test_deployment.py tests/test_compile_backend.py
 part fig15 ${FIG15_S:-130} $G python3 experiments/fig15_kernels_gpu.py --out "$R/res" --cubin-dir .cubin/fig15
 part fig17 ${FIG17_S:-70} $G python3 experiments/fig17_cache.py --out "$R/res"
 # part 2: a whole network on the GPU (a short tuning run first, whose records the network uses)

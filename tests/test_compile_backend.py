@@ -115,6 +115,54 @@ def test_what_maco_does_not_handle_stays_torch_with_one_log_line(caplog):
         assert any(words in r.message for r in caplog.records), [r.message for r in caplog.records]
 
 
+def test_graphs_off_the_cpu_and_a_gpu_are_named():
+    """unsupported() names a device MACO has no kernels for, and a graph on a GPU without CuPy."""
+    from maco.deploy.compile_backend import unsupported
+    from maco.kernels.cuda import gpu_available
+
+    gm = torch.fx.symbolic_trace(SmallNet().eval())
+    assert "tensors on meta" in unsupported(gm, [torch.empty(1, 3, 32, 32, device="meta")])
+    assert "tensors on" not in unsupported(gm, [torch.randn(1, 3, 32, 32)])
+    if torch.cuda.is_available() and not gpu_available():
+        assert "no CuPy" in unsupported(gm, [torch.randn(1, 3, 32, 32, device="cuda")])
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_run_maco_cuda_kernels_and_follow_new_weights():
+    """On a GPU the backend builds what `maco optimize --target cuda` does: its output equals
+    eager's (strict fp32), and after a weight change it still does."""
+    from maco.kernels.cuda import gpu_available
+    from maco.layouts.cuda_graph import CudaGraphed, unwrap
+    from maco.layouts.maco_modules import MacoConv2d
+
+    if not (torch.cuda.is_available() and gpu_available()):
+        pytest.skip("no NVIDIA GPU with CuPy here")
+    prev = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        model = _randomize_bn(nn.Sequential(*(m for c in (3, 64, 64) for m in (
+            nn.Conv2d(c, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU())))).cuda()
+        x = torch.randn(1, 3, 56, 56, device="cuda")
+        fast = _compiled(model, tune="none")
+        with torch.inference_mode():
+            assert _rel(model(x), fast(x)) < 1e-4
+            model[3].weight.mul_(0.5)
+            assert _rel(model(x), fast(x)) < 1e-4
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = prev
+    kept = []
+
+    def keeping(gm, inputs):
+        from maco.deploy.compile_backend import maco_backend
+        kept.append(maco_backend(gm, inputs, options={"tune": "none"}))
+        return kept[-1]
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        torch.compile(model, backend=keeping)(x)
+    assert isinstance(kept[0].model, CudaGraphed)  # every variant on a GPU; at batch 1 MACO's kernels win (fig15)
+    assert any(isinstance(m, MacoConv2d) and m._device == "cuda" for m in unwrap(kept[0].model).modules())
+
+
 def test_bad_options_are_named():
     from maco.deploy.compile_backend import check_options
 

@@ -20,9 +20,11 @@ the weights for its kernels) and checks on every call that each is the same tens
 version: after `weight.mul_(2)` or `load_state_dict` it compiles again from the new values (one
 log line), on the kernels it chose the first time where the output still equals torch's (no
 timing), and after MAX_RECOMPILES such changes the graph stays torch's. What MACO does not
-handle stays torch's, with one log line saying why: training mode, tensors that are not fp32 or
-not on the CPU, dynamic shapes, a graph without a conv, parameters made under inference_mode (they
-carry no version to check). A new input shape makes dynamo compile one more graph, with kernels
+handle stays torch's, with one log line saying why: training mode, tensors that are not fp32,
+tensors on a GPU where CuPy is missing or the graph takes more than one input, dynamic shapes, a
+graph without a conv, parameters made under inference_mode (they carry no version to check). On a
+CUDA GPU the convs run MACO's CUDA kernels where they beat cuDNN, and the graph replays from a CUDA
+graph, as `maco optimize --target cuda` builds it. A new input shape makes dynamo compile one more graph, with kernels
 from the records or the defaults. An example input with NaN or Inf is optimized on a finite input
 of its shape: the kernels keep NaN and Inf where torch does, but an output check on NaN proves
 little.
@@ -44,6 +46,7 @@ from torch.nn import functional as F
 from maco import kernels
 from maco.core.errors import MacoError
 from maco.core.files import short
+from maco.core.target import Target
 from maco.deploy.deployment import Deployment, describe, rebuild
 from maco.deploy.kernel_choice import MIN_GAIN, OUTPUT_RTOL
 from maco.deploy.pipeline import Tuning, run_pipeline
@@ -72,6 +75,10 @@ def maco_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[st
         log.warning("maco: this graph stays torch's: %s", keep)
         return gm.forward
     weights = [i for i in range(len(example_inputs)) if i not in keep]
+    if _on_gpu(example_inputs) and len(keep) != 1:
+        log.warning("maco: this graph stays torch's: on a GPU MACO replays a graph of one input from a CUDA "
+                    "graph, and this one takes %d", len(keep))
+        return gm.forward
     if any(example_inputs[i].is_inference() for i in weights):
         log.warning("maco: this graph stays torch's: its parameters were made under torch.inference_mode() and "
                     "carry no version, so a change to them could not be seen; build the model outside it")
@@ -124,11 +131,12 @@ def _same_kernels(lifted: fx.GraphModule, inputs: list[torch.Tensor], dep: Deplo
     if dep is None:
         return None
     try:
-        model = rebuild(dep, lifted, kernels.host_target(), exact=opts["exact"])
+        model = rebuild(dep, lifted, _target(inputs), exact=opts["exact"])
     except MacoError as exc:
         log.info("maco: the first compile's kernels do not fit the new parameters (%s)", exc)
         return None
-    x = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(0)).to(memory_format=_format(inputs[0]))
+    x = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(0)).to(
+        inputs[0].device, memory_format=_format(inputs[0]))
     with torch.inference_mode():
         want, got = output_tensors(lifted(x)), output_tensors(model(x))
     if output_diff(want, got) > OUTPUT_RTOL * output_scale(want):
@@ -187,8 +195,16 @@ def unsupported(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
         return "dynamic shapes (a symbolic size among the inputs)"
     if any(isinstance(d, torch.SymInt) for t in example_inputs for d in t.shape):
         return "dynamic shapes"
-    if any(t.device.type != "cpu" for t in example_inputs):
-        return "tensors not on the CPU (the CPU backend's kernels)"
+    devices = {t.device.type for t in example_inputs}
+    if devices not in ({"cpu"}, {"cuda"}):
+        return f"tensors on {' and '.join(sorted(devices))} (MACO runs a graph on the CPU or on one CUDA GPU)"
+    if devices == {"cuda"} and len({t.device for t in example_inputs}) > 1:
+        return "tensors on several GPUs"
+    if devices == {"cuda"}:
+        from maco.kernels.cuda import gpu_available
+
+        if not gpu_available():
+            return "CUDA tensors, and no CuPy here for MACO's CUDA kernels (pip install maco[cuda])"
     if any(t.dtype != torch.float32 for t in example_inputs if t.is_floating_point()):
         return "tensors that are not float32"
     if torch.is_grad_enabled() and any(t.requires_grad for t in example_inputs):
@@ -329,17 +345,17 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor],
     """The pipeline on the lifted graph: candidates from the records (or the defaults, or a quick
     or normal tuning of the missing layers), torch's seconds from the records' baselines (timed
     here only where they have none), the fastest variant kept; with its Deployment."""
-    target = kernels.host_target()
+    target = _target(inputs)
     if not all(bool(t.isfinite().all()) for t in inputs if t.is_floating_point()):
         log.info("maco: the example input holds NaN or Inf; optimizing on a finite input of its shape")
         gen = torch.Generator().manual_seed(0)
-        inputs = [torch.randn(t.shape, generator=gen).to(memory_format=_format(t)) if t.is_floating_point() else t
-                  for t in inputs]
+        inputs = [torch.randn(t.shape, generator=gen).to(t.device, memory_format=_format(t)) if t.is_floating_point()
+                  else t for t in inputs]
     x = inputs[0] if len(inputs) == 1 else tuple(inputs)
     files = opts.get("records") or []
     tuning = Tuning(opts["tune"], files[0]) if opts["tune"] != "none" and files else None
     run = run_pipeline(model, x, target, RecordStore(files, target), tuning=tuning, layouts=opts["layouts"],
-                       exact=opts["exact"], log=log.info)
+                       device="cuda" if target.kind == "cuda" else "cpu", exact=opts["exact"], log=log.info)
     built, pick = run.built, run.pick
     log.info("maco: %s, %.2fx the graph as torch runs it (%d MACO convs, %d MACO linear layers)", pick,
              run.times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
@@ -348,6 +364,15 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor],
     # what rebuilds it from new parameter values (one input tensor, as a saved model has)
     dep = describe(unwrap(model), pick, x, target, built.plan) if isinstance(x, torch.Tensor) else None
     return model, dep
+
+
+def _on_gpu(tensors: list[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+
+
+def _target(inputs: list[torch.Tensor]) -> Target:
+    """MACO's CUDA target for a graph on a GPU (unsupported() has checked CuPy), else this CPU."""
+    return Target.h100() if _on_gpu(inputs) else kernels.host_target()
 
 
 def _format(t: torch.Tensor) -> torch.memory_format:
