@@ -79,7 +79,8 @@ def test_winograd_ceilings_are_timed_shares_of_the_peak():
         pytest.skip(f"generated Winograd kernels need AVX2 or AVX-512; this host has {host.isa}")
     shares = winograd_ceilings(host, rounds=1)
     assert set(shares) == {(2, 3), (4, 3), (2, 5), (4, 5)}
-    # no kernel outruns the FMA loop doing its flops (beyond the VM's noise), and each does work
-    assert all(0.02 < e < 1.1 for e in shares.values()), shares
+    # each does work, and none is above the peak: a round where a busy core slowed the FMA loop
+    # gave a share of 1.0002, which the tile model (and `maco bound --network`) refused
+    assert all(0.02 < e <= 1.0 for e in shares.values()), shares
     with pytest.raises(MacoError, match="rounds"):
         winograd_ceilings(host, rounds=0)
