@@ -69,8 +69,7 @@ def test_sympy_derivation_matches_the_numbers():
     d = derive_chain()
     s = d.symbols
     specs = [ConvSpec(1, 4, 8, 8, 6, 3, 3, padding=1), ConvSpec(1, 6, 8, 8, 5, 3, 3, padding=1)]
-    x, y = 8, 8  # one whole tile: the regions clip to the map, the expression does not
-    assert chain_bound(specs, 10**7).tile == (8, 8)
+    assert chain_bound(specs, 10**7).tile == (8, 8)  # one whole tile: the regions clip to the map, the expression does not
     vals = {s["x"]: 4, s["y"]: 4, s["H"]: 8, s["W"]: 8, s["C"]: 4, s["M"]: 6, s["K"]: 5, s["r1"]: 3, s["r2"]: 3,
             s["W_sum"]: sum(p.weight_elems for p in specs)}
     # 4x4 tiles: interior tiles read (4+4)^2 inputs, the formula counts every tile as interior

@@ -179,7 +179,7 @@ def test_records_through_the_cluster_are_a_local_runs(cluster: LocalCluster, tmp
         assert all(r.ok for r in kept), [r.error for r in kept if not r.ok]
         assert all(r.torch_nchw and r.torch_nhwc and r.best for r in results)
         runs[name] = (path, kept, results)
-    (lpath, local, lres), (cpath, remote, cres) = runs["local"], runs["cluster"]
+    (lpath, _, _), (cpath, remote, _) = runs["local"], runs["cluster"]
     assert not list((tmp_path / "cluster-cache").glob("k_*"))
     for a, b in zip(_lines(lpath), _lines(cpath)):  # same fields, same target, node named
         assert set(a) == set(b) and a["target"] == b["target"]

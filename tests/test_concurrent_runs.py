@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fcntl
 import multiprocessing as mp
-import os
 import random
 import time
 from pathlib import Path

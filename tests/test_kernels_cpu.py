@@ -14,7 +14,7 @@ import torch
 from maco import ConvSpec, MacoError, MemoryLevel, Schedule, Target, kernels
 from maco.space.schedules import sample
 from tests.busy import holds_unless_busy
-from tests.targets import AVX2, AVX512, GENERIC
+from tests.targets import AVX2, GENERIC
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
