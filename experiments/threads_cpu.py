@@ -14,7 +14,7 @@ that file like any `maco optimize --save` model.
 
 Writes (appends rows to) <out>/threads_cpu.csv: network, cores, engine, eager_ms, engine_ms,
 speedup, outputs_ok, compile_s, note; and <out>/threads_cpu_split_<cores>.csv: how evenly each
-conv's default parallel split fills the cores.
+conv's default direct schedule and each of its Winograd tile sizes fill the cores.
 """
 from __future__ import annotations
 
@@ -58,29 +58,39 @@ def save_default_model(net: str, path: Path) -> tuple[str, float]:
 
 
 def split_balance(net: str, target: Target) -> list[dict[str, Any]]:
-    """Per distinct conv of `net`: the parallel chunks of its default NHWC schedule on `target`
-    (the product of the fused outer S0 loops) and how evenly they fill its cores: chunks over
-    whole waves of `cores` chunks (1.0: every core busy to the end)."""
+    """Per distinct conv of `net` and kernel: the parallel work items of its default NHWC direct
+    schedule on `target` (the product of the fused outer S0 loops), and of each Winograd tile size
+    where Winograd applies (blocks of tiles times parts of the filters), and how evenly they fill
+    its cores: items over whole waves of `cores` items (1.0: every core busy to the end)."""
     import math
 
     from maco import kernels
+    from maco.bounds.network import tile_label
     from maco.core.axes import SPATIAL_AXES
     from maco.core.errors import MacoError
+    from maco.kernels.winograd import TILE_SIZES, WinogradPlan, winograd_can_run
     from maco.layouts.networks import conv_layers, distinct_convs
 
     _, model = load_model(net)
     rows = []
+
+    def row(spec: Any, names: list[str], kernel: str, items: int, axes: str) -> dict[str, Any]:
+        waves = math.ceil(items / target.cores)
+        return dict(network=net, cores=target.cores, spec=str(spec), kernel=kernel, layers=len(names),
+                    gmacs=spec.flops / 2e9 * len(names), chunks=items, parallel_axes=axes,
+                    balance=items / (waves * target.cores))
+
     for spec, names in distinct_convs(conv_layers(model.eval(), example_input(1))):
         try:
             sched = kernels.default_schedule(spec, target, "NHWC")
         except MacoError:
             continue  # a conv the generated kernels leave to torch (depthwise on its own kernel)
-        chunks = math.prod(sched.spatial[i][0] for i in range(sched.parallel))
-        waves = math.ceil(chunks / target.cores)
-        rows.append(dict(network=net, cores=target.cores, spec=str(spec), layers=len(names),
-                         gmacs=spec.flops / 2e9 * len(names), chunks=chunks,
-                         parallel_axes="".join(SPATIAL_AXES[:sched.parallel]),
-                         balance=chunks / (waves * target.cores)))
+        rows.append(row(spec, names, "direct", math.prod(sched.spatial[i][0] for i in range(sched.parallel)),
+                        "".join(SPATIAL_AXES[:sched.parallel])))
+        if winograd_can_run(spec, target.simd_width):
+            for m in TILE_SIZES[spec.kh]:
+                split = WinogradPlan(spec, threads=target.cores, lanes=target.simd_width, m=m).split
+                rows.append(row(spec, names, tile_label(m, spec.kh), split.blocks * split.k_parts, "tiles,k"))
     return rows
 
 
@@ -119,10 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     split = []
     for net in args.networks.split(","):
         split += split_balance(net, Target.host())
-        mine = [r for r in split if r["network"] == net]
-        weighted = sum(r["balance"] * r["gmacs"] for r in mine) / sum(r["gmacs"] for r in mine)
-        print(f"{net}: default schedules' parallel split on {cores} cores, MAC-weighted balance "
-              f"{weighted:.3f} (worst {min(r['balance'] for r in mine):.2f})", flush=True)
+        for kernel in ("direct", "Winograd"):
+            mine = [r for r in split if r["network"] == net and (r["kernel"] == "direct") == (kernel == "direct")]
+            if mine:
+                weighted = sum(r["balance"] * r["gmacs"] for r in mine) / sum(r["gmacs"] for r in mine)
+                print(f"{net}: {kernel} kernels' parallel split on {cores} cores, MAC-weighted balance "
+                      f"{weighted:.3f} (worst {min(r['balance'] for r in mine):.2f})", flush=True)
         write_csv(out / f"threads_cpu_split_{cores}.csv", split)
     for net in args.networks.split(","):
         with tempfile.TemporaryDirectory(prefix="maco_threads_") as tmp:

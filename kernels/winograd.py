@@ -157,7 +157,8 @@ class WinogradPlan:
         """The work split. Blocks of at most TILES[side] tiles keep a block's V and M in the core's L2;
         with at least as many blocks as threads, the blocks are shared out (as many per thread);
         with fewer, each block's filters are split into parts so that every thread works, and each
-        thread reads only its part of U. F(4x4, 3x3) with more tiles than one block holds takes
+        thread reads only its part of U; where whole register blocks of filters still leave threads
+        idle, the blocks get smaller. F(4x4, 3x3) with more tiles than one block holds takes
         blocks of up to a thread's share of the tiles, their V and M at most BLOCK_BYTES: its U
         (4x the weights) comes from beyond L2 again for every block, and read fewer times it
         costs less than V and M outgrowing L2 (only one element's rows of them are worked on at
@@ -175,6 +176,11 @@ class WinogradPlan:
             if blocks < self.threads:
                 whole = s.k // (self.lanes * filter_vectors(self.lanes))  # register blocks of filters
                 parts = max(p for p in range(1, self.threads // blocks + 1) if whole % p == 0)
+        if self.tiles_per_block is None and blocks * parts < self.threads:
+            # still fewer work items than threads (a deep layer's few tiles, its filters in whole
+            # register blocks): smaller blocks, so that every thread works (16 threads on 14x14x256
+            # in F(4x4) had 4 items, 7x7x512 in F(2x2) 8)
+            blocks = min(tiles, -(-self.threads // parts))
         if self.tiles_per_block is None and parts == 1 and blocks > 1:
             blocks = -(-blocks // self.threads) * self.threads  # as many per thread
         per_block = -(-tiles // blocks)

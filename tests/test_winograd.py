@@ -133,12 +133,14 @@ def test_refusals_name_the_value():
 
 def test_the_work_split_keeps_every_thread_busy():
     """Many tiles: blocks of at most TILES tiles, as many per thread; fewer blocks than threads:
-    the filters split into parts (whole register blocks), so each thread reads part of U."""
+    the filters split into parts (whole register blocks), so each thread reads part of U; still
+    fewer work items than threads: smaller blocks."""
     deep = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1")  # 16 tiles: one block
     assert WinogradPlan(deep, threads=2).split == Split(16, 1, 2)
     assert WinogradPlan(deep, threads=4).split == Split(16, 1, 4)
     assert WinogradPlan(deep, threads=1).split == Split(16, 1, 1)
-    assert WinogradPlan(ConvSpec.parse("n1_c64_h8_w8_k64_r3_p1"), threads=2).split == Split(16, 1, 1)  # one part
+    # one register block of filters: two blocks of tiles for two threads
+    assert WinogradPlan(ConvSpec.parse("n1_c64_h8_w8_k64_r3_p1"), threads=2).split == Split(8, 2, 1)
     wide = WinogradPlan(ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1"), threads=2).split
     assert wide.blocks % 2 == 0 and wide.tiles <= TILES[4] and wide.tiles * wide.blocks >= 28 * 28 and wide.k_parts == 1
     assert WinogradPlan(deep, threads=2, tiles_per_block=5, k_parts=4).split == Split(4, 4, 4)
@@ -157,6 +159,37 @@ def test_the_work_split_keeps_every_thread_busy():
     assert big.split == Split(49, 4, 1) and 4 * big.elements * 49 * (256 + 256) <= BLOCK_BYTES
     assert WinogradPlan(ConvSpec.parse("n1_c256_h14_w14_k256_r3_p1"), threads=2, m=4).split == Split(16, 1, 2)
     assert WinogradPlan(ConvSpec.parse("n1_c128_h28_w28_k128_r5_p2"), threads=2, m=4).split.tiles <= TILES[8]
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_sixteen_threads_all_work_on_the_deep_layers(m):
+    """On a 16-core host the deep layers' few tiles and whole register blocks of filters left 8 or
+    12 of 16 threads idle (7x7x512 in F(2x2): 8 work items; 14x14x256 in F(4x4): 4); now every
+    thread has one, and two threads split exactly as before."""
+    for text in ("n1_c512_h7_w7_k512_r3_p1", "n1_c256_h14_w14_k256_r3_p1", "n1_c128_h28_w28_k128_r3_p1",
+                 "n1_c256_h13_w13_k256_r3_p1", "n1_c512_h14_w14_k512_r3_p1"):
+        spec = ConvSpec.parse(text)
+        split = WinogradPlan(spec, threads=16, m=m).split
+        items = split.blocks * split.k_parts
+        assert items >= 14 and (items <= 16 or items % 16 == 0), (text, split)
+        assert split.tiles * split.blocks >= spec.n * -(-spec.h // m) * -(-spec.w // m)
+    assert WinogradPlan(ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1"), threads=16).split == Split(8, 2, 8)
+    assert WinogradPlan(ConvSpec.parse("n1_c256_h14_w14_k256_r3_p1"), threads=16, m=4).split == Split(4, 4, 4)
+
+
+@pytest.mark.parametrize("spec_text,m", [("n1_c64_h7_w7_k128_r3_p1", 2), ("n1_c64_h14_w14_k128_r3_p1", 4)])
+def test_a_sixteen_thread_split_computes_the_same_conv(spec_text, m):
+    """Blocks made smaller for 16 threads (run here on whatever cores there are) give torch's conv."""
+    spec = ConvSpec.parse(spec_text)
+    plan_ = WinogradPlan(spec, True, "relu", False, 16, 16, m=m)
+    assert plan_.split.blocks * plan_.split.k_parts == 16 and plan_.split.blocks > 1
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(spec.weight_shape, generator=gen) / 17, torch.randn(spec.k, generator=gen)
+    want = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1))
+    y = torch.full(spec.output_shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    WinogradKernel(plan_, HOST)(x, plan_.pack_weight(w.numpy()), b.numpy(), None, y)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("tiles,parts,m", [(1, 1, 2), (5, 2, 2), (7, 3, 4), (64, 3, 2), (None, 1, 4), (3, 6, 4)])
