@@ -196,7 +196,7 @@ def unsupported(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
     if any(isinstance(d, torch.SymInt) for t in example_inputs for d in t.shape):
         return "dynamic shapes"
     devices = {t.device.type for t in example_inputs}
-    if devices not in ({"cpu"}, {"cuda"}):
+    if devices not in (set(), {"cpu"}, {"cuda"}):
         return f"tensors on {' and '.join(sorted(devices))} (MACO runs a graph on the CPU or on one CUDA GPU)"
     if devices == {"cuda"} and len({t.device for t in example_inputs}) > 1:
         return "tensors on several GPUs"
