@@ -129,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     split = []
     for net in args.networks.split(","):
         split += split_balance(net, Target.host())
-        for kernel in ("direct", "Winograd"):
-            mine = [r for r in split if r["network"] == net and (r["kernel"] == "direct") == (kernel == "direct")]
+        for family in ("direct", "Winograd"):
+            mine = [r for r in split if r["network"] == net
+                    and ("direct" if r["kernel"] == "direct" else "Winograd") == family]
             if mine:
                 weighted = sum(r["balance"] * r["gmacs"] for r in mine) / sum(r["gmacs"] for r in mine)
-                print(f"{net}: {kernel} kernels' parallel split on {cores} cores, MAC-weighted balance "
+                print(f"{net}: {family} kernels' parallel split on {cores} cores, MAC-weighted balance "
                       f"{weighted:.3f} (worst {min(r['balance'] for r in mine):.2f})", flush=True)
         write_csv(out / f"threads_cpu_split_{cores}.csv", split)
     for net in args.networks.split(","):

@@ -9,9 +9,9 @@ size's kernel (layouts.maco_modules.MacoWinograd2d, NHWC) called with the caches
 as inside a model, where the transformed filters come from DRAM; both tile sizes in the same
 interleaved rounds, the faster by the median of per-round ratios; then timed again, in rounds of
 their own, to show how often timing repeats its own choice (a ceiling on any model's agreement).
-The peak and the bandwidth are
-measured in this process first (kernels.cpu_peak.measure_ceilings: this host's best), then the
-tile sizes' ceilings (kernels.cpu_peak.winograd_ceilings, on convs none of the networks has).
+The peak and the bandwidth are measured in this process first (kernels.cpu_peak.measure_ceilings:
+this host's best), then the tile sizes' ceilings (kernels.cpu_peak.winograd_ceilings, on convs
+none of the networks has).
 
     flock /tmp/maco-timing.lock python experiments/winograd_tiles.py --out results
 
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             predicted, model_s = predict_tile(spec, peak, bw, shares)
             t, again = time_tiles(spec, target, args.rounds), time_tiles(spec, target, args.rounds)
             sizes = [m for m in t if m > 0]
-            timed, timed_again = (max(sizes, key=lambda m: (u[-m], -m)) for u in (t, again))  # the largest speedup over the smallest tile
+            # each timing's pick: the largest speedup over the smallest tile
+            timed, timed_again = (max(sizes, key=lambda m: (u[-m], -m)) for u in (t, again))
             rows.append(dict(network=net, layer=names[0], spec=str(spec), predicted=predicted, timed=timed,
                              agree=predicted == timed, **{f"f{m}_ms": t[m] * 1e3 for m in sizes},
                              **{f"model_f{m}_ms": s * 1e3 for m, s in model_s.items()},

@@ -471,8 +471,9 @@ class _Generator:
         a time through maco_vact4, whose chains overlap, then each stored. They stay in registers:
         storing the tile first and activating it from L1 doubled the stores to cold output lines."""
         vt, storeu = ISA[isa][0], ISA[isa][6]
-        for g in range(0, len(offsets), VACT_WAYS):
-            group = list(enumerate(offsets))[g:g + VACT_WAYS]
+        numbered = list(enumerate(offsets))
+        for g in range(0, len(numbered), VACT_WAYS):
+            group = numbered[g:g + VACT_WAYS]
             if len(group) < VACT_WAYS:
                 for i, off in group:
                     emit(f"  {storeu}(out + {off}, ({vt})maco_vact((maco_vf)a{i}));")

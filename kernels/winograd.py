@@ -178,8 +178,7 @@ class WinogradPlan:
                 parts = max(p for p in range(1, self.threads // blocks + 1) if whole % p == 0)
         if self.tiles_per_block is None and blocks * parts < self.threads:
             # still fewer work items than threads (a deep layer's few tiles, its filters in whole
-            # register blocks): smaller blocks, so that every thread works (16 threads on 14x14x256
-            # in F(4x4) had 4 items, 7x7x512 in F(2x2) 8)
+            # register blocks): smaller blocks, so that every thread works
             blocks = min(tiles, -(-self.threads // parts))
         if self.tiles_per_block is None and parts == 1 and blocks > 1:
             blocks = -(-blocks // self.threads) * self.threads  # as many per thread

@@ -75,7 +75,7 @@ class MacoConv2d(nn.Module):
         self._conv = self._kernel.bind(conv.weight.detach(), None if conv.bias is None else conv.bias.detach())
         self._format = memory_format(self.layout)
         self._in_format = memory_format(self.input_layout)
-        self._device = "cuda" if target.kind == "cuda" else "cpu"
+        self._device = target.device
         self._out = self._conv.output() if preallocate else None
 
     @property

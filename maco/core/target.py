@@ -171,6 +171,11 @@ class Target:
         """Nominal fp32 FMA peak: cores * pipes * lanes * 2 flops * GHz (0 when the clock is unknown)."""
         return self.cores * self.fma_units * self.simd_width * 2 * self.freq_ghz
 
+    @property
+    def device(self) -> str:
+        """The torch device its kernels run on: "cuda" for a GPU target, else "cpu"."""
+        return "cuda" if self.kind == "cuda" else "cpu"
+
     def fingerprint(self) -> dict[str, Any]:
         """What identifies this machine in tuning records."""
         out = {"name": self.name, "kind": self.kind, "model": self.model, "isa": self.isa,

@@ -24,8 +24,8 @@ handle stays torch's, with one log line saying why: training mode, tensors that 
 tensors on a GPU where CuPy is missing or the graph takes more than one input, dynamic shapes, a
 graph without a conv, parameters made under inference_mode (they carry no version to check). On a
 CUDA GPU the convs run MACO's CUDA kernels where they beat cuDNN, and the graph replays from a CUDA
-graph, as `maco optimize --target cuda` builds it. A new input shape makes dynamo compile one more graph, with kernels
-from the records or the defaults. An example input with NaN or Inf is optimized on a finite input
+graph, as `maco optimize --target cuda` builds it. A new input shape makes dynamo compile one more
+graph, with kernels from the records or the defaults. An example input with NaN or Inf is optimized on a finite input
 of its shape: the kernels keep NaN and Inf where torch does, but an output check on NaN proves
 little.
 """
@@ -135,8 +135,7 @@ def _same_kernels(lifted: fx.GraphModule, inputs: list[torch.Tensor], dep: Deplo
     except MacoError as exc:
         log.info("maco: the first compile's kernels do not fit the new parameters (%s)", exc)
         return None
-    x = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(0)).to(
-        inputs[0].device, memory_format=_format(inputs[0]))
+    x = _random_like(inputs[0], torch.Generator().manual_seed(0))
     with torch.inference_mode():
         want, got = output_tensors(lifted(x)), output_tensors(model(x))
     if output_diff(want, got) > OUTPUT_RTOL * output_scale(want):
@@ -198,11 +197,11 @@ def unsupported(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
     devices = {t.device.type for t in example_inputs}
     if devices not in (set(), {"cpu"}, {"cuda"}):
         return f"tensors on {' and '.join(sorted(devices))} (MACO runs a graph on the CPU or on one CUDA GPU)"
-    if devices == {"cuda"} and len({t.device for t in example_inputs}) > 1:
-        return "tensors on several GPUs"
     if devices == {"cuda"}:
         from maco.kernels.cuda import gpu_available
 
+        if len({t.device for t in example_inputs}) > 1:
+            return "tensors on several GPUs"
         if not gpu_available():
             return "CUDA tensors, and no CuPy here for MACO's CUDA kernels (pip install maco[cuda])"
     if any(t.dtype != torch.float32 for t in example_inputs if t.is_floating_point()):
@@ -349,13 +348,12 @@ def _optimized(model: fx.GraphModule, inputs: list[torch.Tensor],
     if not all(bool(t.isfinite().all()) for t in inputs if t.is_floating_point()):
         log.info("maco: the example input holds NaN or Inf; optimizing on a finite input of its shape")
         gen = torch.Generator().manual_seed(0)
-        inputs = [torch.randn(t.shape, generator=gen).to(t.device, memory_format=_format(t)) if t.is_floating_point()
-                  else t for t in inputs]
+        inputs = [_random_like(t, gen) if t.is_floating_point() else t for t in inputs]
     x = inputs[0] if len(inputs) == 1 else tuple(inputs)
     files = opts.get("records") or []
     tuning = Tuning(opts["tune"], files[0]) if opts["tune"] != "none" and files else None
     run = run_pipeline(model, x, target, RecordStore(files, target), tuning=tuning, layouts=opts["layouts"],
-                       device="cuda" if target.kind == "cuda" else "cpu", exact=opts["exact"], log=log.info)
+                       device=target.device, exact=opts["exact"], log=log.info)
     built, pick = run.built, run.pick
     log.info("maco: %s, %.2fx the graph as torch runs it (%d MACO convs, %d MACO linear layers)", pick,
              run.times.speedup(pick), len(built.swapped) if pick == "planned_maco" else 0,
@@ -373,6 +371,12 @@ def _on_gpu(tensors: list[Any]) -> bool:
 def _target(inputs: list[torch.Tensor]) -> Target:
     """MACO's CUDA target for a graph on a GPU (unsupported() has checked CuPy), else this CPU."""
     return Target.h100() if _on_gpu(inputs) else kernels.host_target()
+
+
+def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A finite standard-normal input of t's shape, device and memory format (drawn on the CPU, so
+    that a seed gives the same values on either device)."""
+    return torch.randn(t.shape, generator=gen).to(t.device, memory_format=_format(t))
 
 
 def _format(t: torch.Tensor) -> torch.memory_format:

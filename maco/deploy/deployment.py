@@ -208,11 +208,11 @@ def rebuild(dep: Deployment, model: nn.Module, host: Target, *, source: Any = "t
     passes (fuse, plan.apply), then each kernel from its schedule, checked against this model
     (`source` names where `dep` came from in errors; `foreign`: defaults instead of its schedules)."""
     cuda = host.kind == "cuda"
-    model = model.eval().to("cuda") if cuda else model.eval()
+    model = model.eval().to(host.device) if cuda else model.eval()  # a CPU file leaves the model where it is
     graphed: Callable[[nn.Module], nn.Module] = CudaGraphed if cuda else (lambda m: m)  # as the pipeline hands it back
     if dep.variant == "default":
         return graphed(model)
-    fused = fuse(model, torch.zeros(dep.input_shape, device="cuda" if cuda else "cpu"))
+    fused = fuse(model, torch.zeros(dep.input_shape, device=host.device))
     if _fusion(fused) != dep.fusion:
         raise MacoError(f"{str(source)!r} was saved for another model: its fused layers differ from this model's")
     if dep.variant == "fused":

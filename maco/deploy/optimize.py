@@ -58,7 +58,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
         check_writable(save, "--save file")
     name, model = load_model(model_text)
     model.eval()
-    device = "cuda" if tgt.kind == "cuda" else "cpu"
+    device = tgt.device
     x = _example_input(model_text, input_shape, batch)
     model, x = model.to(device), x.to(device)
     layers = distinct_layers(model, x)
