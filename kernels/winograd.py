@@ -13,7 +13,8 @@ The kernel works on blocks of TILES output tiles at a time, in one core's caches
 the block's input tiles into V (elements x tiles x C), multiplies each element's tile x C matrix
 by the filters' C x K matrix U (a register-tiled GEMM: ROWS tiles x KV vectors of k accumulate
 while the channels stream past; U is packed so that each register block's C x KV vectors panel
-is contiguous and streams in order), and transforms the products back into outputs, adding bias
+is contiguous and streams in order, in chunks of channels that all of a block's register blocks
+take in turn where a panel outgrows L1), and transforms the products back into outputs, adding bias
 and residual and applying the activation before the store. A work item is a block and a part of
 the filters: with at least as many blocks as threads the blocks are shared out; a deep layer
 with fewer blocks (7x7x512: one) splits its filters instead, so that every core works and reads
@@ -56,6 +57,10 @@ TILES = {4: 36, 6: 16, 8: 9}  # output tiles per block at most, per input tile s
 BLOCK_BYTES = 4 << 20  # V and M of one larger F(4x4, 3x3) block, at most (see WinogradPlan.split)
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
 U_PREFETCH_AHEAD = 32  # channels ahead that the GEMM prefetches its panel of U (read in order)
+# A panel of U larger than an L1d is read in chunks of U_CHUNK channels, each taken by all of a
+# block's register blocks in turn: read from memory once, its stream spread over all their work
+# rather than all of it in the first one's pass (the others then reread it from L2)
+U_CHUNK, L1_PANEL_BYTES = 32, 32 << 10
 KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
 TILE_SIZES = {3: (2, 4), 5: (2, 4)}  # filter size r -> the output tile sizes m of F(m x m, r x r)
 POINTS = (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))  # interpolation points, then infinity
@@ -243,6 +248,7 @@ def _source(plan: WinogradPlan) -> str:
     split = plan.split
     per_block, blocks, parts = split.tiles, split.blocks, split.k_parts
     kp = k // parts  # filters of one part
+    chunk = c if c * lanes * kv * 4 <= L1_PANEL_BYTES else next(n for n in (U_CHUNK, lanes) if c % n == 0)
     # one element's V and M rows, a cache line more than they hold: the transforms read and write
     # all elements at once, and at a power-of-two stride (16 tiles x 256 channels: 16 KiB) those
     # 36 streams all map to the same set of the L1 cache and evict each other
@@ -308,13 +314,15 @@ def _source(plan: WinogradPlan) -> str:
     e(f"      float *restrict me = M + (long)el * {mstride};")
     e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes * kv}) {{")
     e(f"      const float *restrict ue = u + (long)el * {c * k} + (k1 + k0) * {c};  /* this block's panel */")
+    e(f"      for (long c0 = 0; c0 < {c}; c0 += {chunk}) {{  /* a chunk of the panel, taken by every row block */")
     e(f"      for (long ti = 0; ti < nt; ti += {ROWS}) {{")
     e(f"        switch (nt - ti < {ROWS} ? nt - ti : {ROWS}) {{  /* the last rows of a block too */")
     for rows in range(ROWS, 0, -1):
         e(f"        case {rows}: {{")
-        _register_block(e, rows, kv, c, kp, lanes)
+        _register_block(e, rows, kv, chunk, c, kp, lanes)
         e("          break; }")
     e("        }")
+    e("      }")
     e("      }")
     e("      }")
     e("    }")
@@ -348,12 +356,14 @@ def _source(plan: WinogradPlan) -> str:
     return "\n".join(L) + "\n"
 
 
-def _register_block(e: Any, rows: int, kv: int, c: int, kp: int, lanes: int) -> None:
-    """`rows` tiles x `kv` filter vectors accumulated in registers while the C channels stream past
-    (a panel of U, rows kv vectors long; M rows kp floats apart)."""
+def _register_block(e: Any, rows: int, kv: int, chunk: int, c: int, kp: int, lanes: int) -> None:
+    """`rows` tiles x `kv` filter vectors accumulated in registers while `chunk` of the C channels
+    stream past from c0 (a panel of U, rows kv vectors long; M rows kp floats apart, holding the
+    sums of the channels before c0)."""
     for i in range(rows):
-        e("          vf " + ", ".join(f"a{i}_{j} = zero" for j in range(kv)) + ";")
-    e(f"          for (long cc = 0; cc < {c}; cc++) {{")
+        e("          vf " + ", ".join(f"a{i}_{j} = c0 ? ld(me + (ti + {i}) * {kp} + k0 + {lanes * j}) : zero"
+                              for j in range(kv)) + ";")
+    e(f"          for (long cc = c0; cc < c0 + {chunk}; cc++) {{")
     for line in range(0, lanes * kv, LINE_FLOATS):  # U comes from memory inside a model: fetch it ahead
         e(f"            __builtin_prefetch(ue + cc * {lanes * kv} + {U_PREFETCH_AHEAD * lanes * kv + line}, 0, 3);")
     for j in range(kv):

@@ -73,7 +73,22 @@ CASES = RESNET + list(_cases(0, 24)) + [(ConvSpec.parse(t), 16, True, "relu", Fa
     (ConvSpec.parse("n1_c16_h13_w10_k64_r3_p1"), 16, True, "silu", True),
     (ConvSpec.parse("n2_c16_h9_w7_k32_r3_p1"), 8, False, "hardswish", False),
     (ConvSpec.parse("n1_c16_h11_w9_k64_r5_p2"), 16, True, "silu", False),
-    (ConvSpec.parse("n1_c8_h6_w12_k16_r3_p1"), 8, True, "gelu", True)]
+    (ConvSpec.parse("n1_c8_h6_w12_k16_r3_p1"), 8, True, "gelu", True),
+    # panels of U beyond an L1d, read in chunks of channels (test_wide_panels_are_read_in_chunks)
+    (ConvSpec.parse("n1_c144_h13_w9_k64_r3_p1"), 16, True, "relu", True),
+    (ConvSpec.parse("n1_c1032_h6_w5_k16_r3_p1"), 8, True, "none", False)]
+
+
+def test_wide_panels_are_read_in_chunks():
+    """A register block's panel of U (C x 64 floats with 16 lanes) larger than an L1d is taken in
+    chunks of channels by all of a block's row blocks in turn; one that fits, in one pass."""
+    def step(text: str, lanes: int = 16) -> str:
+        source = WinogradPlan(ConvSpec.parse(text), lanes=lanes).source
+        return source.split(" {  /* a chunk of the panel")[0].rsplit("c0 += ", 1)[1]
+    assert step("n1_c512_h7_w7_k512_r3_p1") == "32)"
+    assert step("n1_c144_h13_w9_k64_r3_p1") == "16)"  # 144 is not a multiple of 32
+    assert step("n1_c1032_h6_w5_k16_r3_p1", lanes=8) == "8)"
+    assert step("n1_c128_h28_w28_k128_r3_p1") == "128)"  # 32 KiB: one pass
 
 
 @pytest.mark.parametrize("m", [2, 4])
