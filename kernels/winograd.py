@@ -369,7 +369,7 @@ def _register_block(e: Any, rows: int, kv: int, chunk: int, c: int, kp: int, lan
     for j in range(kv):
         e(f"            const vf u{j} = ld(ue + cc * {lanes * kv} + {lanes * j});")
     for i in range(rows):
-        e(f"            {{ const vf v = zero + ve[(ti + {i}) * {c} + cc]; "
+        e(f"            {{ const vf v = ve[(ti + {i}) * {c} + cc] - zero; "
           + " ".join(f"a{i}_{j} += v * u{j};" for j in range(kv)) + " }")
     e("          }")
     for i in range(rows):
