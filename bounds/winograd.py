@@ -15,17 +15,17 @@ Inside a model the layer's U does not stay cached between calls (its weights and
 layer's pass through the last-level cache first), so per call it comes from DRAM once, and
 again from the last-level cache for every further block. A tile size's time is modelled as
 
-    2 * macs / (e_m * P)  +  4 * (U + inputs + outputs) / B
+    max(2 * macs / (e_m * P),  4 * (U + inputs + outputs) / B)
 
 with P the FMA peak, B the DRAM read bandwidth and e_m the share of P the kernel's multiplies
 reach in F(m x m) (kernels.cpu_peak.winograd_ceilings, timed once per host on a reference conv:
-larger tiles spend more of the core on their transforms). The two terms add: a call reads each
-panel of U just before it multiplies with it, and timed with the caches evicted the tile sizes
-rank as the sum ranks them, not as max(compute, memory) does (results/winograd_tiles*.csv). The
-larger tile does fewer multiplies but reads a larger U: early layers (56x56x64: U of F(4x4)
-0.6 MB) take F(4x4); deep ones (7x7x512: U of F(4x4) 38 MB, of F(2x2) 17 MB) take the smaller
-tile where 4 * (U_4 - U_2) / B exceeds what F(4x4) saves in compute (`crossover`). This is a
-model to rank tile sizes, not a bound: MACO's kernel_choice still times each tile size.
+larger tiles spend more of the core on their transforms). The kernel streams U under its
+multiplies (a panel in chunks of channels that every register block takes in turn, prefetched
+ahead), so the two overlap and the longer one is the time. The larger tile does fewer multiplies
+but reads a larger U: early layers (56x56x64: U of F(4x4) 0.6 MB) take F(4x4); deep ones (7x7x512:
+U of F(4x4) 38 MB, of F(2x2) 17 MB) take the smaller tile where F(4x4)'s DRAM time exceeds
+F(2x2)'s compute (`crossover`). This is a model to rank tile sizes, not a bound: MACO's
+kernel_choice still times each tile size.
 """
 from __future__ import annotations
 
@@ -66,11 +66,11 @@ class WinogradCost:
         return self.u + self.inputs + self.outputs
 
     def seconds(self, peak: float, bandwidth: float, ceiling: float = 1.0) -> float:
-        """2 * macs / (ceiling * P) + 4 * dram / B: peak in flop/s, bandwidth in bytes/s, ceiling
-        the share of the peak this tile size's multiplies reach (1: an ideal kernel)."""
+        """max(2 * macs / (ceiling * P), 4 * dram / B): peak in flop/s, bandwidth in bytes/s,
+        ceiling the share of the peak this tile size's multiplies reach (1: an ideal kernel)."""
         if not 0 < ceiling <= 1 + 1e-9:
             raise MacoError(f"a Winograd ceiling is a share of the FMA peak in (0, 1], got {ceiling!r}")
-        return 2 * self.macs / (ceiling * peak) + DTYPE_BYTES * self.dram() / bandwidth
+        return max(2 * self.macs / (ceiling * peak), DTYPE_BYTES * self.dram() / bandwidth)
 
     def to_dict(self) -> dict[str, Any]:
         return {"m": self.m, "r": self.r, "tiles": self.tiles, "macs": self.macs, "u": self.u,
@@ -106,12 +106,12 @@ def predict_tile(spec: ConvSpec, peak: float, bandwidth: float,
 @lru_cache(maxsize=1)
 def crossover() -> dict[str, sp.Expr]:
     """F(2x2, 3x3) against F(4x4, 3x3) on an Ho x Wo layer (m | Ho, Wo), all symbolic, with the
-    tile sizes' ceilings e_2 and e_4: `t2`, `t4` (each compute + memory), `saved` (the compute
-    time F(4x4) saves: 2*Ho*Wo*C*K*(4/e_2 - 9/(4*e_4))/P), `extra` (the DRAM time its larger U
-    adds: 4*20*C*K/B) and `area`, the Ho*Wo where the two are equal, whatever C and K:
-    40*P/(B*(4/e_2 - 9/(4*e_4))), 160*P/(7*B) for ideal kernels. Below it (the deep layers) the
-    larger U costs more than F(4x4)'s multiplies save; above it F(4x4) wins. Where
-    9/(4*e_4) >= 4/e_2, F(4x4) saves nothing and F(2x2) wins everywhere."""
+    tile sizes' ceilings e_2 and e_4: `t2`, `t4` (each max(compute, memory)) and `area`, the Ho*Wo
+    where F(4x4)'s DRAM time (its U, 36*C*K, with the inputs and outputs) equals F(2x2)'s compute,
+    144*C*K*e_2*P / (8*C*K*B - 4*(C + K)*e_2*P); `area_limit`, its value for many channels,
+    18*e_2*P/B. Where F(4x4) computes faster (16*e_4 > 9*e_2), it wins above the area and F(2x2)
+    below it (the deep layers, where the larger U costs more than F(2x2)'s multiplies); where
+    not, F(2x2) wins everywhere."""
     C, K, Ho, Wo, P, B, A = sp.symbols("C K H_o W_o P B A", positive=True)
     e = {2: sp.Symbol("e_2", positive=True), 4: sp.Symbol("e_4", positive=True)}
     io = Ho * Wo * (C + K)  # inputs and outputs, stride 1, same padding
@@ -120,8 +120,6 @@ def crossover() -> dict[str, sp.Expr]:
         a = m + 2
         return 2 * (Ho / m) * (Wo / m) * a**2 * C * K / (e[m] * P), DTYPE_BYTES * (a**2 * C * K + io) / B
     (c2, m2), (c4, m4) = t(2), t(4)
-    saved = sp.simplify(c2 - c4)
-    extra = sp.simplify(m4 - m2)
-    area = sp.solve(sp.Eq(saved.subs(Ho * Wo, A).subs(Wo, A / Ho), extra), A)
-    return {"t2": c2 + m2, "t4": c4 + m4, "saved": saved, "extra": extra,
-            "area": sp.simplify(area[0]) if area else sp.nan}
+    area = sp.solve(sp.Eq(m4.subs(Ho * Wo, A).subs(Wo, A / Ho), c2.subs(Wo, A / Ho)), A)
+    return {"t2": sp.Max(c2, m2), "t4": sp.Max(c4, m4), "area": sp.simplify(area[0]),
+            "area_limit": 18 * e[2] * P / B}

@@ -11,7 +11,10 @@ interleaved rounds, the faster by the median of per-round ratios; then timed aga
 their own, to show how often timing repeats its own choice (a ceiling on any model's agreement).
 The peak and the bandwidth are measured in this process first (kernels.cpu_peak.measure_ceilings:
 this host's best), then the tile sizes' ceilings (kernels.cpu_peak.winograd_ceilings, on convs
-none of the networks has).
+none of the networks has). The model predicts twice: with the best bandwidth (`predicted`), and
+with the DRAM reads timed beside each conv's timings (`predicted_now`, the median of reads
+before, between and after them): on a VM whose memory another tenant shares, that is the
+bandwidth the timed calls had.
 
     flock /tmp/maco-timing.lock python experiments/winograd_tiles.py --out results
 
@@ -31,7 +34,7 @@ from maco.bounds.network import tile_label
 from maco.bounds.winograd import predict_tile
 from maco.core.timing import CacheEvictor, interleaved_rounds, steady_allocator
 from maco.experiments.common import Figure, num, out_dir, parser, write_csv, write_env
-from maco.kernels.cpu_peak import measure_ceilings, winograd_ceilings
+from maco.kernels.cpu_peak import dram_bytes_per_core, measure_ceilings, read_bandwidth, winograd_ceilings
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import MacoWinograd2d, winograd_module_can_run
 from maco.layouts.networks import distinct_convs, network_convs
@@ -39,7 +42,8 @@ from maco.layouts.networks import distinct_convs, network_convs
 FIGURE = Figure(
     "winograd_tiles", "(not in the paper) Winograd's tile size predicted from the bound against timing",
     "the model prices F(m x m) as its multiplies at the share of the FMA peak the tile size reaches (timed "
-    "once per host on a reference conv) plus its traffic with the transformed filters from DRAM; timing "
+    "once per host on a reference conv) or its traffic with the transformed filters from DRAM, whichever "
+    "takes longer (the kernel streams U under its multiplies); timing "
     "evicts the caches before each call, as a model's call finds them",
     csv=("winograd_tiles*.csv",))
 
@@ -67,6 +71,11 @@ def time_tiles(spec: Any, target: Any, rounds: int) -> dict[int, float]:
     return out
 
 
+def reads_now(target: Any) -> float:
+    """DRAM read bandwidth now, bytes/s (one short pass: kernels.cpu_peak.read_bandwidth)."""
+    return 4 * read_bandwidth(target, dram_bytes_per_core(target), seconds=0.05, repeats=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--networks", default=NETWORKS)
@@ -91,12 +100,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             seen.add(spec)
             predicted, model_s = predict_tile(spec, peak, bw, shares)
-            t, again = time_tiles(spec, target, args.rounds), time_tiles(spec, target, args.rounds)
+            reads = [reads_now(target)]
+            t = time_tiles(spec, target, args.rounds)
+            reads.append(reads_now(target))
+            again = time_tiles(spec, target, args.rounds)
+            bw_now = statistics.median(reads + [reads_now(target)])
+            predicted_now, _ = predict_tile(spec, peak, bw_now, shares)
             sizes = [m for m in t if m > 0]
             # each timing's pick: the largest speedup over the smallest tile
             timed, timed_again = (max(sizes, key=lambda m: (u[-m], -m)) for u in (t, again))
             rows.append(dict(network=net, layer=names[0], spec=str(spec), predicted=predicted, timed=timed,
-                             agree=predicted == timed, **{f"f{m}_ms": t[m] * 1e3 for m in sizes},
+                             agree=predicted == timed, predicted_now=predicted_now,
+                             agree_now=predicted_now == timed, read_gbs_now=bw_now / 1e9, **{f"f{m}_ms": t[m] * 1e3 for m in sizes},
                              **{f"model_f{m}_ms": s * 1e3 for m, s in model_s.items()},
                              **{f"f2_over_f{m}": t[-m] for m in sizes if m != min(sizes)},
                              timed_again=timed_again,
@@ -104,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                              peak_gflops=peak / 1e9, read_gbs=bw / 1e9,
                              **{f"ceiling_f{m}": shares.get((m, spec.kh), 1.0) for m in sizes}))
             r = rows[-1]
-            print(f"{net:12s} {names[0]:28s} {str(spec):34s} predicted F({predicted}) timed F({timed}), "
+            print(f"{net:12s} {names[0]:28s} {str(spec):34s} predicted F({predicted}) "
+                  f"(at {bw_now / 1e9:.0f} GB/s now: F({predicted_now})) timed F({timed}), "
                   f"then F({timed_again}){'' if r['agree'] else '  DIFFER'}  "
                   + ", ".join(f"F({m}) {t[m] * 1e3:.3f} ms" for m in sizes), flush=True)
             write_csv(out / "winograd_tiles.csv", rows)
@@ -123,7 +139,11 @@ def summarise(rows: list[dict[str, str]]) -> str:
     again = [r for r in rows if r.get("timed_again")]
     repeat = (f"; timing itself picked the same tile again on {sum(r['timed'] == r['timed_again'] for r in again)} "
               f"of {len(again)}" if again else "")
-    return (f"tile model = timed choice on {agree} of {len(rows)} convs ({100 * agree / max(len(rows), 1):.0f}%); "
+    now = [r for r in rows if r.get("agree_now")]
+    agree_now = (f" (with the DRAM reads timed beside each conv: {sum(r['agree_now'] == 'True' for r in now)} of "
+                 f"{len(now)})" if now else "")
+    return (f"tile model = timed choice on {agree} of {len(rows)} convs ({100 * agree / max(len(rows), 1):.0f}%)"
+            f"{agree_now}; "
             f"where the two tile sizes differ by more than {100 * TIE:.0f}%: {sum(r['agree'] == 'True' for r in clear)} "
             f"of {len(clear)}{repeat}" + (f"; differ: {'; '.join(differ)}" if differ else ""))
 
