@@ -601,6 +601,45 @@ class _Generator:
         ]
         return "\n".join(lines)
 
+    def fetch_input(self, par_axes: tuple[str, ...], fused: int) -> list[str]:
+        """A first loop over the same work items as the main one (schedule(static): each thread
+        gets the same items) that reads one byte of every line of the input each item reads, row
+        by row, so that the lines sit in the thread's caches. The model's NCHW input comes from
+        DRAM, and the tiles read it as many short rows of several channel planes at once, each
+        line a miss the hardware prefetchers do not see coming; read in order they do (software
+        prefetches in place of the loads recovered half as much: results/REPORT.md)."""
+        p, s = self.p, self.p.spec
+        f, st = p.f, p.in_strides
+        (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
+        out = ["  int sink = 0; (void)sink;  /* volatile reads: kept, their values unused */",
+               "  #pragma omp for schedule(static) nowait", f"  for (long p = 0; p < {fused}; p++) {{",
+               "    long rest = p;"]
+        for a in reversed(par_axes):
+            out.append(f"    const int {a}_0 = rest % {f[a][0]}; rest /= {f[a][0]};")
+        out.append("    (void)rest;")
+        extent = {"n": s.n, "g": s.groups, "oh": s.out_h, "ow": s.out_w}
+        for a in extent:  # this item's range of each axis: one outer tile where parallel, else all
+            lo = f"{a}_0 * {p.tile(a, 1)}" if a in par_axes else "0"
+            hi = f"{a}_0 * {p.tile(a, 1)} + {p.tile(a, 1)}" if a in par_axes else str(extent[a])
+            out.append(f"    const int {a}_lo = {lo}, {a}_hi = {hi};")
+        out += [f"    const int h_lo = oh_lo * {sh} - {ph} > 0 ? oh_lo * {sh} - {ph} : 0;",
+                f"    const int h_hi = (oh_hi - 1) * {sh} - {ph} + {(s.kh - 1) * dh + 1} < {s.h} ? "
+                f"(oh_hi - 1) * {sh} - {ph} + {(s.kh - 1) * dh + 1} : {s.h};",
+                f"    const int w_lo = ow_lo * {sw} - {pw} > 0 ? ow_lo * {sw} - {pw} : 0;",
+                f"    const int w_hi = (ow_hi - 1) * {sw} - {pw} + {(s.kw - 1) * dw + 1} < {s.w} ? "
+                f"(ow_hi - 1) * {sw} - {pw} + {(s.kw - 1) * dw + 1} : {s.w};",
+                "    for (int n = n_lo; n < n_hi; n++)",
+                f"    for (int c = g_lo * {s.c_per_group}; c < g_hi * {s.c_per_group}; c++)",
+                "    for (int h = h_lo; h < h_hi; h++) {",
+                f"      const char *row = (const char *)(in + (long)n * {st['n']} + (long)c * {st['c']} + "
+                f"(long)h * {st['h']});",
+                "      for (const char *q = (const char *)((unsigned long)(row + 4 * w_lo) & ~63ul); "
+                "q < row + 4 * w_hi; q += 64)",
+                "        sink += *(const volatile char *)q;",
+                "    }",
+                "  }"]
+        return out
+
     # -- the loop nest ---------------------------------------------------------------------
     def driver(self) -> str:
         p = self.p
@@ -619,6 +658,8 @@ class _Generator:
         out.append(f"  int key[{5 * p.patch_slots}];")
         out.append(f"  for (int i = 0; i < {5 * p.patch_slots}; i++) key[i] = -1 << 30;")
         ind = "  "
+        if par and p.input_layout == "NCHW":
+            out += self.fetch_input(par_axes, fused)
         if par:
             out.append(ind + "#pragma omp for schedule(static)")
             out.append(ind + f"for (long p = 0; p < {fused}; p++) {{")
