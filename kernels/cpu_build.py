@@ -47,6 +47,24 @@ BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC", "-fno-math-er
 KEY_SYMBOL = "maco_kernel_key"
 STALE_AGE = 3600.0  # seconds: a temporary this old belongs to a build that died, not a running one
 _LIBS: dict[str, ctypes.CDLL] = {}
+# What the generated kernels of one process share, loaded before any of them with its symbols
+# global (a kernel that calls it would not load otherwise): each thread's scratch buffer. Kernels
+# that run one after another in a model then reuse the same memory, found in cache, where a buffer
+# of each kernel's own was cold on every call (its lines fetched from DRAM before the first write).
+RUNTIME = """#include <stdlib.h>
+static __thread float *scratch;
+static __thread long scratch_floats;
+/* at least `floats` floats on a cache line, the calling thread's own and kept; NULL where out of memory */
+float *maco_thread_scratch(long floats) {
+  if (floats > scratch_floats) {
+    free(scratch);
+    scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    scratch_floats = scratch ? floats : 0;
+  }
+  return scratch;
+}
+"""
+_RUNTIME: list[ctypes.CDLL] = []
 _USABLE: dict[str, Path] = {}  # cache folder asked for -> folder used (itself, or the fallback)
 _SWEPT: set[str] = set()  # folders whose stale temporaries this process has removed
 _LOCK = threading.Lock()
@@ -348,6 +366,8 @@ def load(so: Path, function: str) -> ctypes._CFuncPtr:
     path); a check that fails is a MacoError, build() again to rebuild."""
     lib = _LIBS.get(str(so))
     if lib is None:
+        if not _RUNTIME:
+            _RUNTIME.append(_open(build(RUNTIME, list(BASE_FLAGS)), global_symbols=True))
         lib = _LIBS[str(so)] = _open(Path(so))
     fn = getattr(lib, function)
     fn.restype = None
@@ -364,7 +384,7 @@ def pointer_function(source: str, target: Target, function: str, args: int, what
     return fn
 
 
-def _open(so: Path) -> ctypes.CDLL:
+def _open(so: Path, global_symbols: bool = False) -> ctypes.CDLL:
     m = re.fullmatch(r"k_([0-9a-f]{32})\.so", so.name)
     if m is None:
         raise MacoError(f"{so} is not a kernel object of maco's build cache (k_<key>.so)")
@@ -373,22 +393,22 @@ def _open(so: Path) -> ctypes.CDLL:
     if data is None:
         raise MacoError(f"kernel {so} is missing, damaged or another kernel's (its digest or key does "
                         "not match); building the kernel again replaces it")
-    lib = _dlopen(so)
+    lib = _dlopen(so, global_symbols)
     if _embedded_key(lib) != k:
         # glibc reuses a handle already open under this path (an object replaced since) or the
         # file changed after the check: run the checked bytes from a path of their own
         fd, fresh = tempfile.mkstemp(prefix="reload-", suffix=".so", dir=_private_dir())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        lib = _dlopen(Path(fresh))
+        lib = _dlopen(Path(fresh), global_symbols)
         if _embedded_key(lib) != k:
             raise MacoError(f"kernel {so} does not hold its key {k}; building the kernel again replaces it")
     return lib
 
 
-def _dlopen(so: Path) -> ctypes.CDLL:
+def _dlopen(so: Path, global_symbols: bool = False) -> ctypes.CDLL:
     try:
-        return ctypes.CDLL(str(so))
+        return ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL if global_symbols else ctypes.RTLD_LOCAL)
     except OSError as exc:
         raise MacoError(f"cannot load kernel {so}: {exc}") from None
 

@@ -18,7 +18,8 @@ take in turn where a panel outgrows L1), and transforms the products back into o
 and residual and applying the activation before the store. A work item is a block and a part of
 the filters: with at least as many blocks as threads the blocks are shared out; a deep layer
 with fewer blocks (7x7x512: one) splits its filters instead, so that every core works and reads
-only its share of U. The block buffers are per thread, allocated on the first call and kept.
+only its share of U. The block buffers are each thread's scratch, shared by all kernels of the
+process (kernels.cpu_build.RUNTIME): a model's Winograd layers find them in cache.
 
 U is elements / r^2 times the weights (16/9 in F(2x2, 3x3), 4x in F(4x4, 3x3)): a deep layer
 reads it from memory on every call inside a model, so kernel_choice picks the tile size by timing
@@ -259,10 +260,10 @@ def _source(plan: WinogradPlan) -> str:
     e("#include <stdlib.h>")
     e("#include <omp.h>")
     e(vector_type(lanes))
-    # per-thread block buffers, kept between calls (thread-local pointers: no static TLS blocks)
     if plan.activation in SMOOTH:
         e(vector_function(plan.activation, lanes))
-    e("static __thread float *block_buffer;")
+    # the block buffers: each thread's scratch, shared by all kernels (kernels.cpu_build.RUNTIME)
+    e("float *maco_thread_scratch(long floats);")
     # returns 1 where an output of the conv (before residual and activation) was not finite: a NaN or
     # infinity in x (or an overflow) that the transforms may have spread over whole tiles
     e(f"int {FUNCTION}(const float *restrict x, const float *restrict u, const float *restrict b, "
@@ -272,15 +273,15 @@ def _source(plan: WinogradPlan) -> str:
     e(f"  #pragma omp parallel num_threads({plan.threads}) reduction(|:nonfinite)")
     e("  {")
     e("  vf check = zero;  /* += o * 0 for every output row: NaN from the first NaN or infinity on */")
-    e("  if (!block_buffer)")
-    e(f"    block_buffer = aligned_alloc(64, sizeof(float) * {els * (vstride + mstride)});")
-    e("  float *restrict V = block_buffer;")
-    e(f"  float *restrict M = block_buffer + {els * vstride};")
+    e(f"  float *restrict V = maco_thread_scratch({els * (vstride + mstride)});")
+    e("  if (!V) nonfinite = 1;  /* out of memory: reported as not finite, the caller recomputes */")
+    e(f"  float *restrict M = V + {els * vstride};")
     e("  long done = -1;  /* the block whose V this thread holds */")
     # items run part-major within a block, so a thread with several items of one block transforms it once
     # nowait: the check after the loop needs no barrier (the region's end joins the threads anyway)
     e("  #pragma omp for schedule(static) nowait")
     e(f"  for (long item = 0; item < {blocks * parts}; item++) {{")
+    e("    if (!V) continue;")
     e(f"    const long blk = item / {parts}, k1 = item % {parts} * {kp};")
     e(f"    const long t0 = blk * {per_block};")
     e(f"    const long nt = t0 + {per_block} <= {tiles} ? {per_block} : {tiles} - t0;")

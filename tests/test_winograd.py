@@ -376,3 +376,22 @@ def test_winograd_error_per_output_tile(r, m):
     assert float(rel_big[:, ~hot].max()) <= TILE_ERROR[m]
     cold = ~hot.repeat_interleave(m, 0).repeat_interleave(m, 1)[:spec.h, :spec.w]
     assert torch.equal(y_big[..., cold], y[..., cold])
+
+
+def test_the_block_buffers_are_each_threads_shared_scratch():
+    """Every Winograd kernel takes its block buffers from the runtime's per-thread scratch
+    (kernels.cpu_build.RUNTIME), loaded before the first kernel: one buffer per thread, kept and
+    grown, so that a model's Winograd layers find it in cache."""
+    import ctypes
+
+    from maco.kernels import cpu_build
+
+    plan = WinogradPlan(ConvSpec.parse("n1_c16_h6_w6_k64_r3_p1"), threads=HOST.cores)
+    WinogradKernel(plan, HOST)
+    assert "maco_thread_scratch(" in plan.source and "aligned_alloc" not in plan.source
+    scratch = cpu_build._RUNTIME[0].maco_thread_scratch
+    scratch.restype, scratch.argtypes = ctypes.c_void_p, [ctypes.c_long]
+    small = scratch(1000)
+    assert small % 64 == 0 and scratch(10) == small  # kept: a smaller request takes the same buffer
+    big = scratch(1 << 20)
+    assert big % 64 == 0 and scratch(1000) == big  # grown, and kept at its largest
