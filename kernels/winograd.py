@@ -316,8 +316,13 @@ def _source(plan: WinogradPlan) -> str:
     e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes * kv}) {{")
     e(f"      const float *restrict ue = u + (long)el * {c * k} + (k1 + k0) * {c};  /* this block's panel */")
     e(f"      for (long c0 = 0; c0 < {c}; c0 += {chunk}) {{  /* a chunk of the panel, taken by every row block */")
-    e(f"      for (long ti = 0; ti < nt; ti += {ROWS}) {{")
-    e(f"        switch (nt - ti < {ROWS} ? nt - ti : {ROWS}) {{  /* the last rows of a block too */")
+    # the block's tiles in as few register blocks as ROWS allows, their rows as even as can be
+    # (16 tiles: 6 + 5 + 5, not 6 + 6 + 4; 25: five of 5, not four of 6 and a 1-row block whose
+    # every filter vector load feeds one FMA)
+    e(f"      const long groups = (nt + {ROWS - 1}) / {ROWS};")
+    e("      for (long g = 0, ti = 0, rows; g < groups; g++, ti += rows) {")
+    e("        rows = nt / groups + (g < nt % groups);")
+    e("        switch (rows) {")
     for rows in range(ROWS, 0, -1):
         e(f"        case {rows}: {{")
         _register_block(e, rows, kv, chunk, c, kp, lanes)
