@@ -13,8 +13,9 @@ The peak and the bandwidth are measured in this process first (kernels.cpu_peak.
 this host's best), then the tile sizes' ceilings (kernels.cpu_peak.winograd_ceilings, on convs
 none of the networks has). The model predicts twice: with the best bandwidth (`predicted`), and
 with the DRAM reads timed beside each conv's timings (`predicted_now`, the median of reads
-before, between and after them): on a VM whose memory another tenant shares, that is the
-bandwidth the timed calls had.
+before, between and after them): on a VM whose memory another tenant shares, a short read pass
+measures less than the kernels' prefetched streams get, and it predicted no better than the best
+(docs/bounds.md).
 
     flock /tmp/maco-timing.lock python experiments/winograd_tiles.py --out results
 
@@ -137,8 +138,9 @@ def summarise(rows: list[dict[str, str]]) -> str:
     differ = [f"{r['spec']} (F({r['predicted']}) predicted, F({r['timed']}) timed, "
               f"F(2)/F(4) {num(r, 'f2_over_f4'):.2f})" for r in rows if r["agree"] != "True"]
     again = [r for r in rows if r.get("timed_again")]
-    repeat = (f"; timing itself picked the same tile again on {sum(r['timed'] == r['timed_again'] for r in again)} "
-              f"of {len(again)}" if again else "")
+    stable = [r for r in again if r["timed"] == r["timed_again"]]
+    repeat = (f"; timing itself picked the same tile again on {len(stable)} of {len(again)}, and there the model "
+              f"matched it on {sum(r['agree'] == 'True' for r in stable)} of {len(stable)}" if again else "")
     now = [r for r in rows if r.get("agree_now")]
     agree_now = (f" (with the DRAM reads timed beside each conv: {sum(r['agree_now'] == 'True' for r in now)} of "
                  f"{len(now)})" if now else "")
