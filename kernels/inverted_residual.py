@@ -37,7 +37,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.aligned import LINE_BYTES, aligned_empty
+from maco.kernels.aligned import LINE_BYTES, LINE_FLOATS, aligned_empty
 from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, vector_expression, vector_function, vector_type
 from maco.kernels.source_text import comment
 from maco.core.target import Target
@@ -48,6 +48,7 @@ MAX_TAPS = 49
 L1_BYTES = 32 << 10  # the L1 data cache of the CPUs MACO meets (Zen 3/4: 32 KiB; Intel: 32-48 KiB)
 MAX_PIXELS = 8  # pixels of a GEMM register tile
 SPLITS = ("auto", "rows", "channels")
+W_AHEAD = 16  # rows of a column panel of W that its GEMM prefetches ahead
 DW_TILE = 4  # depthwise outputs of a row computed together (independent sums in flight)
 
 
@@ -301,10 +302,11 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
             return f"out + ({pixel}) * {n}"
         return f"rows[({pixel}) / {row_pixels}] + ({pixel}) % {row_pixels} * {n}"
 
-    def tile(count: int, indent: str, whole: int, half: bool = False) -> None:
+    def tile(count: int, indent: str, whole: int, half: bool = False, fetch: bool = False) -> None:
         """Pixels q .. q + count - 1, `whole` vectors of columns from n0, then (`half`) one vector
         whose upper half is never stored (ldh/sth read and write L / 2 floats: nothing past the
-        arrays)."""
+        arrays). `fetch`: each step prefetches W's row W_AHEAD rows ahead in this column panel
+        (the panel's first pixel tile reads it from memory inside a model)."""
         vectors = [(v * L, "ld", "st") for v in range(whole)] + ([(whole * L, "ldh", "sth")] if half else [])
         e(f"{indent}{{")
         for p in range(count):
@@ -314,6 +316,8 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
         e(f"{indent}  const float *restrict ip = in + q * {red};")
         e(f"{indent}  for (long c = 0; c < {red}; c++) {{")
         e(f"{indent}    const float *restrict wr = W + c * {w_stride or n} + n0;")
+        for line in range(0, whole * L, LINE_FLOATS) if fetch else ():
+            e(f"{indent}    __builtin_prefetch(wr + {W_AHEAD * (w_stride or n) + line}, 0, 3);")
         for v, (at, ld, _) in enumerate(vectors):
             e(f"{indent}    const vf w{v} = {ld}(wr + {at});")
         for p in range(count):
@@ -346,7 +350,7 @@ def _gemm(plan: BlockPlan, name: str, red: int, n: int, act: str, residual: bool
         e(f"{indent}}}")
 
     def vb_columns(count: int, indent: str) -> None:
-        tile(count, indent, vb)
+        tile(count, indent, vb, fetch=columns_outer)
 
     def all_columns(count: int, indent: str) -> None:  # columns inner: whole vectors, then the rest
         if together:

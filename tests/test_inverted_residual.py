@@ -353,3 +353,18 @@ def test_blocks_that_win_alone_but_not_in_the_model_are_undone(monkeypatch):
     with torch.inference_mode():
         want = model(x)
         assert float((gm(x) - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_wide_weights_stream_ahead_of_the_gemm():
+    """A GEMM whose W outgrows half of L1 sweeps it column panel by panel and prefetches each
+    panel's rows W_AHEAD ahead (inside a model they come from memory), a small W, read once into
+    L1, not; both equal torch (MobileNetV2's 96 -> 576 -> 160 block at 7x7)."""
+    big = plan_of(n=1, c=96, h=7, w=7, m=576, k=160, threads=2)
+    small = plan_of(n=1, c=16, h=14, w=14, m=64, k=16)
+    assert "__builtin_prefetch" in big.source and "__builtin_prefetch" not in small.source
+    for plan in (big, small):
+        x = torch.randn(plan.input_shape, generator=torch.Generator().manual_seed(3))
+        w = weights(plan, 3)
+        want = reference(plan, x, w)
+        got = run(plan, x, w)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), float((got - want).abs().max())
