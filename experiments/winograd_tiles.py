@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             timed, timed_again = (max(sizes, key=lambda m: (u[-m], -m)) for u in (t, again))
             rows.append(dict(network=net, layer=names[0], spec=str(spec), predicted=predicted, timed=timed,
                              agree=predicted == timed, predicted_now=predicted_now,
-                             agree_now=predicted_now == timed, read_gbs_now=bw_now / 1e9, **{f"f{m}_ms": t[m] * 1e3 for m in sizes},
+                             agree_now=predicted_now == timed, read_gbs_now=bw_now / 1e9,
+                             **{f"f{m}_ms": t[m] * 1e3 for m in sizes},
                              **{f"model_f{m}_ms": s * 1e3 for m, s in model_s.items()},
                              **{f"f2_over_f{m}": t[-m] for m in sizes if m != min(sizes)},
                              timed_again=timed_again,

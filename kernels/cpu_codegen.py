@@ -601,6 +601,14 @@ class _Generator:
         ]
         return "\n".join(lines)
 
+    def work_item(self, par_axes: tuple[str, ...], ind: str) -> list[str]:
+        """C that decodes work item p of the fused parallel loop into its outer tile index a_0 of
+        each parallel axis."""
+        f = self.p.f
+        return ([ind + "long rest = p;"]
+                + [ind + f"const int {a}_0 = rest % {f[a][0]}; rest /= {f[a][0]};" for a in reversed(par_axes)]
+                + [ind + "(void)rest;"])
+
     def fetch_input(self, par_axes: tuple[str, ...], fused: int) -> list[str]:
         """A first loop over the same work items as the main one (schedule(static): each thread
         gets the same items) that reads one byte of every line of the input each item reads, row
@@ -609,14 +617,11 @@ class _Generator:
         line a miss the hardware prefetchers do not see coming; read in order they do (software
         prefetches in place of the loads recovered half as much: results/REPORT.md)."""
         p, s = self.p, self.p.spec
-        f, st = p.f, p.in_strides
+        st = p.in_strides
         (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
         out = ["  int sink = 0; (void)sink;  /* volatile reads: kept, their values unused */",
-               "  #pragma omp for schedule(static) nowait", f"  for (long p = 0; p < {fused}; p++) {{",
-               "    long rest = p;"]
-        for a in reversed(par_axes):
-            out.append(f"    const int {a}_0 = rest % {f[a][0]}; rest /= {f[a][0]};")
-        out.append("    (void)rest;")
+               "  #pragma omp for schedule(static) nowait", f"  for (long p = 0; p < {fused}; p++) {{"]
+        out += self.work_item(par_axes, "    ")
         extent = {"n": s.n, "g": s.groups, "oh": s.out_h, "ow": s.out_w}
         for a in extent:  # this item's range of each axis: one outer tile where parallel, else all
             lo = f"{a}_0 * {p.tile(a, 1)}" if a in par_axes else "0"
@@ -664,10 +669,7 @@ class _Generator:
             out.append(ind + "#pragma omp for schedule(static)")
             out.append(ind + f"for (long p = 0; p < {fused}; p++) {{")
             ind += "  "
-            out.append(ind + "long rest = p;")
-            for a in reversed(par_axes):
-                out.append(ind + f"const int {a}_0 = rest % {f[a][0]}; rest /= {f[a][0]};")
-            out.append(ind + "(void)rest;")
+            out += self.work_item(par_axes, ind)
         depth = 0
         loops = [(f"{a}_0", f[a][0]) for a in SPATIAL_AXES[par:]]
         loops += [(f"{a}_1", f[a][1]) for a in SPATIAL_AXES]

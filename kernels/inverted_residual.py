@@ -37,7 +37,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.aligned import LINE_BYTES, LINE_FLOATS, aligned_empty
+from maco.kernels.aligned import L1_BYTES, LINE_BYTES, LINE_FLOATS, aligned_empty
 from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, vector_expression, vector_function, vector_type
 from maco.kernels.source_text import comment
 from maco.core.target import Target
@@ -45,7 +45,6 @@ from maco.core.target import Target
 FUNCTION = "maco_inverted_residual"
 ALIGN = 16  # floats: each packed weight array starts on a 64-byte line
 MAX_TAPS = 49
-L1_BYTES = 32 << 10  # the L1 data cache of the CPUs MACO meets (Zen 3/4: 32 KiB; Intel: 32-48 KiB)
 MAX_PIXELS = 8  # pixels of a GEMM register tile
 SPLITS = ("auto", "rows", "channels")
 W_AHEAD = 16  # rows of a column panel of W that its GEMM prefetches ahead

@@ -46,7 +46,7 @@ import numpy as np
 
 from maco.core.errors import MacoError
 from maco.kernels import cpu_build
-from maco.kernels.aligned import LINE_FLOATS, aligned_copy
+from maco.kernels.aligned import L1_BYTES, LINE_FLOATS, aligned_copy
 from maco.kernels.epilogue import (ACTIVATIONS, SMOOTH, torch_activation, vector_expression, vector_function,
                                    vector_type)
 from maco.kernels.source_text import comment
@@ -61,7 +61,7 @@ U_PREFETCH_AHEAD = 32  # channels ahead that the GEMM prefetches its panel of U 
 # A panel of U larger than an L1d is read in chunks of U_CHUNK channels, each taken by all of a
 # block's register blocks in turn: read from memory once, its stream spread over all their work
 # rather than all of it in the first one's pass (the others then reread it from L2)
-U_CHUNK, L1_PANEL_BYTES = 32, 32 << 10
+U_CHUNK = 32
 KV = 4  # filter vectors (of k) of one register block with 32 vector registers (AVX-512); half with 16
 TILE_SIZES = {3: (2, 4), 5: (2, 4)}  # filter size r -> the output tile sizes m of F(m x m, r x r)
 POINTS = (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))  # interpolation points, then infinity
@@ -249,7 +249,7 @@ def _source(plan: WinogradPlan) -> str:
     split = plan.split
     per_block, blocks, parts = split.tiles, split.blocks, split.k_parts
     kp = k // parts  # filters of one part
-    chunk = c if c * lanes * kv * 4 <= L1_PANEL_BYTES else next(n for n in (U_CHUNK, lanes) if c % n == 0)
+    chunk = c if c * lanes * kv * 4 <= L1_BYTES else next(n for n in (U_CHUNK, lanes) if c % n == 0)
     # one element's V and M rows, a cache line more than they hold: the transforms read and write
     # all elements at once, and at a power-of-two stride (16 tiles x 256 channels: 16 KiB) those
     # 36 streams all map to the same set of the L1 cache and evict each other
