@@ -51,18 +51,28 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 # global (a kernel that calls it would not load otherwise): each thread's scratch buffer. Kernels
 # that run one after another in a model then reuse the same memory, found in cache, where a buffer
 # of each kernel's own was cold on every call (its lines fetched from DRAM before the first write).
-RUNTIME = """#include <stdlib.h>
+RUNTIME = """#include <pthread.h>
+#include <stdlib.h>
 static __thread float *scratch;
 static __thread long scratch_floats;
+static pthread_key_t owner;  /* frees a thread's scratch when the thread exits */
+static pthread_once_t owner_once = PTHREAD_ONCE_INIT;
+static long buffers;  /* scratch buffers not freed yet, all threads together */
+static void release(void *p) { free(p); __atomic_sub_fetch(&buffers, 1, __ATOMIC_RELAXED); }
+static void make_owner(void) { pthread_key_create(&owner, release); }
 /* at least `floats` floats on a cache line, the calling thread's own and kept; NULL where out of memory */
 float *maco_thread_scratch(long floats) {
   if (floats > scratch_floats) {
-    free(scratch);
+    pthread_once(&owner_once, make_owner);
+    if (scratch) { free(scratch); __atomic_sub_fetch(&buffers, 1, __ATOMIC_RELAXED); }
     scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     scratch_floats = scratch ? floats : 0;
+    if (scratch) __atomic_add_fetch(&buffers, 1, __ATOMIC_RELAXED);
+    pthread_setspecific(owner, scratch);
   }
   return scratch;
 }
+long maco_scratch_buffers(void) { return __atomic_load_n(&buffers, __ATOMIC_RELAXED); }
 """
 _RUNTIME: list[ctypes.CDLL] = []
 _USABLE: dict[str, Path] = {}  # cache folder asked for -> folder used (itself, or the fallback)

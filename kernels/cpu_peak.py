@@ -236,7 +236,9 @@ def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> floa
 def read_source(target: Target) -> str:
     """Each thread sums its own buffer of n floats `reps` times with 8 independent vector adds per
     step (no add latency chain), so the loop runs at the rate the buffer's level delivers loads.
-    Each thread times its own loop (seconds[thread]), after its buffer is allocated and touched."""
+    Each thread times its own loop (seconds[thread]), after its buffer is allocated and touched;
+    -1 where the buffer could not be mapped. The buffers (up to GBs) are mapped and unmapped
+    outside malloc's heap, which steady_allocator keeps from ever shrinking."""
     if target.isa not in ISA:
         raise MacoError(f"the bandwidth probe needs an ISA with intrinsics ({', '.join(ISA)}), not {target.isa!r}")
     vt, lanes, zero, loadu, _, _, storeu, _, add = ISA[target.isa]
@@ -244,23 +246,25 @@ def read_source(target: Target) -> str:
     step = " ".join(f"a{j} = {add}(a{j}, {loadu}(p + i + {j * lanes}));" for j in range(8))
     total = " ".join(f"a0 = {add}(a0, a{j});" for j in range(1, 8))
     return f"""#include <immintrin.h>
-#include <stdlib.h>
+#include <sys/mman.h>
 #include <omp.h>
 /* n: floats per thread, a multiple of {8 * lanes} */
 void maco_run(long n, long reps, int threads, float *sink, double *seconds) {{
   #pragma omp parallel num_threads(threads)
   {{
-    float *p = aligned_alloc(64, n * sizeof(float));
-    for (long i = 0; i < n; i++) p[i] = 1e-3f * (i % 11);
+    float *p = mmap(NULL, n * sizeof(float), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int mapped = p != MAP_FAILED;
+    long m = mapped ? n : 0;  /* this thread's floats: none where the mapping failed */
+    for (long i = 0; i < m; i++) p[i] = 1e-3f * (i % 11);
     {init}
     #pragma omp barrier
     double t0 = omp_get_wtime();
     for (long r = 0; r < reps; r++)
-      for (long i = 0; i < n; i += {8 * lanes}) {{ {step} }}
-    seconds[omp_get_thread_num()] = omp_get_wtime() - t0;
+      for (long i = 0; i < m; i += {8 * lanes}) {{ {step} }}
+    seconds[omp_get_thread_num()] = mapped ? omp_get_wtime() - t0 : -1.0;
     {total}
     float t[{lanes}]; {storeu}(t, a0); sink[omp_get_thread_num()] = t[0];
-    free(p);
+    if (mapped) munmap(p, n * sizeof(float));
   }}
 }}
 """
@@ -281,6 +285,8 @@ def read_bandwidth(target: Target, bytes_per_core: int, seconds: float = 0.05, r
 
     def per_pass(reps: int) -> float:
         lib.maco_run(n, reps, target.cores, ctypes.addressof(sink), ctypes.addressof(elapsed))
+        if min(elapsed[:target.cores]) < 0:
+            raise MacoError(f"could not map {bytes_per_core} bytes per core to time reads: out of memory")
         return max(elapsed[:target.cores]) / reps  # the slowest thread ends the pass
 
     reps = max(1, int(seconds / max(per_pass(1), 1e-7)))

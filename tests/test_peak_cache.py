@@ -94,3 +94,14 @@ def test_measure_ceilings_times_both_in_the_same_rounds(monkeypatch, tmp_path):
     # the probe itself, small: a buffer in L2 reads faster than one from DRAM would not be
     # asserted here (that is timing); it runs and gives a positive rate
     assert real_read(HOST, 256 << 10, seconds=0.005, repeats=2) > 0
+
+
+def test_the_read_probe_names_a_buffer_it_cannot_map() -> None:
+    if HOST.isa not in ("avx2", "avx512"):
+        pytest.skip(f"the read probe needs AVX2 or AVX-512 intrinsics; this host is {HOST.isa}")
+    with open("/proc/sys/vm/overcommit_memory") as fh:
+        if fh.read().strip() == "1":
+            pytest.skip("the kernel maps any size here (vm.overcommit_memory = 1): the touch would be killed instead")
+    # 1 PiB per core: more than any host's memory, refused by mmap, reported instead of crashing
+    with pytest.raises(MacoError, match="could not map 1125899906842624 bytes per core"):
+        cpu_peak.read_bandwidth(HOST, 1 << 50, seconds=0.001, repeats=1)

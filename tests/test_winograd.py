@@ -395,3 +395,21 @@ def test_the_block_buffers_are_each_threads_shared_scratch():
     assert small % 64 == 0 and scratch(10) == small  # kept: a smaller request takes the same buffer
     big = scratch(1 << 20)
     assert big % 64 == 0 and scratch(1000) == big  # grown, and kept at its largest
+
+
+def test_a_threads_scratch_is_freed_when_the_thread_exits():
+    import ctypes
+    import threading
+
+    from maco.kernels import cpu_build
+
+    WinogradKernel(WinogradPlan(ConvSpec.parse("n1_c16_h6_w6_k64_r3_p1"), threads=HOST.cores), HOST)
+    runtime = cpu_build._RUNTIME[0]
+    scratch, count = runtime.maco_thread_scratch, runtime.maco_scratch_buffers
+    scratch.restype, scratch.argtypes, count.restype = ctypes.c_void_p, [ctypes.c_long], ctypes.c_long
+    before, inside = count(), []
+    worker = threading.Thread(target=lambda: inside.append((scratch(1 << 16), scratch(1 << 18), count())))
+    worker.start()
+    worker.join()
+    assert inside[0][0] and inside[0][1] and inside[0][2] == before + 1  # grown in place: still one buffer
+    assert count() == before  # freed with its thread
