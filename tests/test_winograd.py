@@ -378,19 +378,26 @@ def test_winograd_error_per_output_tile(r, m):
     assert torch.equal(y_big[..., cold], y[..., cold])
 
 
-def test_the_block_buffers_are_each_threads_shared_scratch():
-    """Every Winograd kernel takes its block buffers from the runtime's per-thread scratch
-    (kernels.cpu_build.RUNTIME), loaded before the first kernel: one buffer per thread, kept and
-    grown, so that a model's Winograd layers find it in cache."""
+def _runtime(plan: WinogradPlan):
+    """(maco_thread_scratch, maco_scratch_buffers) of the runtime that building `plan`'s kernel loads."""
     import ctypes
 
     from maco.kernels import cpu_build
 
-    plan = WinogradPlan(ConvSpec.parse("n1_c16_h6_w6_k64_r3_p1"), threads=HOST.cores)
     WinogradKernel(plan, HOST)
+    runtime = cpu_build._RUNTIME[0]
+    scratch, count = runtime.maco_thread_scratch, runtime.maco_scratch_buffers
+    scratch.restype, scratch.argtypes, count.restype = ctypes.c_void_p, [ctypes.c_long], ctypes.c_long
+    return scratch, count
+
+
+def test_the_block_buffers_are_each_threads_shared_scratch():
+    """Every Winograd kernel takes its block buffers from the runtime's per-thread scratch
+    (kernels.cpu_build.RUNTIME), loaded before the first kernel: one buffer per thread, kept and
+    grown, so that a model's Winograd layers find it in cache."""
+    plan = WinogradPlan(ConvSpec.parse("n1_c16_h6_w6_k64_r3_p1"), threads=HOST.cores)
+    scratch, _ = _runtime(plan)
     assert "maco_thread_scratch(" in plan.source and "aligned_alloc" not in plan.source
-    scratch = cpu_build._RUNTIME[0].maco_thread_scratch
-    scratch.restype, scratch.argtypes = ctypes.c_void_p, [ctypes.c_long]
     small = scratch(1000)
     assert small % 64 == 0 and scratch(10) == small  # kept: a smaller request takes the same buffer
     big = scratch(1 << 20)
@@ -398,18 +405,12 @@ def test_the_block_buffers_are_each_threads_shared_scratch():
 
 
 def test_a_threads_scratch_is_freed_when_the_thread_exits():
-    import ctypes
     import threading
 
-    from maco.kernels import cpu_build
-
-    WinogradKernel(WinogradPlan(ConvSpec.parse("n1_c16_h6_w6_k64_r3_p1"), threads=HOST.cores), HOST)
-    runtime = cpu_build._RUNTIME[0]
-    scratch, count = runtime.maco_thread_scratch, runtime.maco_scratch_buffers
-    scratch.restype, scratch.argtypes, count.restype = ctypes.c_void_p, [ctypes.c_long], ctypes.c_long
+    scratch, count = _runtime(WinogradPlan(ConvSpec.parse("n1_c16_h6_w6_k64_r3_p1"), threads=HOST.cores))
     before, inside = count(), []
     worker = threading.Thread(target=lambda: inside.append((scratch(1 << 16), scratch(1 << 18), count())))
     worker.start()
     worker.join()
-    assert inside[0][0] and inside[0][1] and inside[0][2] == before + 1  # grown in place: still one buffer
+    assert inside[0][0] and inside[0][1] and inside[0][2] == before + 1  # grown: still one buffer
     assert count() == before  # freed with its thread
