@@ -357,6 +357,19 @@ def measure_ceilings(target: Target, rounds: int = 5) -> dict[str, float]:
             "read_gbs_best": known[key + "|dram_read_gbs"]}
 
 
+def best_prices(target: Target) -> tuple[float, float]:
+    """(FMA peak in flop/s, DRAM read bandwidth in bytes/s): the best this host has shown, from
+    measure_peak's cache (checked by its quick run), the bandwidth measured where the cache has
+    none yet (measure_ceilings). What the tuner prices Winograd's tile sizes with: cheap where
+    the cache is warm, and never a busy moment's low value."""
+    key = f"{Target.host().model}|{target.isa}|{target.cores}|dram_read_gbs"
+    read = _load_peaks(_cache_file(target)).get(key)
+    if read is None:
+        ceilings = measure_ceilings(target, 3)
+        return ceilings["fma_gflops_best"] * 1e9, ceilings["read_gbs_best"] * 1e9
+    return measure_peak(target) * 1e9, read * 1e9
+
+
 # Winograd's reference convs, per filter size r: (C, H = W, K), compute-bound with U in the last
 # cache, and none of them a layer of the built-in networks the tile model is checked on
 WINOGRAD_REFERENCE = {3: (128, 56, 128), 5: (64, 28, 128)}

@@ -105,3 +105,16 @@ def test_the_read_probe_names_a_buffer_it_cannot_map() -> None:
     # 1 PiB per core: more than any host's memory, refused by mmap, reported instead of crashing
     with pytest.raises(MacoError, match="could not map 1125899906842624 bytes per core"):
         cpu_peak.read_bandwidth(HOST, 1 << 50, seconds=0.001, repeats=1)
+
+
+def test_best_prices_come_from_the_cache_and_measure_only_what_it_lacks(fake, monkeypatch):
+    """The tuner's prices: the cached best peak (checked by the quick run) and bandwidth; where the
+    cache has no bandwidth yet, measure_ceilings times both and its best values are returned."""
+    path, script, calls = fake
+    path.write_text(json.dumps({_key(): 95.0, _key() + "|dram_read_gbs": 31.0}))
+    script["quick"] = [90.0]
+    assert cpu_peak.best_prices(HOST) == (95.0e9, 31.0e9) and calls == ["quick"]
+    path.write_text(json.dumps({_key(): 95.0}))
+    measured = {"fma_gflops_best": 96.0, "read_gbs_best": 40.0}
+    monkeypatch.setattr(cpu_peak, "measure_ceilings", lambda target, rounds: calls.append("ceilings") or measured)
+    assert cpu_peak.best_prices(HOST) == (96.0e9, 40.0e9) and calls == ["quick", "ceilings"]

@@ -239,6 +239,49 @@ def test_the_planner_sees_winograd_where_it_beats_torch(monkeypatch):
     assert kernel_choice.with_winograd(table, torch_s, HOST)[0] == table
 
 
+def test_the_bound_orders_the_tile_sizes_and_prices_once(monkeypatch):
+    """tile_order puts the tile size predict_tile prices fastest first: F(2x2) on a deep 7x7x512
+    conv (F(4x4)'s U is 4x the weights), F(4x4) on an early 56x56x64 one. The host is priced
+    once, at the first conv asked about, never where no conv is."""
+    from maco.bounds.winograd import predict_tile
+    from maco.deploy import kernel_choice
+
+    calls = []
+    monkeypatch.setattr(kernel_choice, "best_prices", lambda target: calls.append("prices") or (300e9, 30e9))
+    shares = {(2, 3): 0.8, (4, 3): 0.65, (2, 5): 0.7, (4, 5): 0.5}
+    monkeypatch.setattr(kernel_choice, "winograd_ceilings", lambda target, rounds: calls.append("shares") or shares)
+    order = kernel_choice.tile_order(HOST)
+    assert calls == []
+    deep, early = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1"), ConvSpec.parse("n1_c64_h56_w56_k64_r3_p1")
+    assert order(deep) == (2, 4) and order(early) == (4, 2)
+    for spec in (deep, early, ConvSpec.parse("n1_c64_h27_w27_k192_r5_p2")):
+        assert order(spec)[0] == predict_tile(spec, 300e9, 30e9, shares)[0]
+    assert calls == ["prices", "shares"]
+
+
+@pytest.mark.parametrize("first", [(4, 2), (2, 4)])
+def test_faster_winograd_tries_the_predicted_tile_first(monkeypatch, first):
+    """The predicted tile size is timed against what runs the conv first; the other only then,
+    against whatever won: it must beat the predicted one by MIN_GAIN. A conv that already runs a
+    tile size is not timed against itself."""
+    from maco.deploy import kernel_choice
+
+    conv, spec = nn.Conv2d(16, 64, 3, padding=1).eval(), ConvSpec.parse("n1_c16_h8_w8_k64_r3_p1")
+    x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
+    monkeypatch.setattr(kernel_choice, "tile_order", lambda target: lambda s: first if s == spec else (2, 4))
+    made = []
+
+    def timed(gm, example_input, types, make, rounds, before):
+        module = make(conv, x, False)
+        made.append(module and module.m)
+        made.append(make(MacoWinograd2d(conv, spec, HOST, m=first[0]), x, False))  # already runs it
+        return {"conv": 1.0}
+    monkeypatch.setattr(kernel_choice, "_faster_modules", timed)
+    assert faster_winograd(nn.Module(), x, HOST) == {"conv": 1.0}
+    assert made == [first[0], None, first[1], made[3]]
+    assert made[3] is not None and made[3].m == first[1]
+
+
 def _fused(c: int, k: int, activation: str, residual: str) -> FusedConv2d:
     conv = nn.Conv2d(c, k, 3, padding=1).eval()
     fused = FusedConv2d(conv, conv.weight.detach(), conv.bias.detach(), activation, residual)

@@ -14,7 +14,9 @@ from torch import nn
 
 from maco import kernels
 from maco.core.errors import MacoError
+from maco.bounds.winograd import predict_tile
 from maco.kernels.baselines import torch_conv
+from maco.kernels.cpu_peak import best_prices, winograd_ceilings
 from maco.kernels.cpu_codegen import ISA, intrinsics_isa
 from maco.kernels.depthwise import is_depthwise
 from maco.kernels.inverted_residual import SPLITS
@@ -213,25 +215,47 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
     """Swap (in place) each 3x3 or 5x5 stride-1 conv of `gm` whose input is channels_last in the model
     (run by torch or by a MacoConv2d) for the Winograd kernel (kernels.winograd) where that runs
     at least MIN_GAIN faster than what runs it now, residual and all: each tile size in turn,
-    against what runs the conv by then. Returns path -> the time of what ran the conv at first
-    over the time of what runs it now (below MIN_GAIN where no Winograd kernel won)."""
+    against what runs the conv by then, the one the bound predicts fastest first (tile_order).
+    Returns path -> the time of what ran the conv at first over the time of what runs it now
+    (below MIN_GAIN where no Winograd kernel won)."""
     tried: ModuleRatios = {}  # the best ratio timed
     evict = CacheEvictor.for_target(target)  # Winograd's U is 16/9 to 4x the weights: which kernel wins
     # inside a model whose weights outgrow the caches shows only when each runs with its weights in memory
     won: ModuleRatios = {}  # the product of the ratios that won: the first module's time over the last's
-    for m in sorted({m for sizes in TILE_SIZES.values() for m in sizes}):
-        def make(conv: nn.Module, x: torch.Tensor, preallocate: bool, m: int = m) -> nn.Module | None:
+    order = tile_order(target)
+    for rank in range(max(len(sizes) for sizes in TILE_SIZES.values())):
+        def make(conv: nn.Module, x: torch.Tensor, preallocate: bool, rank: int = rank) -> nn.Module | None:
             found = _torch_conv_on(conv, x, ("NHWC",))
-            if (found is None or not winograd_module_can_run(*found[:2], target) or getattr(conv, "m", None) == m
-                    or m not in TILE_SIZES[found[1].kh]):
+            if found is None or not winograd_module_can_run(*found[:2], target):
                 return None
-            return MacoWinograd2d(*found[:2], target, preallocate=preallocate, m=m)
+            sizes = order(found[1])
+            if rank >= len(sizes) or getattr(conv, "m", None) == sizes[rank]:
+                return None
+            return MacoWinograd2d(*found[:2], target, preallocate=preallocate, m=sizes[rank])
         types = (nn.Conv2d, MacoConv2d, MacoWinograd2d)
         for path, ratio in _faster_modules(gm, example_input, types, make, rounds, evict).items():
             tried[path] = max(tried.get(path, 0.0), ratio)
             if ratio >= MIN_GAIN:
                 won[path] = won.get(path, 1.0) * ratio
     return {path: won.get(path, best) for path, best in tried.items()}
+
+
+def tile_order(target: Target) -> Callable[[ConvSpec], tuple[int, ...]]:
+    """conv -> its Winograd tile sizes, the one the bound predicts fastest on this host first
+    (maco.bounds.winograd.predict_tile, priced with this host's best FMA peak and DRAM bandwidth
+    and the tile sizes' shares of the peak timed now). faster_winograd tries them in this order,
+    so another tile size is kept only where timing shows it MIN_GAIN faster than the predicted
+    one. Tried smallest first, timing alone kept F(2x2) on ties and noise: one run on a busy
+    VM gave four identical 56x56 convs of ResNet-18 F(4x4), F(4x4), F(2x2) and F(4x4)."""
+    @functools.lru_cache(maxsize=1)
+    def prices() -> tuple[float, float, dict[tuple[int, int], float]]:  # timed at the first conv only
+        return (*best_prices(target), winograd_ceilings(target, 3))
+
+    @functools.lru_cache(maxsize=None)
+    def order(spec: ConvSpec) -> tuple[int, ...]:
+        _, seconds = predict_tile(spec, *prices(), TILE_SIZES)
+        return tuple(sorted(seconds, key=lambda m: (seconds[m], -m)))
+    return order
 
 
 def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
