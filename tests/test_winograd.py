@@ -258,6 +258,11 @@ def test_the_bound_orders_the_tile_sizes_and_prices_once(monkeypatch):
         assert order(spec)[0] == predict_tile(spec, 300e9, 30e9, shares)[0]
     assert calls == ["prices", "shares"]
 
+    def cannot(target):
+        raise MacoError("could not map 2400000000 bytes per core")
+    monkeypatch.setattr(kernel_choice, "best_prices", cannot)
+    assert kernel_choice.tile_order(HOST)(early) == (2, 4)  # unpriced: smallest first, timing decides
+
 
 @pytest.mark.parametrize("first", [(4, 2), (2, 4)])
 def test_faster_winograd_tries_the_predicted_tile_first(monkeypatch, first):
