@@ -462,3 +462,20 @@ def test_a_threads_scratch_is_freed_when_the_thread_exits():
     worker.join()
     assert inside[0][0] and inside[0][1] and inside[0][2] == before + 1  # grown: still one buffer
     assert count() == before  # freed with its thread
+
+
+def test_optimize_says_which_tile_sizes_run(tmp_path):
+    """maco optimize's kernel count is followed by the Winograd tile sizes the model runs."""
+    from types import SimpleNamespace
+
+    from maco.deploy.optimize import _variants_built
+
+    conv, spec = nn.Conv2d(16, 64, 3, padding=1).eval(), ConvSpec.parse("n1_c16_h8_w8_k64_r3_p1")
+    model = nn.Sequential(*(MacoWinograd2d(conv, spec, HOST, m=m) for m in (4, 2, 4)))
+    built = SimpleNamespace(plan=SimpleNamespace(to_json=lambda: "{}", convs=[0, 1, 2]), swapped=["a", "b", "c"],
+                            models={"default": conv, "planned_maco": model}, linears={}, pools={}, depthwise={},
+                            winograd={"a": 1.2, "b": 1.1, "c": 1.3}, blocks={}, squeeze=0)
+    said = []
+    _variants_built(built, tmp_path, said.append)
+    assert said[0] == "[3/4] 3 of 3 convs, 3 of 3 3x3/5x5 convs tried with Winograd run MACO kernels"
+    assert said[1] == "      Winograd tile sizes: F(4x4) on 2 convs, F(2x2) on 1 conv"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections import Counter
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -18,6 +19,7 @@ from maco.core.files import check_writable
 from maco.deploy.kernel_choice import MIN_GAIN
 from maco.kernels.cpu_peak import measure_ceilings
 from maco.layouts.end_to_end import ConvShare, conv_share
+from maco.layouts.maco_modules import MacoWinograd2d
 from maco.layouts.network_floor import ModelFloor, model_floor
 from maco.layouts.networks import NETWORKS, example_input, load_model
 from maco.deploy.optimize_report import (LayerRow, OptimizeResult, end_to_end_rows, hold_output_folder,
@@ -147,6 +149,11 @@ def _variants_built(built: Variants, out: Path, log: Callable[[str], Any]) -> No
     if built.squeeze:
         others += f", {built.squeeze} squeeze-excitations as one kernel each"
     log(f"[3/4] {len(built.swapped)} of {len(built.plan.convs)} convs{others} run MACO kernels")
+    tiles = Counter(mod.m for mod in built.models.get("planned_maco", torch.nn.Module()).modules()
+                    if isinstance(mod, MacoWinograd2d))
+    if tiles:  # each the bound's predicted tile unless timing found the other 2% faster (kernel_choice.tile_order)
+        log("      Winograd tile sizes: " + ", ".join(f"F({m}x{m}) on {n} conv{'s' * (n > 1)}"
+                                                   for m, n in sorted(tiles.items(), reverse=True)))
     log(f"[4/4] timing {', '.join(built.models)} end to end in the same rounds; the fastest is handed back")
 
 
