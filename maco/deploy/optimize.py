@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections import Counter
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
