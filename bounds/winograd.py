@@ -100,7 +100,12 @@ def predict_tile(spec: ConvSpec, peak: float, bandwidth: float,
     ceilings = ceilings or {}
     times = {m: winograd_cost(spec, m).seconds(peak, bandwidth, ceilings.get((m, spec.kh), 1.0))
              for m in tiles[spec.kh]}
-    return min(times, key=lambda m: (times[m], -m)), times
+    return ranked(times)[0], times
+
+
+def ranked(times: Mapping[int, float]) -> tuple[int, ...]:
+    """The tile sizes of {m: modelled seconds}, fastest first; of two equal, the larger tile."""
+    return tuple(sorted(times, key=lambda m: (times[m], -m)))
 
 
 @lru_cache(maxsize=1)

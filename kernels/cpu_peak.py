@@ -187,6 +187,11 @@ RECHECK = 1.05  # a quick run this much above the cached peak: the cached one wa
 QUICK_FLOPS = 1e9  # per core, one quick run (~10-20 ms on 2 cores)
 
 
+def _peak_key(target: Target) -> str:
+    """The peak cache's key for `target` on this machine: CPU model, ISA and thread count."""
+    return f"{Target.host().model}|{target.isa}|{target.cores}"
+
+
 def _load_peaks(path: str) -> dict[str, float]:
     try:
         known = load_json_file(path, "peak cache", 1 << 20)
@@ -211,8 +216,7 @@ def measure_peak(target: Target, fresh: bool = False, kind: str = "fma") -> floa
     nothing (that moment is the busy one). This costs ~50 ms per process and key, and never
     lowers the cache; `fresh` always measures in full."""
     _check_kind(target, kind)
-    host = Target.host()
-    key = f"{host.model}|{target.isa}|{target.cores}" + ("" if kind == "fma" else f"|{kind}")
+    key = _peak_key(target) + ("" if kind == "fma" else f"|{kind}")
     path = _cache_file(target)
     known = _load_peaks(path)
     run = flops_runner(target, kind)
@@ -342,7 +346,7 @@ def measure_ceilings(target: Target, rounds: int = 5) -> dict[str, float]:
     for _ in range(rounds):
         fma.append(best_gflops(run, flops, 1))
         reads.append(read_bandwidth(target, per_core, seconds=0.05, repeats=1) * 4 / 1e9)
-    key = f"{Target.host().model}|{target.isa}|{target.cores}"
+    key = _peak_key(target)
     path = _cache_file(target)
     known = _load_peaks(path)
     known[key] = max(max(fma), known.get(key, 0.0))
@@ -362,8 +366,7 @@ def best_prices(target: Target) -> tuple[float, float]:
     measure_peak's cache (checked by its quick run), the bandwidth measured where the cache has
     none yet (measure_ceilings). What the tuner prices Winograd's tile sizes with: cheap where
     the cache is warm, and never a busy moment's low value."""
-    key = f"{Target.host().model}|{target.isa}|{target.cores}|dram_read_gbs"
-    read = _load_peaks(_cache_file(target)).get(key)
+    read = _load_peaks(_cache_file(target)).get(_peak_key(target) + "|dram_read_gbs")
     if read is None:
         ceilings = measure_ceilings(target, 3)
         return ceilings["fma_gflops_best"] * 1e9, ceilings["read_gbs_best"] * 1e9

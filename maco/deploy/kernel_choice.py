@@ -14,7 +14,7 @@ from torch import nn
 
 from maco import kernels
 from maco.core.errors import MacoError
-from maco.bounds.winograd import predict_tile
+from maco.bounds.winograd import predict_tile, ranked
 from maco.kernels.baselines import torch_conv
 from maco.kernels.cpu_peak import best_prices, winograd_ceilings
 from maco.kernels.cpu_codegen import ISA, intrinsics_isa
@@ -260,8 +260,7 @@ def tile_order(target: Target) -> Callable[[ConvSpec], tuple[int, ...]]:
         known = prices()
         if known is None:
             return tuple(TILE_SIZES[spec.kh])
-        _, seconds = predict_tile(spec, *known, TILE_SIZES)
-        return tuple(sorted(seconds, key=lambda m: (seconds[m], -m)))
+        return ranked(predict_tile(spec, *known, TILE_SIZES)[1])
     return order
 
 
