@@ -5,8 +5,9 @@ distinct 3x3 and 5x5 stride-1 conv of ResNet-18, AlexNet, VGG-11, ResNet-50 and 
 batch 1 (MobileNetV2 has none: its 3x3 convs are depthwise or strided).
 
 The timed choice is the one `maco optimize` makes (deploy.kernel_choice.with_winograd): each tile
-size's kernel (layouts.maco_modules.MacoWinograd2d, NHWC) called with the caches evicted first,
-as inside a model, where the transformed filters come from DRAM; both tile sizes in the same
+size's kernel (layouts.maco_modules.MacoWinograd2d, NHWC) called with its transformed filters
+and input dropped from the caches first (kernels.cache_flush), as inside a model, where the
+transformed filters come from DRAM; both tile sizes in the same
 interleaved rounds, the faster by the median of per-round ratios; then timed again, in rounds of
 their own, to show how often timing repeats its own choice (a ceiling on any model's agreement).
 The peak and the bandwidth are measured in this process first (kernels.cpu_peak.measure_ceilings:
@@ -33,8 +34,9 @@ from torch import nn
 from maco import kernels
 from maco.bounds.network import tile_label
 from maco.bounds.winograd import predict_tile
-from maco.core.timing import CacheEvictor, interleaved_rounds, steady_allocator
+from maco.core.timing import interleaved_rounds, steady_allocator
 from maco.experiments.common import Figure, num, out_dir, parser, write_csv, write_env
+from maco.kernels.cache_flush import Flush
 from maco.kernels.cpu_peak import dram_bytes_per_core, measure_ceilings, read_bandwidth, winograd_ceilings
 from maco.kernels.winograd import TILE_SIZES
 from maco.layouts.maco_modules import MacoWinograd2d, winograd_module_can_run
@@ -45,7 +47,8 @@ FIGURE = Figure(
     "the model prices F(m x m) as its multiplies at the share of the FMA peak the tile size reaches (timed "
     "once per host on a reference conv) or its traffic with the transformed filters from DRAM, whichever "
     "takes longer (the kernel streams U under its multiplies); timing "
-    "evicts the caches before each call, as a model's call finds them",
+    "drops each kernel's filters and input from the caches before each call, as a model's call finds them "
+    "(runs on 2026-11-28 and before swept a buffer twice the largest cache instead)",
     csv=("winograd_tiles*.csv",))
 
 NETWORKS = "resnet18,alexnet,vgg11,resnet50,mobilenet_v2"
@@ -53,7 +56,7 @@ TIE = 0.05  # tile sizes timed closer than this are a coin flip on a shared VM (
 
 
 def time_tiles(spec: Any, target: Any, rounds: int) -> dict[int, float]:
-    """{m: median seconds} of each tile size's kernel, caches evicted before every call, and the
+    """{m: median seconds} of each tile size's kernel, its U and x flushed before every call, and the
     median per-round ratio F(2)/F(m) under key -m (how much faster m is than the smallest)."""
     conv = nn.Conv2d(spec.c, spec.k, (spec.kh, spec.kw), spec.stride, spec.padding, spec.dilation,
                      spec.groups, bias=False).eval()
@@ -64,7 +67,7 @@ def time_tiles(spec: Any, target: Any, rounds: int) -> dict[int, float]:
         for mod in mods.values():
             mod(x)
         timed = interleaved_rounds({m: (lambda mod=mod: mod(x)) for m, mod in mods.items()}, rounds,
-                                   repeats=3, min_run_time=5e-3, warmup=2, before=CacheEvictor.for_target(target))
+                                   repeats=3, min_run_time=5e-3, warmup=2, before=Flush(*mods.values(), x))
     first = min(mods)
     out: dict[int, float] = {m: statistics.median(t.min for t in ts) for m, ts in timed.items()}
     for m in mods:

@@ -51,7 +51,8 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 # global (a kernel that calls it would not load otherwise): each thread's scratch buffer. Kernels
 # that run one after another in a model then reuse the same memory, found in cache, where a buffer
 # of each kernel's own was cold on every call (its lines fetched from DRAM before the first write).
-RUNTIME = """#include <pthread.h>
+RUNTIME = """#include <immintrin.h>
+#include <pthread.h>
 #include <stdlib.h>
 static __thread float *scratch;
 static __thread long scratch_floats;
@@ -73,6 +74,22 @@ float *maco_thread_scratch(long floats) {
   return scratch;
 }
 long maco_scratch_buffers(void) { return __atomic_load_n(&buffers, __ATOMIC_RELAXED); }
+/* every cache line of [p, p + bytes) written back and dropped from every cache level (clflushopt
+   where the CPU has it; clflush, ~30x slower on a long range, where not) */
+__attribute__((target("clflushopt"))) static void flush_opt(const char *p, const char *end) {
+  for (; p < end; p += 64) _mm_clflushopt((void *)p);
+  _mm_sfence();
+}
+static void flush_plain(const char *p, const char *end) {
+  for (; p < end; p += 64) _mm_clflush(p);
+  _mm_mfence();
+}
+void maco_flush(const char *p, long bytes) {
+  static int opt = -1;
+  if (opt < 0) { __builtin_cpu_init(); opt = __builtin_cpu_supports("clflushopt") != 0; }
+  const char *start = (const char *)((unsigned long)p & ~63UL);
+  if (bytes > 0) (opt ? flush_opt : flush_plain)(start, p + bytes);
+}
 """
 _RUNTIME: list[ctypes.CDLL] = []
 _USABLE: dict[str, Path] = {}  # cache folder asked for -> folder used (itself, or the fallback)
@@ -369,6 +386,13 @@ def build_parallel(jobs: list[tuple[str, list[str]]], workers: int | None = None
         return list(pool.map(one, jobs))
 
 
+def runtime() -> ctypes.CDLL:
+    """RUNTIME, built and loaded once per process with its symbols global (before any kernel)."""
+    if not _RUNTIME:
+        _RUNTIME.append(_open(build(RUNTIME, list(BASE_FLAGS)), global_symbols=True))
+    return _RUNTIME[0]
+
+
 def load(so: Path, function: str) -> ctypes._CFuncPtr:
     """The C function `function` of a kernel from `build` (each loaded once per process). The
     object is checked before dlopen (digest and key: a damaged file would crash this process)
@@ -376,8 +400,7 @@ def load(so: Path, function: str) -> ctypes._CFuncPtr:
     path); a check that fails is a MacoError, build() again to rebuild."""
     lib = _LIBS.get(str(so))
     if lib is None:
-        if not _RUNTIME:
-            _RUNTIME.append(_open(build(RUNTIME, list(BASE_FLAGS)), global_symbols=True))
+        runtime()
         lib = _LIBS[str(so)] = _open(Path(so))
     fn = getattr(lib, function)
     fn.restype = None

@@ -17,14 +17,13 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 from torch import nn
 
-from maco.kernels import host_target
+from maco.kernels.cache_flush import Flush
 from maco.layouts.latency import strict_cudnn
 from maco.layouts.maco_modules import MacoConv2d, MacoInvertedResidual, MacoSqueezeExcite, MacoWinograd2d
 from maco.layouts.segments import MacoSegment
 from maco.core.errors import MacoError
 from maco.core.spec import ConvSpec
-from maco.core.target import Target
-from maco.core.timing import CacheEvictor, Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
+from maco.core.timing import Timing, interleaved_rounds, pool_timings, steady_allocator, time_callable
 
 
 @dataclass
@@ -134,8 +133,8 @@ class ConvShare:
 
     @property
     def convs_cold_s(self) -> float:
-        """The kernels' sum, each run with the caches evicted and then its inputs read: its weights
-        come from memory and its activations from cache, as in a model whose weights outgrow the
+        """The kernels' sum, each run with its weights dropped from the caches first: they come
+        from memory and its activations from cache, as in a model whose weights outgrow the
         caches."""
         return sum(self.per_conv_cold.values())
 
@@ -156,12 +155,11 @@ class ConvShare:
         return self.model_s / self.convs_s
 
 
-def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run_time: float = 5e-3,
-               target: Target | None = None) -> ConvShare:
+def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run_time: float = 5e-3) -> ConvShare:
     """Time `model` and, in the same interleaved rounds, each of its convs alone on the tensors it
     sees in the model (a MACO kernel by its prepared call on its own buffers: the kernel and
     nothing else; a torch conv by its module call), and the model with its MACO kernels skipped.
-    Each conv is also timed with the caches evicted and its inputs read before each call (its
+    Each conv is also timed with its weights dropped from the caches before each call (its
     weights in memory, its activations in cache, as inside a model whose weights outgrow the
     caches: ConvShare.convs_cold_s), and, where a MacoSegment runs it, inside the model's C call
     over model calls back to back (ConvShare.per_conv_in_model)."""
@@ -207,7 +205,7 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
             fn()
         per_round = interleaved_rounds(runs, rounds, repeats=3, min_run_time=min_run_time, warmup=1)
         on_cpu = all(a.device.type == "cpu" for a in inputs if isinstance(a, torch.Tensor))
-        cold = _weights_in_memory(seen, runs, rounds, target or host_target()) if on_cpu else {}
+        cold = _weights_in_memory(seen, runs, rounds) if on_cpu else {}
         in_model = _inside_the_model(model, inputs, segments, set(seen), calls=3 * rounds)
     medians = {name: pool_timings(ts).median for name, ts in per_round.items()}
     model_s, rest_s = medians.pop("model"), medians.pop("rest")
@@ -256,19 +254,15 @@ def _inside_the_model(model: nn.Module, inputs: tuple, segments: list[MacoSegmen
 
 
 def _weights_in_memory(seen: Mapping[str, tuple[nn.Module, tuple]], runs: Mapping[str, Callable[[], Any]],
-                       rounds: int, target: Target) -> dict[str, float]:
-    """Each conv's median seconds over `rounds` rounds, every call after the caches were evicted
-    and the conv's inputs read (conv_share)."""
-    evict = CacheEvictor.for_target(target)
+                       rounds: int) -> dict[str, float]:
+    """Each conv's median seconds over `rounds` rounds, every call with its module's weights
+    dropped from the caches first (kernels.cache_flush) and its inputs where the last call left
+    them (conv_share)."""
     cold: dict[str, list[Timing]] = {name: [] for name in seen}
+    flushes = {name: Flush(module) for name, (module, _) in seen.items()}
     for _ in range(rounds):
-        for name, (_, args) in seen.items():
-            def before(args: tuple = args) -> None:
-                evict()
-                for a in args:
-                    if isinstance(a, torch.Tensor):
-                        evict.sink += float(a.sum())
-            cold[name].append(time_callable(runs[name], repeats=3, warmup=0, min_run_time=0.0, before=before))
+        for name in seen:
+            cold[name].append(time_callable(runs[name], repeats=3, warmup=0, min_run_time=0.0, before=flushes[name]))
     return {name: pool_timings(ts).median for name, ts in cold.items()}
 
 

@@ -1,8 +1,6 @@
 """time_with_reference: rounds beside a reference, a round whose reference reads slow measured again."""
 from __future__ import annotations
 
-import gc
-import os
 
 import pytest
 
@@ -65,36 +63,3 @@ def test_what_runs_before_each_call_stays_off_the_clock() -> None:
     assert got.number == 1 and got.repeats >= 5
     assert 0.001 <= got.median < 0.01  # the call's time, not the eviction's
     assert calls[0] == "fn" and calls[1:] == ["before", "fn"] * got.repeats  # the warm-up, then each call
-
-
-def test_the_cache_evictor_reads_twice_the_cache() -> None:
-    evict = timing.CacheEvictor(4 << 20)
-    assert evict.buffer.nbytes == 8 << 20
-    evict()
-    evict()
-    assert evict.sink == 2 * (8 << 20) // 64  # one float64 of 1.0 per 64-byte line, twice
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def test_the_cache_evictor_gives_its_memory_back_under_the_steady_allocator() -> None:
-    # steady_allocator keeps malloc's heap from shrinking: a buffer from that heap would stay
-    # resident after the evictor is gone (hosts with a 300 MiB L3 evict with 600 MiB buffers)
-    timing.steady_allocator()
-    before = _resident_bytes()
-    evict = timing.CacheEvictor(64 << 20)
-    evict()
-    assert _resident_bytes() - before >= 100 << 20  # its 128 MiB are touched
-    del evict
-    gc.collect()
-    assert _resident_bytes() - before < 16 << 20
-
-
-def test_one_evictor_per_cache_size() -> None:
-    from maco.core.target import Target
-
-    host = Target.host()
-    assert timing.CacheEvictor.for_target(host) is timing.CacheEvictor.for_target(host)

@@ -276,7 +276,8 @@ def test_faster_winograd_tries_the_predicted_tile_first(monkeypatch, first):
     monkeypatch.setattr(kernel_choice, "tile_order", lambda target: lambda s: first if s == spec else (2, 4))
     made = []
 
-    def timed(gm, example_input, types, make, rounds, before):
+    def timed(gm, example_input, types, make, rounds, cold):
+        assert cold  # U from memory, as in a model
         module = make(conv, x, False)
         made.append(module and module.m)
         made.append(make(MacoWinograd2d(conv, spec, HOST, m=first[0]), x, False))  # already runs it

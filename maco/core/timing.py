@@ -65,8 +65,8 @@ def time_callable(fn: Callable[[], Any], *, repeats: int = 7, min_run_time: floa
                   max_number: int = 10_000, before: Callable[[], Any] | None = None) -> Timing:
     """Time `fn()` by the protocol: `warmup` calls, then `repeats` runs of `number` calls, where
     `number` is chosen so that one run lasts at least `min_run_time` seconds. `sync` (e.g. a
-    device synchronise) is called after each run before the clock stops. With `before` (e.g. a
-    CacheEvictor), each of max(repeats, min_run_time's worth) calls is timed alone, `before`
+    device synchronise) is called after each run before the clock stops. With `before` (e.g.
+    kernels.cache_flush.Flush), each of max(repeats, min_run_time's worth) calls is timed alone, `before`
     called first, off the clock."""
     sync = sync or (lambda: None)
     for _ in range(max(warmup, 1)):
@@ -99,47 +99,6 @@ def time_callable(fn: Callable[[], Any], *, repeats: int = 7, min_run_time: floa
         sync()
         samples.append((time.perf_counter() - start) / number)
     return Timing.from_samples(samples, number)
-
-
-class CacheEvictor:
-    """Called, reads a buffer twice the size of the largest cache, so that what runs next finds
-    its weights and inputs in memory, as a layer does inside a model whose weights outgrow the
-    caches (ResNet-18's 46 MB against a 32 MB L3).
-
-    The buffer is an anonymous mapping of its own, outside malloc's heap: under
-    steady_allocator that heap never shrinks, and a freed buffer of hundreds of MB, split by
-    the small blocks allocated after it, is not reused by the next one (a host with a 300 MiB
-    L3 ran out of 24 GiB that way). for_target hands out one evictor per size.
-
-    The sweep is a torch sum, on torch's threads: every core that runs the timed kernel sweeps
-    a share, so each core's own L1 and L2 are flushed too (a one-core sweep left the other
-    cores' L2 holding what their threads read last), in half the time on two cores (29 ms
-    against 48 for 600 MiB on the Xeon VM)."""
-
-    def __init__(self, cache_bytes: int):
-        import mmap
-
-        import numpy as np
-        import torch
-
-        self._map = mmap.mmap(-1, max(2 * cache_bytes, 1 << 20) // 64 * 64)
-        self.buffer = np.frombuffer(self._map, dtype=np.float64)
-        self.buffer.fill(1.0)  # touch every page once, here and not in a timed call
-        self._lines = torch.from_numpy(self.buffer).view(-1, 8)[:, 0]  # one float64 per 64-byte line
-        self.sink = 0.0
-
-    @classmethod
-    def for_target(cls, target: Target) -> "CacheEvictor":
-        """Sized by the target's largest cache; one shared evictor per size."""
-        return _evictor(max(level.capacity for level in target.levels))
-
-    def __call__(self) -> None:
-        self.sink += float(self._lines.sum())
-
-
-@lru_cache(maxsize=4)
-def _evictor(cache_bytes: int) -> CacheEvictor:
-    return CacheEvictor(cache_bytes)
 
 
 _STEADY: bool | None = None

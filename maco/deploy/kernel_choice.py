@@ -16,6 +16,7 @@ from maco import kernels
 from maco.core.errors import MacoError
 from maco.bounds.winograd import predict_tile, ranked
 from maco.kernels.baselines import torch_conv
+from maco.kernels.cache_flush import Flush
 from maco.kernels.cpu_peak import best_prices, winograd_ceilings
 from maco.kernels.cpu_codegen import ISA, intrinsics_isa
 from maco.kernels.depthwise import is_depthwise
@@ -38,7 +39,7 @@ from maco.tune.records import Record
 from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
-from maco.core.timing import CacheEvictor, interleaved_rounds, steady_allocator
+from maco.core.timing import interleaved_rounds, steady_allocator
 
 MIN_GAIN = 1.02  # a MACO kernel replaces torch's conv only when this much faster in process
 OUTPUT_RTOL = 1e-4  # a model is taken only if its output equals the original's to this
@@ -139,7 +140,7 @@ def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[
     made without it would keep such a conv in NCHW wherever torch's NCHW conv is the faster."""
     table, ratios = dict(table), {}
     steady_allocator()
-    gen, evict = torch.Generator().manual_seed(0), CacheEvictor.for_target(target)
+    gen = torch.Generator().manual_seed(0)
     for (spec, layout), torch_s in torch_seconds.items():
         if layout != "NHWC" or target.kind != "cpu":
             continue
@@ -154,7 +155,8 @@ def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[
             with torch.inference_mode():
                 for fn in runs.values():
                     fn()
-                ratios[spec] = max(ratios.get(spec, 0.0), statistics.median(_round_ratios(runs, rounds, evict)))
+                ratios[spec] = max(ratios.get(spec, 0.0),
+                                   statistics.median(_round_ratios(runs, rounds, Flush(*runs.values()))))
         if ratios[spec] >= MIN_GAIN:
             table[(spec, layout)] = min(table[(spec, layout)], torch_s / ratios[spec])
     return table, ratios
@@ -219,8 +221,6 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
     Returns path -> the time of what ran the conv at first over the time of what runs it now
     (below MIN_GAIN where no Winograd kernel won)."""
     tried: ModuleRatios = {}  # the best ratio timed
-    evict = CacheEvictor.for_target(target)  # Winograd's U is 16/9 to 4x the weights: which kernel wins
-    # inside a model whose weights outgrow the caches shows only when each runs with its weights in memory
     won: ModuleRatios = {}  # the product of the ratios that won: the first module's time over the last's
     order = tile_order(target)
     for rank in range(max(len(sizes) for sizes in TILE_SIZES.values())):
@@ -233,7 +233,9 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
                 return None
             return MacoWinograd2d(*found[:2], target, preallocate=preallocate, m=sizes[rank])
         types = (nn.Conv2d, MacoConv2d, MacoWinograd2d)
-        for path, ratio in _faster_modules(gm, example_input, types, make, rounds, evict).items():
+        # cold: Winograd's U is 16/9 to 4x the weights, so which kernel wins inside a model whose weights
+        # outgrow the caches shows only when each runs with its weights in memory
+        for path, ratio in _faster_modules(gm, example_input, types, make, rounds, cold=True).items():
             tried[path] = max(tried.get(path, 0.0), ratio)
             if ratio >= MIN_GAIN:
                 won[path] = won.get(path, 1.0) * ratio
@@ -473,10 +475,11 @@ def arguments_seen(gm: fx.GraphModule, example_input: Any, paths: list[str],
 
 def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, ...],
                     make: Callable[[nn.Module, torch.Tensor, bool], nn.Module | None],
-                    rounds: int, before: Callable[[], Any] | None = None) -> ModuleRatios:
+                    rounds: int, cold: bool = False) -> ModuleRatios:
     """Each module of `types` called in `gm`, and the generated-kernel module `make` builds for the
     input it sees in the model (None: none fits), timed beside it here in interleaved rounds on
-    the arguments it gets there (`before` runs before each timed call); swapped in place where MACO
+    the arguments it gets there (`cold`: with both modules' weights and the arguments dropped from
+    the caches before each timed call, kernels.cache_flush); swapped in place where MACO
     wins by MIN_GAIN (its output preallocated when the module is called once and its output stays
     inside the model)."""
     calls = call_sites(gm)
@@ -493,7 +496,8 @@ def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, .
         with torch.inference_mode():
             for fn in runs.values():
                 fn()
-            timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2, before=before)
+            timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2,
+                                       before=Flush(*runs.values()) if cold else None)
         ratios[path] = statistics.median(t.min / m.min for t, m in zip(timed["torch"], timed["maco"]))
         if ratios[path] >= MIN_GAIN:
             sites = calls[path]

@@ -79,7 +79,7 @@ def optimize(model_text: str = "resnet18", *, target: str = "cpu", budget: str =
                        on_variants=lambda built: _variants_built(built, out, log))
     built, pick = run.built, run.pick
     rows = _layer_rows(run, store.best)
-    share = conv_share(built.models[pick], x, target=tgt if tgt.kind == "cpu" else None) if pick != "default" else None
+    share = conv_share(built.models[pick], x) if pick != "default" else None
     floor = _floor(model, x, share, tgt, log) if share is not None and tgt.kind == "cpu" else None
     result = OptimizeResult(name, out, rows, built.plan, end_to_end_rows(run.times, pick),
                             time.perf_counter() - start, built.models[pick], pick, x, share, tgt, floor=floor)

@@ -324,7 +324,7 @@ def _time_split_section(result: OptimizeResult) -> list[str]:
              "Python); the rest of the difference is the kernels running slower in the model than "
              "alone (weights and activations no longer in cache)."]
     if s.per_conv_cold:
-        lines += ["", f"Timed with the caches evicted before each call and then its inputs read (its "
+        lines += ["", f"Timed with its weights dropped from the caches before each call (its "
                   f"weights in memory, as inside a model whose weights outgrow the caches), the kernels "
                   f"add up to {s.convs_cold_s * 1e3:.2f} ms: model / kernels = "
                   f"{s.model_s / s.convs_cold_s:.2f}."]
