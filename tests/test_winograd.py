@@ -264,6 +264,26 @@ def test_the_bound_orders_the_tile_sizes_and_prices_once(monkeypatch):
     assert kernel_choice.tile_order(HOST)(early) == (2, 4)  # unpriced: smallest first, timing decides
 
 
+def test_the_pipeline_prices_the_host_once_for_both_winograd_passes(monkeypatch):
+    """run_pipeline tries Winograd twice (in the per-layer choices, and with a kernel in every
+    conv): one tile_order serves both, so the shares are timed once."""
+    from maco.deploy import kernel_choice, pipeline
+    from maco.tune.records import RecordStore
+
+    calls = []
+    monkeypatch.setattr(kernel_choice, "best_prices", lambda target: calls.append("prices") or (300e9, 30e9))
+    monkeypatch.setattr(kernel_choice, "winograd_ceilings",
+                        lambda target, rounds: calls.append("shares") or {(2, 3): 0.8, (4, 3): 0.7})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1)).eval()
+    x = torch.randn(1, 16, 14, 14)
+    run = pipeline.run_pipeline(model, x, HOST, RecordStore([], HOST), log=lambda line: None)
+    assert calls == ["prices", "shares"]
+    with torch.inference_mode():
+        got, want = run.built.models[run.pick](x), model(x)
+    assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+
+
 @pytest.mark.parametrize("first", [(4, 2), (2, 4)])
 def test_faster_winograd_tries_the_predicted_tile_first(monkeypatch, first):
     """The predicted tile size is timed against what runs the conv first; the other only then,
@@ -454,15 +474,30 @@ def test_the_block_buffers_are_each_threads_shared_scratch():
 
 
 def test_a_threads_scratch_is_freed_when_the_thread_exits():
+    """A thread's scratch is freed by a destructor that runs as its OS thread exits, which can be
+    after Python's join returns: the count is read once it settles."""
     import threading
+    import time
 
     scratch, count = _runtime(WinogradPlan(ConvSpec.parse("n1_c16_h6_w6_k64_r3_p1"), threads=HOST.cores))
-    before, inside = count(), []
-    worker = threading.Thread(target=lambda: inside.append((scratch(1 << 16), scratch(1 << 18), count())))
+
+    def settled(want: int | None = None) -> int:
+        last, deadline = count(), time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = count()
+            if (want is None and now == last) or now == want:
+                return now
+            last = now
+        return last
+
+    before, inside = settled(), []
+    worker = threading.Thread(target=lambda: inside.append((count(), scratch(1 << 16), scratch(1 << 18), count())))
     worker.start()
     worker.join()
-    assert inside[0][0] and inside[0][1] and inside[0][2] == before + 1  # grown: still one buffer
-    assert count() == before  # freed with its thread
+    first, small, big, after = inside[0]
+    assert small and big and after == first + 1  # grown: still one buffer
+    assert settled(before) == before  # freed with its thread
 
 
 def test_optimize_says_which_tile_sizes_run(tmp_path):

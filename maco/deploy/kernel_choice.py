@@ -213,16 +213,18 @@ def faster_depthwise(gm: fx.GraphModule, example_input: Any, target: Target, rou
     return _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
 
 
-def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
+def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3,
+                    order: Callable[[ConvSpec], tuple[int, ...]] | None = None) -> ModuleRatios:
     """Swap (in place) each 3x3 or 5x5 stride-1 conv of `gm` whose input is channels_last in the model
     (run by torch or by a MacoConv2d) for the Winograd kernel (kernels.winograd) where that runs
     at least MIN_GAIN faster than what runs it now, residual and all: each tile size in turn,
     against what runs the conv by then, the one the bound predicts fastest first (tile_order).
     Returns path -> the time of what ran the conv at first over the time of what runs it now
-    (below MIN_GAIN where no Winograd kernel won)."""
+    (below MIN_GAIN where no Winograd kernel won). `order`: a tile_order to share between calls
+    (it prices the host once), else a new one."""
     tried: ModuleRatios = {}  # the best ratio timed
     won: ModuleRatios = {}  # the product of the ratios that won: the first module's time over the last's
-    order = tile_order(target)
+    order = order or tile_order(target)
     for rank in range(max(len(sizes) for sizes in TILE_SIZES.values())):
         def make(conv: nn.Module, x: torch.Tensor, preallocate: bool, rank: int = rank) -> nn.Module | None:
             found = _torch_conv_on(conv, x, ("NHWC",))

@@ -17,7 +17,7 @@ from maco.core.errors import MacoError
 from maco.deploy.kernel_choice import (MIN_GAIN, OUTPUT_RTOL, Chosen, Ratios, end_to_end_gain, faster_blocks,
                                        faster_depthwise, faster_input_reads, faster_kernels, faster_linears,
                                        faster_pools, faster_squeeze, faster_winograd, kernels_everywhere,
-                                       with_winograd)
+                                       tile_order, with_winograd)
 from maco.layouts.cuda_graph import CudaGraphed
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
@@ -79,7 +79,8 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
     linears = faster_linears(planned_maco, example_input, target) if cpu else {}
     pools = faster_pools(planned_maco, example_input, target) if cpu else {}
     depthwise = faster_depthwise(planned_maco, example_input, target) if cpu else {}
-    winograd = faster_winograd(planned_maco, example_input, target) if cpu and not exact else {}
+    order = tile_order(target)  # one pricing of the host for both faster_winograd calls
+    winograd = faster_winograd(planned_maco, example_input, target, order=order) if cpu and not exact else {}
     blocks = faster_blocks(planned_maco, example_input, target) if cpu else {}
     squeeze = faster_squeeze(planned_maco, example_input, target) if cpu else 0
     if cpu:
@@ -91,7 +92,7 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         use_segments(planned_maco, target)  # each run of kernel modules as one call
     if cpu:
         everywhere = _everywhere_if_faster(model, example_input, target, models.get("planned_maco", models["planned_torch"]),
-                                           segments, exact, log)
+                                           segments, exact, log, order)
         if everywhere is not None:
             planned_maco, plan, blocks, squeeze = everywhere
             models["planned_torch"], models["planned_maco"] = plan.apply(fused), planned_maco
@@ -111,8 +112,9 @@ def _maco_convs(model: nn.Module) -> list[str]:
 
 
 def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, chosen: nn.Module,
-                          segments: bool, exact: bool,
-                          log: Callable[[str], Any]) -> tuple[nn.Module, LayoutPlan, dict[str, float], int] | None:
+                          segments: bool, exact: bool, log: Callable[[str], Any],
+                          order: Callable[[ConvSpec], tuple[int, ...]] | None = None
+                          ) -> tuple[nn.Module, LayoutPlan, dict[str, float], int] | None:
     """The model with a MACO kernel on its default schedule wherever one runs (all NHWC,
     kernel_choice.kernels_everywhere), Winograd where it beats that kernel in the model (not
     `exact`), inverted residuals as one kernel where that beats their three and squeeze-excitation
@@ -120,11 +122,12 @@ def _everywhere_if_faster(model: nn.Module, example_input: Any, target: Target, 
     kept, where it runs at least MIN_GAIN faster end to end than `chosen`, the
     model built from the per-layer choices; else None. Each layer's choice is timed alone, and a
     conv left to torch can cost its neighbours more than it saves: it splits a run of kernels and
-    brings layout conversions (results/segments_cpu.md, §5)."""
+    brings layout conversions (results/segments_cpu.md, §5). `order`: the per-layer choices'
+    tile_order, so that the host is priced once."""
     everywhere, plan = kernels_everywhere(model, example_input, target, portable=False)
     faster_linears(everywhere, example_input, target)
     if not exact:
-        won = faster_winograd(everywhere, example_input, target)
+        won = faster_winograd(everywhere, example_input, target, order=order)
         log(f"      every conv on a MACO kernel: Winograd beats the direct kernel in the model on "
             f"{sum(r >= MIN_GAIN for r in won.values())} of {len(won)} 3x3/5x5 stride-1 convs")
     blocks = faster_blocks(everywhere, example_input, target)
