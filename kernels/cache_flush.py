@@ -4,10 +4,9 @@ layer does inside a model whose weights outgrow the caches.
 `Flush(*things)` finds the CPU buffers of its arguments (tensors and numpy arrays, those of
 modules, of functions' closures and default arguments, of the objects they hold, a few levels
 deep) and, called, writes back and drops every cache line of them (clflushopt, in the runtime
-every kernel loads). That costs about a millisecond for Winograd's 16.8 MB U, against 21-29 ms
-for sweeping a buffer twice the largest cache (what the timing did before; 600 MiB on a VM
-that reports a 300 MiB L3), and it leaves alone the per-thread scratch, which the Winograd
-kernels of a model share and find in cache.
+every kernel loads). Flushing only what the call reads costs far less than sweeping a buffer
+larger than the last cache (docs/measuring.md), and it leaves alone the per-thread scratch,
+which the Winograd kernels of a model share and find in cache.
 """
 from __future__ import annotations
 

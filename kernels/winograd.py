@@ -23,8 +23,8 @@ process (kernels.cpu_build.RUNTIME): a model's Winograd layers find them in cach
 
 U is elements / r^2 times the weights (16/9 in F(2x2, 3x3), 4x in F(4x4, 3x3)): a deep layer
 reads it from memory on every call inside a model, so kernel_choice picks the tile size by timing
-each with its U and input dropped from the caches first (kernels.cache_flush). Larger tiles also round off more: F(4x4, 3x3) is ~1e-5 of the
-output's magnitude where F(2x2) is ~1e-6.
+each with its U and input dropped from the caches first (kernels.cache_flush). Larger tiles also
+round off more: F(4x4, 3x3) is ~1e-5 of the output's magnitude where F(2x2) is ~1e-6.
 
 NaN and infinities: where eager torch gives an infinity, the transforms subtract infinities (NaN),
 and one NaN reaches every output of its tile. The kernel therefore reports whether any output of

@@ -1,7 +1,6 @@
 """time_with_reference: rounds beside a reference, a round whose reference reads slow measured again."""
 from __future__ import annotations
 
-
 import pytest
 
 from maco.core import timing

@@ -66,8 +66,8 @@ def time_callable(fn: Callable[[], Any], *, repeats: int = 7, min_run_time: floa
     """Time `fn()` by the protocol: `warmup` calls, then `repeats` runs of `number` calls, where
     `number` is chosen so that one run lasts at least `min_run_time` seconds. `sync` (e.g. a
     device synchronise) is called after each run before the clock stops. With `before` (e.g.
-    kernels.cache_flush.Flush), each of max(repeats, min_run_time's worth) calls is timed alone, `before`
-    called first, off the clock."""
+    kernels.cache_flush.Flush), each of max(repeats, min_run_time's worth) calls is timed alone,
+    `before` called first, off the clock."""
     sync = sync or (lambda: None)
     for _ in range(max(warmup, 1)):
         fn()
