@@ -85,7 +85,8 @@ relaxed the same way from the outermost inwards. The plan says what was relaxed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import ceil
+from functools import lru_cache
+from math import ceil, prod
 from typing import Any
 
 import numpy as np
@@ -171,14 +172,23 @@ class LevelRule:
 
     def why(self, spec: ConvSpec, t: dict[str, int], chunk: int, kh1: int | None = None,
             kw1: int | None = None) -> list[str]:
-        if self.ok(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], chunk, kh1, kw1):
-            return []
-        have = float(self.intensity(spec, t["n"], t["g"], t["k"], t["oh"], t["ow"], chunk, kh1, kw1))
-        shape = "x".join(str(t[a]) for a in SPATIAL_AXES)
-        taps = "" if (kh1 in (None, spec.kh) and kw1 in (None, spec.kw)) else f" by {kh1}x{kw1} taps"
-        return [f"{self.level}: {self.tile} tile {shape} (n g k oh ow) in chunks of {chunk} channels{taps} moves "
-                f"{have:.3g} MACs per element across it, below the {self.need:.3g} needed "
-                f"(balance {self.balance:.3g})"]
+        return list(_level_why(self, spec, tuple(t[a] for a in SPATIAL_AXES), chunk, kh1, kw1))
+
+
+@lru_cache(maxsize=1 << 16)
+def _level_why(rule: LevelRule, spec: ConvSpec, tile: tuple[int, ...], chunk: int, kh1: int | None,
+               kw1: int | None) -> tuple[str, ...]:
+    """LevelRule.why, remembered: the schedules of one space share their tiles many times over
+    (they differ in loop orders, layouts and packings), so judging a whole space is mostly lookups."""
+    n, g, k, oh, ow = tile
+    if rule.ok(spec, n, g, k, oh, ow, chunk, kh1, kw1):
+        return ()
+    have = float(rule.intensity(spec, n, g, k, oh, ow, chunk, kh1, kw1))
+    shape = "x".join(str(v) for v in tile)
+    taps = "" if (kh1 in (None, spec.kh) and kw1 in (None, spec.kw)) else f" by {kh1}x{kw1} taps"
+    return (f"{rule.level}: {rule.tile} tile {shape} (n g k oh ow) in chunks of {chunk} channels{taps} moves "
+            f"{have:.3g} MACs per element across it, below the {rule.need:.3g} needed "
+            f"(balance {rule.balance:.3g})",)
 
 
 @dataclass(frozen=True)
@@ -219,6 +229,13 @@ def cpu_share(spec: ConvSpec, target: Target, n: Any, g: Any, k: Any, oh: Any, o
     """maco.bounds.hierarchy.register_share of a CPU register tile with these annotations."""
     return register_share(target.simd_width, target.fma_units, n, g, k, oh, ow, vector_axis,
                           contiguous(spec, vector_axis, layout, weight_packing), latency)
+
+
+@lru_cache(maxsize=1 << 14)
+def _register_share(spec: ConvSpec, target: Target, tile: tuple[int, ...], vector_axis: str, layout: str,
+                    weight_packing: str, latency: int) -> float:
+    """cpu_share of one register tile (n, g, k, oh, ow), remembered as _level_why is."""
+    return float(cpu_share(spec, target, *tile, vector_axis, layout, weight_packing, latency))
 
 
 def _best_share(spec: ConvSpec, target: Target, free: int, latency: int) -> float:
@@ -336,7 +353,7 @@ def rules(spec: ConvSpec, target: Target, config: PruneConfig, steps: dict[str, 
 # -- membership of one schedule --------------------------------------------------------------
 def parallel_iterations(schedule: Schedule) -> int:
     """Iterations of a CPU schedule's fused parallel loop: its first `parallel` S0 factors."""
-    return int(np.prod([schedule.spatial[i][0] for i in range(schedule.parallel)], dtype=np.int64))
+    return prod(schedule.spatial[i][0] for i in range(schedule.parallel))
 
 
 def alpha_c_index(kind: str, layout: str) -> int:
@@ -369,12 +386,12 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
         out.append(f"parallel: the {schedule.parallel} fused parallel loop(s) run {iterations} "
                    f"iteration(s) for {p.cores} cores, so cores sit idle")
     if schedule.kind == "cpu":
-        tiles = {f"S{lvl}": {a: schedule.tile(a, lvl) for a in SPATIAL_AXES} for lvl in (1, 2, 3)}
+        tiles = {f"S{lvl}": {a: prod(f[lvl:]) for a, f in zip(SPATIAL_AXES, schedule.spatial)} for lvl in (1, 2, 3)}
         chunk, acc, threads = schedule.factors("c")[1], schedule.accumulators, None
         window = (schedule.factors("kh")[1], schedule.factors("kw")[1])
         latency = FMA_LATENCY if p.registers is None else p.registers.latency
-        share = float(cpu_share(spec, target, *(tiles["S3"][a] for a in SPATIAL_AXES), schedule.vector_axis,
-                                schedule.layout, schedule.weight_packing, latency))
+        share = _register_share(spec, target, tuple(tiles["S3"].values()), schedule.vector_axis,
+                                schedule.layout, schedule.weight_packing, latency)
     else:
         tiles = {"thread": sketch_cuda.thread_tile(schedule), "block": sketch_cuda.block_tile(schedule)}
         chunk = spec.c_per_group  # the outputs stay in registers for the whole reduction
