@@ -23,6 +23,7 @@ from maco.bounds.network import INPUT, NetLayer, NetworkFloor, WINOGRAD_TILES, c
 from maco.core.errors import MacoError
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
+from maco.kernels.cpu_peak import BUSY_SPREAD
 from maco.layouts.graph import META_KINDS, trace_module
 from maco.layouts.networks import INPUT_SHAPE, NETWORKS, build
 
@@ -97,6 +98,9 @@ def floor_of(name: str, target: Target, batch: int = 1, peak: float | None = Non
                          winograd=winograd, peak=peak, bandwidth=bandwidth)
 
 
+BUSY_SHARE = 0.9  # a ceiling's median under this share of its best on the host: the machine was busy
+
+
 @dataclass
 class ModelFloor:
     """A model's network floor (maco.bounds.network) and each of its conv kernels' own floor
@@ -106,15 +110,33 @@ class ModelFloor:
     network: NetworkFloor
     per_conv: dict[str, float]  # module path -> seconds
     algorithms: dict[str, str]  # module path -> the cheapest algorithm of each of its convs, joined by "+"
+    peak_now: float | None = None  # flop/s: the FMA loop's median, timed beside the model
+    bandwidth_now: float | None = None  # bytes/s: the DRAM read's median, timed beside the model
+    spread_now: float | None = None  # slowest over fastest of those rounds, the larger of the two
 
     @property
     def seconds(self) -> float:
         return self.network.t or 0.0
 
+    def busy_note(self) -> str:
+        """Why a time over this floor reads high, in brackets with a leading space, or "": the
+        floor takes the host's best FMA peak and DRAM read, and where either, timed beside the
+        model, ran below BUSY_SHARE of its best, or their rounds lay more than BUSY_SPREAD apart,
+        the machine was busy."""
+        net, why = self.network, []
+        for name, now, best in (("the FMA loop", self.peak_now, net.peak), ("DRAM reads", self.bandwidth_now,
+                                                                           net.bandwidth)):
+            if now and best and now / best < BUSY_SHARE:
+                why.append(f"{name} at {now / best:.0%} of its best")
+        if self.spread_now is not None and self.spread_now > BUSY_SPREAD:
+            why.append(f"their rounds {self.spread_now:.1f}x apart")
+        return f" (a busy machine: {', '.join(why)}; the ratio reads high)" if why else ""
+
     def to_dict(self) -> dict[str, Any]:
         return {"network_s": self.seconds, "binds": self.network.binds, "peak": self.network.peak,
                 "bandwidth": self.network.bandwidth, "flops": self.network.flops,
-                "per_conv_s": self.per_conv, "algorithms": self.algorithms}
+                "per_conv_s": self.per_conv, "algorithms": self.algorithms, "peak_now": self.peak_now,
+                "bandwidth_now": self.bandwidth_now, "spread_now": self.spread_now}
 
 
 def model_floor(model: nn.Module, example: torch.Tensor, specs: Mapping[str, tuple[ConvSpec, ...]],

@@ -83,3 +83,41 @@ def test_the_report_puts_the_model_and_its_kernels_beside_their_floors() -> None
     assert [r.split(" | ")[0] for r in rows] == ["| a", "| b", "| c"]  # the largest excess first: 100, 40, 40 us
     assert rows[0] == "| a | F(4x4,3x3) | 50 | 150 | 3.00 |"
     assert _floor_lines(share, None) == []
+
+
+def test_a_busy_machine_is_said_beside_the_ratio_to_the_floor() -> None:
+    """The floor takes the host's best FMA peak and DRAM read; where the ones timed beside the model
+    ran under 90% of those, or their rounds spread past 1.3x, the ratio is said to read high."""
+    from maco.bounds.network import NetworkFloor
+    from maco.deploy.optimize_report import _floor_lines
+    from maco.layouts.end_to_end import ConvShare
+    from maco.layouts.network_floor import ModelFloor
+
+    network = NetworkFloor(1000, (), 0, 0, 0, 0, 0, flops=int(5e8), flops_direct=int(9e8), peak=5e11,
+                           bandwidth=8e10)
+    share = ConvShare(2e-3, 1e-4, {"a": 1e-4})
+    quiet = ModelFloor(network, {}, {}, peak_now=4.9e11, bandwidth_now=7.5e10, spread_now=1.1)
+    assert quiet.busy_note() == "" and ModelFloor(network, {}, {}).busy_note() == ""
+    busy = ModelFloor(network, {}, {}, peak_now=4e11, bandwidth_now=7.5e10, spread_now=1.1)
+    assert busy.busy_note() == " (a busy machine: the FMA loop at 80% of its best; the ratio reads high)"
+    both = ModelFloor(network, {}, {}, peak_now=4e11, bandwidth_now=4e10, spread_now=1.5)
+    assert both.busy_note() == (" (a busy machine: the FMA loop at 80% of its best, DRAM reads at 50% of its best, "
+                                "their rounds 1.5x apart; the ratio reads high)")
+    assert _floor_lines(share, both)[1].endswith("is **2.00x** it" + both.busy_note() + ".")
+    assert both.to_dict()["peak_now"] == 4e11 and both.to_dict()["spread_now"] == 1.5
+
+
+def test_optimize_times_the_ceilings_beside_the_model_for_the_busy_note(monkeypatch) -> None:
+    import torch
+
+    import maco.deploy.optimize as opt
+    from maco.layouts.end_to_end import ConvShare
+
+    ceilings = {"fma_gflops_best": 500.0, "read_gbs_best": 80.0, "fma_gflops": 400.0, "read_gbs": 79.0,
+                "fma_spread": 1.1, "read_spread": 1.4}
+    monkeypatch.setattr(opt, "measure_ceilings", lambda target, rounds: ceilings)
+    conv = torch.nn.Conv2d(3, 16, 3).eval()
+    floor = opt._floor(conv, torch.randn(1, 3, 8, 8), ConvShare(1e-3, 1e-3, {"": 1e-3}), Target.host(), print)
+    assert floor is not None and floor.network.peak == 5e11 and floor.peak_now == 4e11
+    assert floor.bandwidth_now == 7.9e10 and floor.spread_now == 1.4
+    assert "the FMA loop at 80% of its best, their rounds 1.4x apart" in floor.busy_note()

@@ -98,13 +98,16 @@ def _floor(model: torch.nn.Module, x: torch.Tensor, share: ConvShare, target: Ta
            log: Callable[[str], None]) -> ModelFloor | None:
     """The model's network floor and each kernel's own on this host's best FMA peak and DRAM read
     bandwidth (kernels.cpu_peak.measure_ceilings, timed now; the best this host has shown, as
-    `maco bound --network` takes them); None, with one line saying why, where none comes out. A
+    `maco bound --network` takes them), with the FMA loop's rate now (ModelFloor.busy_note); None, with one line saying why, where none comes out. A
     report line: whatever goes wrong here (a graph the floor cannot read, a peak that cannot be
     timed) must not cost the user the model the job found, so every error is caught."""
     try:
         ceilings = measure_ceilings(target, 3)
-        return model_floor(model, x, share.specs, target, ceilings["fma_gflops_best"] * 1e9,
-                           ceilings["read_gbs_best"] * 1e9)
+        floor = model_floor(model, x, share.specs, target, ceilings["fma_gflops_best"] * 1e9,
+                            ceilings["read_gbs_best"] * 1e9)
+        floor.peak_now, floor.bandwidth_now = ceilings["fma_gflops"] * 1e9, ceilings["read_gbs"] * 1e9
+        floor.spread_now = max(ceilings["fma_spread"], ceilings["read_spread"])
+        return floor
     except Exception as exc:  # noqa: BLE001 -- see the docstring
         log(f"      no network floor for this model ({type(exc).__name__}: {exc})")
         return None

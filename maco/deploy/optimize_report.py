@@ -361,7 +361,8 @@ def _floor_lines(s: ConvShare, floor: ModelFloor | None) -> list[str]:
     lines = ["", f"**Against the floor** (maco.bounds.network, `maco bound NET --network`; this host's best FMA "
              f"peak {(net.peak or 0) / 1e9:.0f} GFLOP/s and DRAM read {(net.bandwidth or 0) / 1e9:.1f} GB/s, "
              f"memory overlapping compute): the network floor is {_time(floor.seconds)}, bound by "
-             f"{net.binds}; the model's {_time(s.model_s)} is **{s.model_s / floor.seconds:.2f}x** it."]
+             f"{net.binds}; the model's {_time(s.model_s)} is **{s.model_s / floor.seconds:.2f}x** it"
+             f"{floor.busy_note()}."]
     timed = {name: s.per_conv_in_model.get(name, s.per_conv.get(name)) for name in floor.per_conv}
     timed = {name: t for name, t in timed.items() if t}
     if not timed:
