@@ -123,9 +123,10 @@ class ModelFloor:
         floor takes the host's best FMA peak and DRAM read, and where either, timed beside the
         model, ran below BUSY_SHARE of its best, or their rounds lay more than BUSY_SPREAD apart,
         the machine was busy."""
-        net, why = self.network, []
-        for name, now, best in (("the FMA loop", self.peak_now, net.peak), ("DRAM reads", self.bandwidth_now,
-                                                                           net.bandwidth)):
+        rates = (("the FMA loop", self.peak_now, self.network.peak),
+                 ("DRAM reads", self.bandwidth_now, self.network.bandwidth))
+        why = []
+        for name, now, best in rates:
             if now and best and now / best < BUSY_SHARE:
                 why.append(f"{name} at {now / best:.0%} of its best")
         if self.spread_now is not None and self.spread_now > BUSY_SPREAD:

@@ -78,6 +78,10 @@ class Schedule:
         """Extent of `axis` covered by one iteration at `level` (product of the deeper factors)."""
         return prod(self.factors(axis)[level:])
 
+    def spatial_tile(self, level: int) -> dict[str, int]:
+        """`tile` of every spatial axis at `level`, read off the factors in one pass."""
+        return {axis: prod(f[level:]) for axis, f in zip(SPATIAL_AXES, self.spatial)}
+
     def register_tile(self) -> dict[str, int]:
         """The innermost spatial level: the outputs one micro-kernel call keeps in registers."""
         return {axis: f[-1] for axis, f in zip(SPATIAL_AXES, self.spatial)}

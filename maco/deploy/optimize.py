@@ -98,9 +98,10 @@ def _floor(model: torch.nn.Module, x: torch.Tensor, share: ConvShare, target: Ta
            log: Callable[[str], None]) -> ModelFloor | None:
     """The model's network floor and each kernel's own on this host's best FMA peak and DRAM read
     bandwidth (kernels.cpu_peak.measure_ceilings, timed now; the best this host has shown, as
-    `maco bound --network` takes them), with the FMA loop's rate now (ModelFloor.busy_note); None, with one line saying why, where none comes out. A
-    report line: whatever goes wrong here (a graph the floor cannot read, a peak that cannot be
-    timed) must not cost the user the model the job found, so every error is caught."""
+    `maco bound --network` takes them), with both rates as timed now (ModelFloor.busy_note); None,
+    with one line saying why, where none comes out. A report line: whatever goes wrong here (a
+    graph the floor cannot read, a peak that cannot be timed) must not cost the user the model the
+    job found, so every error is caught."""
     try:
         ceilings = measure_ceilings(target, 3)
         floor = model_floor(model, x, share.specs, target, ceilings["fma_gflops_best"] * 1e9,

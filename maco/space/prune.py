@@ -386,7 +386,7 @@ def reasons(schedule: Schedule, spec: ConvSpec, target: Target, p: PrunePlan) ->
         out.append(f"parallel: the {schedule.parallel} fused parallel loop(s) run {iterations} "
                    f"iteration(s) for {p.cores} cores, so cores sit idle")
     if schedule.kind == "cpu":
-        tiles = {f"S{lvl}": {a: prod(f[lvl:]) for a, f in zip(SPATIAL_AXES, schedule.spatial)} for lvl in (1, 2, 3)}
+        tiles = {f"S{lvl}": schedule.spatial_tile(lvl) for lvl in (1, 2, 3)}
         chunk, acc, threads = schedule.factors("c")[1], schedule.accumulators, None
         window = (schedule.factors("kh")[1], schedule.factors("kw")[1])
         latency = FMA_LATENCY if p.registers is None else p.registers.latency
