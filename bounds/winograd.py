@@ -32,11 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from math import ceil
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import sympy as sp
 
-from maco.bounds.network import WINOGRAD_TILES, winograd_applies
+from maco.bounds.network import WINOGRAD_TILES, NetLayer, tile_label, winograd_applies
 from maco.core.errors import MacoError
 from maco.core.spec import DTYPE_BYTES, ConvSpec
 
@@ -106,6 +106,40 @@ def predict_tile(spec: ConvSpec, peak: float, bandwidth: float,
 def ranked(times: Mapping[int, float]) -> tuple[int, ...]:
     """The tile sizes of {m: modelled seconds}, fastest first; of two equal, the larger tile."""
     return tuple(sorted(times, key=lambda m: (times[m], -m)))
+
+
+def layer_reach(spec: ConvSpec, peak: float, bandwidth: float,
+                ceilings: Mapping[tuple[int, int], float] | None = None, direct_share: float = 1.0,
+                tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES) -> tuple[str, float]:
+    """(algorithm, seconds): the fastest of MACO's kernel families for one conv, each family at its
+    measured share of the peak (`ceilings` as predict_tile takes them; a tile size without one at
+    the full peak; direct convs at `direct_share`, 1 by default: an optimistic reach) and its
+    filters in the form its kernel reads them, weights or U, from DRAM, overlapping the multiplies:
+    max(2 * macs / (share * P), 4 * filters / B). Activations stay in cache, as the network floor
+    keeps them. A model of what these kernels can reach, not a bound: a kernel that transforms its
+    filters as it reads them, or runs faster than its family's reference conv, goes below it."""
+    options = {"direct": (spec.macs, spec.weight_elems, direct_share)}
+    if winograd_applies(spec, tiles):
+        for m in tiles[spec.kh]:
+            cost = winograd_cost(spec, m)
+            options[tile_label(m, spec.kh)] = (cost.macs, cost.u, (ceilings or {}).get((m, spec.kh), 1.0))
+    times = {}
+    for name, (macs, filters, share) in options.items():
+        if not 0 < share <= 1 + 1e-9:
+            raise MacoError(f"{name}'s ceiling is a share of the FMA peak in (0, 1], got {share!r}")
+        times[name] = max(2 * macs / (share * peak), DTYPE_BYTES * filters / bandwidth)
+    best = min(times, key=times.__getitem__)
+    return best, times[best]
+
+
+def network_reach(layers: Sequence[NetLayer], peak: float, bandwidth: float,
+                  ceilings: Mapping[tuple[int, int], float] | None = None, direct_share: float = 1.0,
+                  tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES) -> float:
+    """Seconds: layer_reach summed over a network's convs and linears, one layer at a time. Over
+    the network floor it says how far MACO's kernel families at their ceilings stay from it, so
+    how much of a model's distance from the floor is theirs rather than the rest of the model's."""
+    return sum(layer_reach(layer.spec, peak, bandwidth, ceilings, direct_share, tiles)[1]
+               for layer in layers if layer.spec is not None)
 
 
 @lru_cache(maxsize=1)

@@ -12,7 +12,10 @@ paper's eq. (7) alone. Sizes are fp32 elements; each level is taken at one proce
 
 Network rows (--floor; bounds_network.csv and its .env.json, which names the host): the floor of
 maco.bounds.network with this host's FMA peak and DRAM read bandwidth measured now in the same
-rounds (the floor takes the best this host has measured, fma_gflops and read_gbs; *_now beside), and each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW
+rounds (the floor takes the best this host has measured, fma_gflops and read_gbs; *_now beside);
+beside it the reach of MACO's kernel families at their ceilings (maco.bounds.winograd's
+network_reach: direct at the peak, Winograd at the shares winograd_ceilings times here, one
+layer at a time, reach_of_floor), and each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW
 always, beside every engine of --engines; the median of rounds alternating with eager). MACO is
 timed from a model maco.save wrote on this host (--maco-model NET=FILE), or, with "maco" in
 --engines, one `maco optimize --budget quick` tunes here first (minutes per network). Run the
@@ -43,8 +46,8 @@ FLOOR_NETWORKS = "resnet18,resnet50,mobilenet_v2"
 NET_COLUMNS = ["network", "engine", "floor_ms", "binds", "compute_ms", "memory_ms", "memory_cold_ms",
                "layers_sum_ms", "engine_ms", "of_floor", "eager_ms", "eager_of_floor", "gflop", "gflop_direct",
                "weights_mb", "max_live_mb", "spill_mb", "S_mib", "fma_gflops", "read_gbs", "fma_gflops_now",
-               "read_gbs_now", "fma_spread",
-               "read_spread", "rounds", "note"]
+               "read_gbs_now", "fma_spread", "read_spread", "reach_ms", "reach_of_floor", "ceiling_f2x3",
+               "ceiling_f4x3", "rounds", "note"]
 COLUMNS = ["network", "layer", "spec", "level", "S", "processors", "R", "bound_eq7", "bound_best",
            "best_kind", "compulsory", "gemm_leading", "tile_x", "tile_y", "tile_z", "tile_fits",
            "footprint", "dataflow_io", "ratio_best", "ratio_eq7", "cont_x", "cont_y", "cont_z"]
@@ -107,15 +110,19 @@ def plot(path: Path, data: list[dict[str, object]], level_names: list[str]) -> N
 def network_rows(nets: list[str], engines: list[str], maco_models: dict[str, str], rounds: int,
                  batch: int = 1) -> list[dict[str, object]]:
     """One row per (network, engine): the floor on this host and the engine's time over it."""
+    from maco.bounds.winograd import network_reach
     from maco.deploy.engines import Job, run_engine
-    from maco.kernels.cpu_peak import measure_ceilings
-    from maco.layouts.network_floor import floor_of
+    from maco.kernels.cpu_peak import measure_ceilings, winograd_ceilings
+    from maco.layouts.network_floor import floor_of, network_dag
 
     target = Target.host()
+    shares = winograd_ceilings(target, 5)  # once: MACO's Winograd kernels' shares of the peak here
     out: list[dict[str, object]] = []
     for net in nets:
         ceil = measure_ceilings(target, 5)  # per network: the floor of the moment its engines run in
-        f = floor_of(net, target, batch, ceil["fma_gflops_best"] * 1e9, ceil["read_gbs_best"] * 1e9)
+        peak, bandwidth = ceil["fma_gflops_best"] * 1e9, ceil["read_gbs_best"] * 1e9
+        f = floor_of(net, target, batch, peak, bandwidth)
+        reach = network_reach(network_dag(net, batch)[0], peak, bandwidth, shares)
         base = {"network": net, "floor_ms": round(f.t * 1e3, 3), "binds": f.binds,
                 "compute_ms": round(f.t_compute * 1e3, 3), "memory_ms": round(f.t_memory * 1e3, 3),
                 "memory_cold_ms": round(f.t_memory_cold * 1e3, 3), "layers_sum_ms": round(f.t_layers * 1e3, 3),
@@ -124,7 +131,10 @@ def network_rows(nets: list[str], engines: list[str], maco_models: dict[str, str
                 "spill_mb": round(f.spill * 4 / 1e6, 3), "S_mib": round(f.S * 4 / 2**20, 2),
                 "fma_gflops": round(ceil["fma_gflops_best"], 2), "read_gbs": round(ceil["read_gbs_best"], 2),
                 "fma_gflops_now": round(ceil["fma_gflops"], 2), "read_gbs_now": round(ceil["read_gbs"], 2),
-                "fma_spread": round(ceil["fma_spread"], 3), "read_spread": round(ceil["read_spread"], 3)}
+                "fma_spread": round(ceil["fma_spread"], 3), "read_spread": round(ceil["read_spread"], 3),
+                "reach_ms": round(reach * 1e3, 3), "reach_of_floor": round(reach / f.t, 3),
+                "ceiling_f2x3": round(shares.get((2, 3), float("nan")), 3),
+                "ceiling_f4x3": round(shares.get((4, 3), float("nan")), 3)}
         out.append(dict(base, engine="floor", note="the network floor (maco.bounds.network)"))
         for engine in engines:
             job = Job(net, input_shape=(batch, 3, 224, 224), rounds=rounds, patience=10.0)
@@ -228,7 +238,9 @@ def network_summary(rows: list[dict[str, object]]) -> list[str]:
             lines.append(f"{r['network']}: floor {r['floor_ms']} ms ({r['binds']} binds: compute {r['compute_ms']} ms "
                          f"at {r['fma_gflops']} GFLOP/s, memory {r['memory_ms']} ms warm / {r['memory_cold_ms']} cold at "
                          f"{r['read_gbs']} GB/s; {r['gflop']} GFLOP of {r['gflop_direct']} direct, "
-                         f"{r['weights_mb']} MB weights, largest live set {r['max_live_mb']} MB)")
+                         f"{r['weights_mb']} MB weights, largest live set {r['max_live_mb']} MB); MACO's kernel "
+                         f"families at their ceilings {r['reach_ms']} ms = {r['reach_of_floor']}x (direct at the "
+                         f"peak, F(2x2) at {r['ceiling_f2x3']} of it, F(4x4) at {r['ceiling_f4x3']})")
         elif r.get("engine_ms"):
             lines.append(f"  {r['engine']}: {r['engine_ms']} ms = {r['of_floor']}x the floor; torch eager "
                          f"{r['eager_ms']} ms = {r['eager_of_floor']}x")
@@ -244,7 +256,8 @@ def summarise(rows: list[dict[str, str]]) -> str:
         parts = []
         for r in rows:
             if r["engine"] == "floor":
-                parts.append(f"{r['network']} floor {num(r, 'floor_ms'):.3g} ms ({r['binds']} binds)")
+                reach = f", kernels at their ceilings {num(r, 'reach_of_floor'):.2f}x" if r.get("reach_of_floor") else ""
+                parts.append(f"{r['network']} floor {num(r, 'floor_ms'):.3g} ms ({r['binds']} binds{reach})")
             elif r.get("of_floor"):
                 parts.append(f"{r['network']} {r['engine']} {num(r, 'of_floor'):.2f}x the floor, "
                              f"eager {num(r, 'eager_of_floor'):.2f}x")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import sympy as sp
 
-from maco.bounds.winograd import crossover, predict_tile, winograd_cost
+from maco.bounds.winograd import crossover, layer_reach, network_reach, predict_tile, winograd_cost
 from maco.core.errors import MacoError
 from maco.core.spec import ConvSpec
 
@@ -91,3 +91,36 @@ def test_winograd_ceilings_are_timed_shares_of_the_peak():
     assert all(0.02 < e <= 1.0 for e in shares.values()), shares
     with pytest.raises(MacoError, match="rounds"):
         winograd_ceilings(host, rounds=0)
+
+
+def test_reach_takes_each_layers_fastest_family_at_its_ceiling():
+    P, B = 100e9, 20e9
+    pointwise = ConvSpec(1, 256, 14, 14, 1024, 1, 1)
+    assert layer_reach(pointwise, P, B) == ("direct", max(2 * pointwise.macs / P, 4 * pointwise.weight_elems / B))
+    assert layer_reach(pointwise, P, B, direct_share=0.5)[1] == pytest.approx(2 * 2 * pointwise.macs / P)
+    early = ConvSpec(1, 64, 56, 56, 64, 3, 3, 1, 1)
+    assert layer_reach(early, P, 1e15)[0] == "F(4x4,3x3)"
+    # F(4x4) at too small a share of the peak: F(2x2) is faster; both far below it: direct
+    assert layer_reach(early, P, 1e15, {(2, 3): 0.9, (4, 3): 0.4})[0] == "F(2x2,3x3)"
+    assert layer_reach(early, P, 1e15, {(2, 3): 0.3, (4, 3): 0.1})[0] == "direct"
+    # a deep layer reads U from DRAM: at a low bandwidth, the smaller U of F(2x2) or the weights win
+    deep = ConvSpec(1, 512, 7, 7, 512, 3, 3, 1, 1)
+    assert layer_reach(deep, P, 5e9)[0] in ("F(2x2,3x3)", "direct")
+    assert layer_reach(deep, P, 5e9)[1] < 4 * winograd_cost(deep, 4).u / 5e9
+    for bad in (0.0, 1.5):
+        with pytest.raises(MacoError, match="share of the FMA peak"):
+            layer_reach(pointwise, P, B, direct_share=bad)
+
+
+def test_network_reach_sums_the_layers_and_sits_over_the_floor():
+    from maco.bounds.network import network_floor
+    from maco.layouts.network_floor import network_dag
+
+    P, B = 100e9, 20e9
+    layers, image = network_dag("resnet18")
+    shares = {(2, 3): 0.8, (4, 3): 0.65}
+    reach = network_reach(layers, P, B, shares)
+    assert reach == pytest.approx(sum(layer_reach(l.spec, P, B, shares)[1] for l in layers if l.spec is not None))
+    floor = network_floor(layers, 8 << 20, image, peak=P, bandwidth=B)
+    assert floor.t_compute < network_reach(layers, P, B) <= reach  # full shares: nearer the floor
+    assert reach > 1.2 * floor.t  # F(4x4) at 65% of the peak on most 3x3 convs
