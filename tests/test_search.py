@@ -1,6 +1,7 @@
 """The evolutionary search and the cost model on a synthetic landscape (the bound-based analytic
 time with noise), so that the logic is tested apart from compilers and timers."""
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -8,10 +9,12 @@ import pytest
 from maco import ConvSpec, space
 from maco.tune.cost_model import CostModel, analytic_score, analytic_seconds, features, register_intensity
 from maco.tune.records import RecordFile, make_record
-from maco.tune.search import SearchConfig, crossover, evolve, mutate_annotation, mutate_tile
+from maco.core.schedule import Schedule
+from maco.tune.search import (SearchConfig, TaskState, crossover, evolve, mutate_annotation, mutate_tile,
+                              register_reshapes, search_round)
 from maco.core.timing import Timing
 from maco.tune.tuning import Task, tune
-from tests.targets import AVX2
+from tests.targets import AVX2, AVX512
 
 SPEC = ConvSpec.parse("n1_c32_h28_w28_k64_r3_p1")
 
@@ -196,3 +199,36 @@ def test_budget_trials_caps_the_quick_budget_only():
     assert budget_trials("thorough", 46) == 46 * BUDGETS["thorough"]
     with pytest.raises(MacoError, match="unknown budget 'fast'"):
         budget_trials("fast", 3)
+
+
+POINTWISE = ConvSpec.parse("n1_c1024_h14_w14_k256_r1x1")
+WIDE = Schedule(kind="cpu", spatial=((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 8, 32), (2, 7, 1, 1), (1, 1, 1, 14)),
+                reduction=((1, 1024), (1, 1), (1, 1)), parallel=4, vector_axis="k", vector_width=16,
+                inner_order=("kh", "kw", "c"), layout="NHWC", weight_packing="blocked")
+
+
+def test_register_reshapes_split_the_same_accumulators_another_way():
+    (tall,) = register_reshapes(WIDE)  # 14 pixels x 2 filter vectors -> 7 x 4; 28 x 1 needs ow's outer level
+    assert tall.register_tile()["ow"] == 7 and tall.register_tile()["k"] == 64
+    assert tall.accumulators == WIDE.accumulators == 28
+    for axis in ("k", "ow"):  # the tiles around the register tile stay
+        assert tall.tile(axis, 2) == WIDE.tile(axis, 2) and tall.factors(axis)[:2] == WIDE.factors(axis)[:2]
+    assert not tall.problems(POINTWISE, AVX512) and space.contains(tall, POINTWISE, AVX512, pruned=True)
+    assert WIDE in register_reshapes(tall)  # and back
+    assert register_reshapes(replace(WIDE, kind="cuda")) == []
+
+
+def test_a_search_round_measures_the_reshapes_of_the_best_schedule():
+    seen = []
+
+    def measure(spec, schedules, target):
+        seen.extend(schedules)
+        return [(Timing.from_samples([1e-3], 1), None) for _ in schedules]
+
+    class Flat:
+        def predict(self, spec, schedules):
+            return [0.0] * len(schedules)
+
+    state = TaskState(POINTWISE, [make_record(POINTWISE, AVX512, WIDE, Timing.from_samples([1e-3], 1), None)])
+    search_round(state, AVX512, Flat(), measure, random.Random(0), SearchConfig(population=8, generations=1), n=4)
+    assert register_reshapes(WIDE)[0] in seen[:1]

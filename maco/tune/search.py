@@ -23,6 +23,9 @@ from maco.core.target import Target
 from maco.core.timing import Timing
 
 
+RESHAPES = 2  # of the best schedule's register reshapes (register_reshapes), measured each round
+
+
 class MeasureFunction(Protocol):
     """Times schedules of one conv; returns one (timing, error) pair per schedule, in order, or
     (timing, error, env) where another machine measured (env: its environment). Ctrl-C during
@@ -186,6 +189,40 @@ def mutate_annotation(s: Schedule, rng: random.Random, target: Target,
     return s
 
 
+def register_reshapes(s: Schedule) -> list[Schedule]:
+    """A CPU schedule with its register tile's outputs split another way between the vector axis
+    and one other spatial axis: a prime factor moved from one's register factor to the other's
+    (the vector axis keeping whole vectors), each axis's next level out taking the inverse, so
+    the accumulators and every outer tile stay the same. The fewest loads a step first (vectors
+    of the vector operand plus broadcasts of the other). The cost model prices such tiles alike
+    (register_share: the FMAs bind both), yet timing them apart can matter (14 pixels x 2 filter
+    vectors against 7 x 4 on a 1x1 conv: 16 loads a step against 11), and mutate_tile, which
+    moves a factor between the levels of one axis, reaches them only in two lucky steps. Validity
+    is the caller's to check."""
+    if s.kind != "cpu":
+        return []
+    v = SPATIAL_AXES.index(s.vector_axis)
+    out: dict[Schedule, int] = {}
+    for o, factors in enumerate(s.spatial):
+        if o == v:
+            continue
+        for src, dst in ((o, v), (v, o)):
+            reg = s.spatial[src][-1] // (s.vector_width if src == v else 1)
+            for p in dict.fromkeys(_prime_factors(reg)):
+                if s.spatial[dst][-2] % p:
+                    continue  # the next level out of the growing axis cannot give the factor back
+                sp = [list(f) for f in s.spatial]
+                sp[src][-1] //= p
+                sp[src][-2] *= p
+                sp[dst][-1] *= p
+                sp[dst][-2] //= p
+                t = replace(s, spatial=tuple(tuple(f) for f in sp))
+                tile = t.register_tile()
+                vectors = tile[s.vector_axis] // max(1, s.vector_width)
+                out[t] = vectors + math.prod(tile.values()) // max(1, tile[s.vector_axis])
+    return sorted(out, key=out.__getitem__)
+
+
 def crossover(a: Schedule, b: Schedule, rng: random.Random) -> Schedule:
     """Node-based crossover: each axis's tiling and each annotation from either parent."""
     spatial = tuple(rng.choice((fa, fb)) for fa, fb in zip(a.spatial, b.spatial))
@@ -246,6 +283,11 @@ def search_round(state: TaskState, target: Target, model: ScheduleRanker, measur
     measured = state.measured | set(retries)
     first = (retries + [s for s in dict.fromkeys(seeds) if s not in measured and s.layout
                         in config.allowed_layouts and not s.problems(spec, target)])[:n]
+    best = state.best
+    if best is not None:  # the best's register tile split the other ways: RESHAPES of them a round
+        reshaped = [s for s in register_reshapes(best.schedule) if s not in measured and s not in first
+                    and _is_allowed(s, spec, target, config)]
+        first = (first + reshaped[:RESHAPES])[:n]
     ranked = sorted((x for x in zip(normalized(state.records), state.records) if x[1].ok), key=lambda x: x[0])
     elites = [r.schedule for _, r in ranked[:config.elite] if r.schedule.layout in config.allowed_layouts]
     init = _sample(spec, target, rng, max(config.population - len(elites), 2), config) + elites
