@@ -3,7 +3,8 @@
 Each round: retrain the cost model on everything measured so far, evolve a population that
 starts from fresh samples of the (pruned or full) space plus the best measured schedules,
 pick the top candidates by predicted fitness with epsilon-greedy exploration, and measure
-them for real. Measuring goes through a `MeasureFunction` (maco.tune.measure.Measurer in practice), so the search never times anything itself.
+them for real, after the seeds and a few register reshapes of the best one so far (a local
+step the cost model cannot rank). Measuring goes through a `MeasureFunction` (maco.tune.measure.Measurer in practice), so the search never times anything itself.
 """
 from __future__ import annotations
 
