@@ -108,6 +108,16 @@ def test_default_register_tile_reads_the_smallest_input_window():
         assert tile["oh"] == rows and tile["oh"] * tile["ow"] * tile["k"] // 16 == 28, (text, tile)
 
 
+def test_default_register_tile_of_a_pointwise_conv_takes_the_fewest_loads():
+    """A 1x1 conv reads one input per output whatever the tile: of the 28-accumulator tiles,
+    7 pixels x 4 filter vectors (11 loads a step) over 14 x 2 (16 loads)."""
+    for text in ("n1_c1024_h14_w14_k256_r1x1", "n1_c64_h56_w56_k256_r1x1"):
+        spec = ConvSpec.parse(text)
+        for layout in ("NHWC", "NCHW"):
+            tile = kernels.default_schedule(spec, AVX512, layout).register_tile()
+            assert (tile["oh"] * tile["ow"], tile["k"]) == (7, 64), (text, layout, tile)
+
+
 @pytest.mark.parametrize("text", ["n1_c7_h13_w17_k11_r3x3_p1", "n1_c5_h11_w11_k13_r5x5_s2_p2",
                                   "n3_c4_h5_w5_k2_r3x3_p2_d2"])
 def test_default_schedule_valid_on_primes(text):
