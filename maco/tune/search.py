@@ -4,7 +4,8 @@ Each round: retrain the cost model on everything measured so far, evolve a popul
 starts from fresh samples of the (pruned or full) space plus the best measured schedules,
 pick the top candidates by predicted fitness with epsilon-greedy exploration, and measure
 them for real, after the seeds and a few register reshapes of the best one so far (a local
-step the cost model cannot rank). Measuring goes through a `MeasureFunction` (maco.tune.measure.Measurer in practice), so the search never times anything itself.
+step the cost model cannot rank). Measuring goes through a `MeasureFunction`
+(maco.tune.measure.Measurer in practice), so the search never times anything itself.
 """
 from __future__ import annotations
 
@@ -204,7 +205,7 @@ def register_reshapes(s: Schedule) -> list[Schedule]:
         return []
     v = SPATIAL_AXES.index(s.vector_axis)
     out: dict[Schedule, int] = {}
-    for o, factors in enumerate(s.spatial):
+    for o in range(len(s.spatial)):
         if o == v:
             continue
         for src, dst in ((o, v), (v, o)):
