@@ -285,12 +285,11 @@ def search_round(state: TaskState, target: Target, model: ScheduleRanker, measur
     measured = state.measured | set(retries)
     first = (retries + [s for s in dict.fromkeys(seeds) if s not in measured and s.layout
                         in config.allowed_layouts and not s.problems(spec, target)])[:n]
-    best = state.best
-    if best is not None:  # the best's register tile split the other ways: RESHAPES of them a round
-        reshaped = [s for s in register_reshapes(best.schedule) if s not in measured and s not in first
-                    and _is_allowed(s, spec, target, config)]
-        first = (first + reshaped[:RESHAPES])[:n]
     ranked = sorted((x for x in zip(normalized(state.records), state.records) if x[1].ok), key=lambda x: x[0])
+    if ranked:  # the best's register tile split the other ways: RESHAPES of them a round
+        reshaped = [s for s in register_reshapes(ranked[0][1].schedule)
+                    if s not in measured and s not in first and _is_allowed(s, spec, target, config)]
+        first = (first + reshaped[:RESHAPES])[:n]
     elites = [r.schedule for _, r in ranked[:config.elite] if r.schedule.layout in config.allowed_layouts]
     init = _sample(spec, target, rng, max(config.population - len(elites), 2), config) + elites
     fitness = lambda pop: list(model.predict(spec, pop))  # noqa: E731
