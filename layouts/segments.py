@@ -6,7 +6,12 @@ dtype and layout checks and a ctypes call, ~10-20 us each, for every conv, depth
 next, or reading what an earlier one wrote, with the shapes and memory formats they take) and
 puts in its place one MacoSegment: a module whose forward checks the run's inputs from outside
 once, with the same checks its modules make, and then makes one C call (kernels.sequence) that
-runs the kernels' function pointers in order on a static table of pointers.
+runs the kernels' function pointers in order on a static table of pointers. A run takes in the
+views between its kernels (dropout and identity modules, flatten(1) of a value dense in NCHW, a
+contiguous() that moves nothing) and a functional global average pool on one of its values
+(torchvision's MobileNetV2 head) as a pooling kernel it holds itself, so that a network's head runs
+in the same call: the first torch op after a long C call pays for torch's dispatch coming back
+into the caches.
 
 Memory plan: a value that only the run reads lives in one arena the segment owns, at an offset
 planned by liveness (two values share bytes only where neither is live while the other is), so the
@@ -29,17 +34,19 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn import functional as F
 
 from maco.kernels.sequence import ARGS, CHECKED5, PYTHON, VOID2, VOID4, VOID5, address, sequence_function
 from maco.kernels.winograd import direct
 from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinear, MacoPool2d,
                                        MacoSqueezeExcite, MacoWinograd2d, escapes)
+from maco.kernels.pool import plan_for
 from maco.core.target import Target
 
 MIN_STEPS = 2  # a run of one module gains nothing from a segment
@@ -115,6 +122,17 @@ class Step:
     out: Port
     export: bool = False  # read after the segment
     fresh: bool = False  # reaches the model's output: a new tensor every call
+    views: list[tuple[Callable[[Any], Any], ...]] = field(default_factory=list)  # per read: the graph's views of it
+
+    def read(self, inputs: tuple, values: list) -> list[Any]:
+        """What the step's module reads, as the graph hands it over (the views between applied)."""
+        got = []
+        for r, (kind, k) in enumerate(self.reads):
+            t = inputs[k] if kind == "in" else values[k]
+            for view in (self.views[r] if r < len(self.views) else ()):
+                t = view(t)
+            got.append(t)
+        return got
 
 
 class MacoSegment(nn.Module):
@@ -288,7 +306,7 @@ class MacoSegment(nn.Module):
         whose weights are not), recomputed by torch's direct conv into its output; a block whose
         kernel could not allocate its buffers, computed by its torch convs."""
         step, mod = self._steps[j], self._steps[j].module
-        got = [inputs[k] if kind == "in" else values[k] for kind, k in step.reads]
+        got = step.read(inputs, values)
         if isinstance(mod, MacoInvertedResidual):
             values[j].copy_(mod.torch_chain(got[0]))
             return
@@ -298,7 +316,7 @@ class MacoSegment(nn.Module):
         """The modules called in order, as the graph called them before."""
         values: list[Any] = []
         for step in self._steps:
-            values.append(step.module(*[inputs[k] if kind == "in" else values[k] for kind, k in step.reads]))
+            values.append(step.module(*step.read(inputs, values)))
         if len(self._exports) == 1:
             return values[self._exports[0]]
         return tuple(values[j] for j in self._exports)
@@ -327,6 +345,16 @@ def _np_ptr(a: Any) -> int | None:
 
 
 # -- the graph pass ------------------------------------------------------------------------------
+@dataclass
+class _Scan:
+    """What find_runs learns of a graph: the runs, each kernel node's (module, ports read, port
+    written), and each view node's (source, port, replay)."""
+
+    runs: list[list[fx.Node]]
+    calls: dict[fx.Node, tuple[nn.Module, list[Port], Port]]
+    views: dict[fx.Node, tuple[fx.Node, Port, Callable[[Any], Any]]]
+
+
 def _kernel_call(gm: fx.GraphModule, node: fx.Node) -> tuple[nn.Module, list[Port], Port] | None:
     if node.op != "call_module" or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
         return None
@@ -337,38 +365,114 @@ def _kernel_call(gm: fx.GraphModule, node: fx.Node) -> tuple[nn.Module, list[Por
     return None if found is None else (mod, *found)
 
 
-def find_runs(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """Runs of consecutive graph nodes that call MACO kernel modules, each reading what an earlier
-    one of its run wrote only in the shape and memory format it takes."""
-    runs: list[list[fx.Node]] = []
+def _view(gm: fx.GraphModule, node: fx.Node, port: dict[fx.Node, Port]) -> tuple[fx.Node, Port, Callable] | None:
+    """(source, port, replay) where `node` hands on a value of the run as the same bytes read as
+    another port: a dropout or identity module (inference), contiguous() where the value already is
+    (an (N, C, 1, 1) tensor is in both layouts), flatten(1) of a value dense in NCHW; else None."""
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if src not in port:
+        return None
+    have = port[src]
+    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
+        mod = gm.get_submodule(str(node.target))
+        if isinstance(mod, nn.Identity) or (isinstance(mod, nn.Dropout) and not mod.training):
+            return src, have, mod
+        return None
+    if node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1:
+        fmt = node.kwargs.get("memory_format", NCHW)
+        if set(node.kwargs) <= {"memory_format"} and fmt in (NCHW, NHWC) and have.holds(Port(have.shape, fmt)):
+            return src, Port(have.shape, fmt), lambda t: t.contiguous(memory_format=fmt)
+        return None
+    flatten = ((node.op == "call_function" and node.target is torch.flatten)
+               or (node.op == "call_method" and node.target == "flatten"))
+    dims = tuple(node.args[1:]) + tuple(node.kwargs.get(k) for k in ("start_dim", "end_dim") if k in node.kwargs)
+    if (flatten and dims in ((1,), (1, -1)) and len(have.shape) == 4
+            and set(node.kwargs) <= {"start_dim", "end_dim"} and have.holds(Port(have.shape, NCHW))):
+        return src, Port((have.shape[0], math.prod(have.shape[1:])), NCHW), lambda t: torch.flatten(t, 1)
+    return None
+
+
+def _global_pool(node: fx.Node, port: dict[fx.Node, Port],
+                 target: Target | None) -> tuple[nn.Module, list[Port], Port] | None:
+    """A generated pooling kernel for F.adaptive_avg_pool2d(x, size) on a value of the run, which
+    the graph calls as a function (torchvision's MobileNetV2 head): built here, held by the segment."""
+    if (target is None or node.op != "call_function" or node.target is not F.adaptive_avg_pool2d
+            or len(node.args) + len(node.kwargs) != 2 or node.args[0] not in port):
+        return None
+    have = port[node.args[0]]
+    size = node.args[1] if len(node.args) == 2 else node.kwargs.get("output_size")
+    pool = nn.AdaptiveAvgPool2d(size)
+    layout = "NHWC" if have.fmt == NHWC else "NCHW"
+    if len(have.shape) != 4 or plan_for(pool, have.shape, layout, target.cores) is None:
+        return None
+    mod = MacoPool2d(pool, have.shape, layout, target)
+    return mod, [Port(have.shape, have.fmt)], Port(mod._out_shape, have.fmt)
+
+
+def _scan(gm: fx.GraphModule, target: Target | None) -> _Scan:
+    """Walk the graph once: runs of consecutive kernel nodes (with the views between them), each
+    reading what an earlier one of its run wrote only in the shape and memory format it takes."""
+    scan = _Scan([], {}, {})
     run: list[fx.Node] = []
-    out_port: dict[fx.Node, Port] = {}
+    port: dict[fx.Node, Port] = {}  # what each node of the current run writes
+
+    def close() -> None:
+        scan.runs.append(_trimmed(run, scan.views))
+        run.clear()
+        port.clear()
+
     for node in gm.graph.nodes:
-        call = _kernel_call(gm, node)
+        view = _view(gm, node, port) if run else None
+        if view is not None:
+            scan.views[node] = view
+            run.append(node)
+            port[node] = view[1]
+            continue
+        call = _kernel_call(gm, node) or _global_pool(node, port, target)
         if call is None:
-            runs.append(run)
-            run = []
+            close()
             continue
         _, ins, out = call
-        inside = set(run)
-        if any(a in inside and not out_port[a].holds(p) for a, p in zip(node.args, ins)):
-            runs.append(run)
-            run = []
+        if any(a in port and not port[a].holds(p) for a, p in zip(node.args, ins)):
+            close()
+        scan.calls[node] = call
         run.append(node)
-        out_port[node] = out
-    runs.append(run)
-    return [r for r in runs if len(r) >= MIN_STEPS]
+        port[node] = out
+    close()
+    scan.runs = [r for r in scan.runs if sum(n in scan.calls for n in r) >= MIN_STEPS]
+    return scan
+
+
+def _trimmed(run: list[fx.Node], views: dict[fx.Node, Any]) -> list[fx.Node]:
+    """The run up to its first view that something outside it reads, without views at its end
+    (a view stays in the graph, reading the segment's output, unless only the run reads it)."""
+    members = set(run)
+    for i, node in enumerate(run):
+        if node in views and any(user not in members for user in node.users):
+            run = run[:i]
+            break
+    while run and run[-1] in views:
+        run = run[:-1]
+    return list(run)
+
+
+def find_runs(gm: fx.GraphModule, target: Target | None = None) -> list[list[fx.Node]]:
+    """Runs of consecutive graph nodes that call MACO kernel modules, each reading what an earlier
+    one of its run wrote only in the shape and memory format it takes; views between them
+    (flatten, dropout, a contiguous() that moves nothing) belong to the run. With a `target`, a
+    functional global average pool on a value of the run is a kernel of it too."""
+    return _scan(gm, target).runs
 
 
 def use_segments(gm: fx.GraphModule, target: Target, *, share_memory: bool = True) -> list[str]:
     """Replace (in place) each run of MACO kernel modules in `gm` (find_runs) by one MacoSegment
     call; returns the new modules' names. The modules stay registered at their paths.
     share_memory=False gives every value of a run bytes of its own (no liveness plan)."""
-    runs = find_runs(gm)
-    plans = [_segment_of(gm, run, target, share_memory) for run in runs]  # escape analysis on the graph as it was
+    scan = _scan(gm, target)
+    plans = [_segment_of(gm, run, scan, target, share_memory) for run in scan.runs]  # escapes: the graph as it was
     names = []
     now: dict[fx.Node, fx.Node] = {}  # an output of an earlier run -> what stands for it now
-    for run, (segment, inputs, exports) in zip(runs, plans):
+    for run, (segment, inputs, exports) in zip(scan.runs, plans):
         name = _free_name(gm, f"maco_segment_{len(names)}")
         gm.add_submodule(name, segment)
         with gm.graph.inserting_before(run[0]):
@@ -393,17 +497,24 @@ def use_segments(gm: fx.GraphModule, target: Target, *, share_memory: bool = Tru
     return names
 
 
-def _segment_of(gm: fx.GraphModule, run: list[fx.Node], target: Target,
+def _segment_of(gm: fx.GraphModule, run: list[fx.Node], scan: _Scan, target: Target,
                 share_memory: bool) -> tuple[MacoSegment, list[fx.Node], list[fx.Node]]:
     """The segment for one run, the nodes it reads from outside and the nodes read after it."""
-    index = {node: j for j, node in enumerate(run)}
+    members = set(run)
+    kernels = [node for node in run if node in scan.calls]
+    index = {node: j for j, node in enumerate(kernels)}
     inputs: list[fx.Node] = []
     guards: list[tuple[int, Port]] = []
     steps = []
-    for node in run:
-        mod, ins, out = _kernel_call(gm, node)  # type: ignore[misc]
-        reads = []
+    for node in kernels:
+        mod, ins, out = scan.calls[node]
+        reads, views = [], []
         for arg, port in zip(node.args, ins):
+            replay: list[Callable] = []
+            while arg in scan.views and arg in members:
+                arg, _, how = scan.views[arg]
+                replay.insert(0, how)
+            views.append(tuple(replay))
             if arg in index:
                 reads.append(("step", index[arg]))
                 continue
@@ -412,12 +523,12 @@ def _segment_of(gm: fx.GraphModule, run: list[fx.Node], target: Target,
             i = inputs.index(arg)
             reads.append(("in", i))
             guards.append((i, port))
-        export = any(user not in index for user in node.users)
-        steps.append(Step(mod, reads, ins, out, export, export and escapes(gm, node)))
-    exports = [node for node, step in zip(run, steps) if step.export]
+        export = any(user not in members for user in node.users)
+        steps.append(Step(mod, reads, ins, out, export, export and escapes(gm, node), views))
+    exports = [node for node, step in zip(kernels, steps) if step.export]
     if not exports:  # nothing reads the run: keep its last output as its result
         steps[-1].export = True
-        exports = [run[-1]]
+        exports = [kernels[-1]]
     return MacoSegment(steps, guards, len(inputs), target, share_memory), inputs, exports
 
 

@@ -332,3 +332,60 @@ def test_a_conv_only_portable_c_computes_stays_torchs():
         assert len(convs) == maco_convs and convs[-1].spec.k == 2 * w
         with torch.inference_mode():
             assert _rel(model(x), gm(x)) < 1e-5
+
+
+class Head(nn.Module):
+    """torchvision MobileNetV2's head on two convs: a functional global pool, flatten, dropout, a
+    linear; `flat_too` also hands back the flattened pool (a view read outside the run)."""
+
+    def __init__(self, flat_too: bool = False):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 32, 3, 1, 1)
+        self.c2 = nn.Conv2d(32, 32, 1)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(32, 10))
+        self.flat_too = flat_too
+
+    def forward(self, x):
+        flat = torch.flatten(F.adaptive_avg_pool2d(F.relu(self.c2(F.relu(self.c1(x)))), 1), 1)
+        y = self.classifier(flat)
+        return (y, flat) if self.flat_too else y
+
+
+def _with_maco_linear(gm):
+    from maco.layouts.maco_modules import MacoLinear, swap_module
+
+    swap_module(gm, "classifier.1", MacoLinear(gm.get_submodule("classifier.1"), 1, HOST))
+    return gm
+
+
+def test_a_head_of_views_and_a_functional_pool_runs_inside_the_segment():
+    from maco.layouts.maco_modules import MacoLinear
+
+    torch.manual_seed(7)
+    model = Head().eval()
+    x = torch.randn(1, 8, 14, 14)
+    gm = _with_maco_linear(_planned(model, x)[0])
+    names = use_segments(gm, HOST)
+    assert len(names) == 1
+    # after the input's conversion, the graph is the segment alone: no pool, flatten, dropout or linear left to torch
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_method", "call_module", "output"], gm.code
+    kinds = [type(m) for m in segments_of(gm)[0].modules_in_order]
+    assert kinds[-2:] == [MacoPool2d, MacoLinear]
+    with torch.inference_mode():
+        want, got, again = model(x), gm(x), gm(x)
+        assert _rel(want, got) < 1e-4 and torch.equal(got, again)
+        # another input size runs the modules one by one, the views between them applied as the graph did
+        other = torch.randn(1, 8, 10, 10)
+        assert _rel(model(other), gm(other)) < 1e-4
+
+
+def test_a_view_read_after_the_run_stays_in_the_graph():
+    torch.manual_seed(8)
+    model = Head(flat_too=True).eval()
+    x = torch.randn(1, 8, 14, 14)
+    gm = _with_maco_linear(_planned(model, x)[0])
+    use_segments(gm, HOST)
+    assert any(n.target is torch.flatten for n in gm.graph.nodes), gm.code
+    with torch.inference_mode():
+        for w, g in zip(model(x), gm(x), strict=True):
+            assert _rel(w, g) < 1e-4
