@@ -389,3 +389,27 @@ def test_a_view_read_after_the_run_stays_in_the_graph():
     with torch.inference_mode():
         for w, g in zip(model(x), gm(x), strict=True):
             assert _rel(w, g) < 1e-4
+
+
+class TanhHead(Head):
+    """Head with a torch op between the pool and the linear: the linear cannot join the run."""
+
+    def forward(self, x):
+        flat = torch.flatten(F.adaptive_avg_pool2d(F.relu(self.c2(F.relu(self.c1(x)))), 1), 1)
+        return self.classifier(torch.tanh(flat))
+
+
+@pytest.mark.parametrize("model, ratio, joins", [(Head(), 1.0, True), (Head(), 0.9, False), (TanhHead(), 1.0, False)])
+def test_a_linear_that_ties_torchs_runs_maco_where_it_joins_a_run(model, ratio, joins):
+    from maco.deploy.kernel_choice import _ties_inside_runs
+    from maco.layouts.maco_modules import MacoLinear
+
+    torch.manual_seed(9)
+    model = model.eval()
+    x = torch.randn(1, 8, 14, 14)
+    gm = _planned(model, x)[0]
+    _ties_inside_runs(gm, x, HOST, {"classifier.1": ratio}, lambda lin, t, own: MacoLinear(lin, 1, HOST, own))
+    assert isinstance(gm.get_submodule("classifier.1"), MacoLinear) == joins
+    use_segments(gm, HOST)
+    with torch.inference_mode():
+        assert _rel(model(x), gm(x)) < 1e-4

@@ -33,7 +33,7 @@ from maco.layouts.deploy import plan
 from maco.layouts.end_to_end import time_models
 from maco.layouts.fusion import fuse
 from maco.layouts.layout_plan import LayoutPlan
-from maco.layouts.segments import use_segments
+from maco.layouts.segments import find_runs, use_segments
 from maco.layouts.networks import conv_layers, distinct_convs
 from maco.tune.records import Record
 from maco.core.schedule import Schedule
@@ -187,7 +187,30 @@ def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, round
         if x.dim() != 2 or x.shape[0] > MAX_BATCH:
             return None
         return MacoLinear(linear, x.shape[0], target, preallocate=preallocate)
-    return _faster_modules(gm, example_input, (nn.Linear,), make, rounds)
+    ratios = _faster_modules(gm, example_input, (nn.Linear,), make, rounds)
+    _ties_inside_runs(gm, example_input, target, ratios, make)
+    return ratios
+
+
+def _ties_inside_runs(gm: fx.GraphModule, example_input: Any, target: Target, ratios: ModuleRatios,
+                      make: Callable[[nn.Module, torch.Tensor, bool], nn.Module | None]) -> None:
+    """Swap (in place) each module that tied torch's alone (within MIN_GAIN either way) where its
+    kernel then joins a run of kernels (layouts.segments.find_runs): the run's one C call takes it
+    too, and the model no longer calls torch right after a long C call, which costs more than the
+    op itself (torch's dispatch is back in the caches only after its first call)."""
+    ties = [path for path, r in ratios.items() if 1 / MIN_GAIN <= r < MIN_GAIN]
+    if not ties:
+        return
+    seen = arguments_seen(gm, example_input, ties, copy=False)
+    calls = call_sites(gm)
+    for path in ties:
+        module, sites = gm.get_submodule(path), calls[path]
+        maco = make(module, seen[path][0], len(sites) == 1 and not escapes(gm, sites[0]))
+        if maco is None:
+            continue
+        swap_module(gm, path, maco)
+        if not any(node in run for run in find_runs(gm, target) for node in sites):
+            swap_module(gm, path, module)
 
 
 def faster_pools(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
