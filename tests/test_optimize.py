@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from maco import MacoError
 from maco.cli import main
@@ -181,3 +182,25 @@ def test_a_kernel_recorded_in_a_slow_spell_is_still_tried_and_timed_on_this_cloc
     else:
         assert chosen == {} and table == torch_seconds
 
+
+def test_the_kernel_count_reads_linears_and_pools_off_the_model_handed_on(tmp_path):
+    """The [3/4] line counts the linear and pooling layers the handed-on model runs on MACO kernels,
+    not the per-layer timings: a linear that tied torch's (ratio under MIN_GAIN) but runs MACO's
+    counts, a pool torch still runs does not."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from maco import kernels
+    from maco.deploy.optimize import _variants_built
+    from maco.layouts.maco_modules import MacoLinear
+
+    host = kernels.host_target()
+    model = fx.symbolic_trace(nn.Sequential(nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64, 10)))
+    model.add_submodule("2", MacoLinear(nn.Linear(64, 10), 1, host))
+    built = SimpleNamespace(plan=SimpleNamespace(to_json=lambda: "{}", convs=[]), swapped=[],
+                            models={"default": model, "planned_maco": model}, linears={"2": 1.0}, pools={"0": 0.5},
+                            depthwise={}, winograd={}, blocks={}, squeeze=0)
+    said = []
+    _variants_built(built, tmp_path, said.append)
+    assert said[0] == "[3/4] 0 of 0 convs, 1 of 1 linear layers, 0 of 1 pooling layers run MACO kernels"

@@ -16,10 +16,10 @@ from maco.deploy import deployment
 from maco.deploy.engines import ENGINES, Job, compare
 from maco.core.errors import MacoError
 from maco.core.files import check_writable
-from maco.deploy.kernel_choice import MIN_GAIN
+from maco.deploy.kernel_choice import MIN_GAIN, POOLS
 from maco.kernels.cpu_peak import measure_ceilings
 from maco.layouts.end_to_end import ConvShare, conv_share
-from maco.layouts.maco_modules import MacoWinograd2d
+from maco.layouts.maco_modules import MacoLinear, MacoLinearAsConv, MacoPool2d, MacoWinograd2d
 from maco.layouts.network_floor import ModelFloor, model_floor
 from maco.layouts.networks import NETWORKS, example_input, load_model
 from maco.deploy.optimize_report import (LayerRow, OptimizeResult, end_to_end_rows, hold_output_folder,
@@ -146,10 +146,13 @@ def _example_input(model_text: str, input_shape: tuple[int, ...] | None, batch: 
 def _variants_built(built: Variants, out: Path, log: Callable[[str], Any]) -> None:
     """The plan written and the kernels counted, before the variants are timed end to end."""
     save_output(out, "plan.json", built.plan.to_json())
-    kinds = {"linear layers": built.linears, "pooling layers": built.pools, "depthwise convs": built.depthwise,
-             "3x3/5x5 convs tried with Winograd": built.winograd, "inverted residuals tried as one kernel": built.blocks}
-    others = "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
-                     for kind, ratios in kinds.items() if ratios)
+    planned = built.models.get("planned_maco")
+    layers = "".join(f", {ran} of {ran + left} {kind}" for kind, (ran, left) in _linears_and_pools(planned).items()
+                     if ran + left)
+    kinds = {"depthwise convs": built.depthwise, "3x3/5x5 convs tried with Winograd": built.winograd,
+             "inverted residuals tried as one kernel": built.blocks}
+    others = layers + "".join(f", {sum(r >= MIN_GAIN for r in ratios.values())} of {len(ratios)} {kind}"
+                              for kind, ratios in kinds.items() if ratios)
     if built.squeeze:
         others += f", {built.squeeze} squeeze-excitations as one kernel each"
     log(f"[3/4] {len(built.swapped)} of {len(built.plan.convs)} convs{others} run MACO kernels")
@@ -159,6 +162,20 @@ def _variants_built(built: Variants, out: Path, log: Callable[[str], Any]) -> No
         log("      Winograd tile sizes: " + ", ".join(f"F({m}x{m}) on {n} conv{'s' * (n > 1)}"
                                                    for m, n in sorted(tiles.items(), reverse=True)))
     log(f"[4/4] timing {', '.join(built.models)} end to end in the same rounds; the fastest is handed back")
+
+
+def _linears_and_pools(model: torch.nn.Module | None) -> dict[str, tuple[int, int]]:
+    """Linear and pooling layers of the model handed on: (on a MACO kernel, left to torch). Counted
+    in the model, not from the per-layer timings: the model with a kernel in every conv makes its
+    own choices (a linear that ties torch's joins a run of kernels)."""
+    if model is None:
+        return {}
+    graph = getattr(model, "graph", None)
+    called = [model.get_submodule(str(n.target)) for n in graph.nodes if n.op == "call_module"] if graph else []
+    mods = list(model.modules())
+    return {"linear layers": (sum(isinstance(m, (MacoLinear, MacoLinearAsConv)) for m in mods),
+                              sum(isinstance(m, torch.nn.Linear) for m in called)),
+            "pooling layers": (sum(isinstance(m, MacoPool2d) for m in mods), sum(isinstance(m, POOLS) for m in called))}
 
 
 def _layer_rows(run: PipelineRun, best: dict[tuple[ConvSpec, str], Record]) -> list[LayerRow]:
