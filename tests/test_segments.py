@@ -413,3 +413,34 @@ def test_a_linear_that_ties_torchs_runs_maco_where_it_joins_a_run(model, ratio, 
     use_segments(gm, HOST)
     with torch.inference_mode():
         assert _rel(model(x), gm(x)) < 1e-4
+
+
+class PoolBetween(nn.Module):
+    """conv -> maxpool -> conv: a pool that ties torch's joins the run of the convs around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 32, 3, 1, 1)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.c2 = nn.Conv2d(32, 32, 1)
+
+    def forward(self, x):
+        return self.c2(self.pool(F.relu(self.c1(x))))
+
+
+@pytest.mark.parametrize("ratio, joins", [(1.0, True), (0.9, False)])
+def test_a_pool_that_ties_torchs_runs_maco_inside_a_run(ratio, joins):
+    from maco.deploy.kernel_choice import _ties_inside_runs
+
+    torch.manual_seed(10)
+    model = PoolBetween().eval()
+    x = torch.randn(1, 8, 16, 16)
+    gm = kernels_everywhere(model, x, HOST, others=False)[0]  # the pool left to torch
+    assert isinstance(gm.get_submodule("pool"), nn.MaxPool2d)
+    _ties_inside_runs(gm, x, HOST, {"pool": ratio},
+                      lambda pool, t, own: MacoPool2d(pool, tuple(t.shape), "NHWC", HOST, own))
+    assert isinstance(gm.get_submodule("pool"), MacoPool2d) == joins
+    names = use_segments(gm, HOST)
+    assert len(names) == (1 if joins else 0)
+    with torch.inference_mode():
+        assert _rel(model(x), gm(x)) < 1e-4

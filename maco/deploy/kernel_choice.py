@@ -177,8 +177,8 @@ def _round_ratios(runs: dict[str, Callable[[], Any]], rounds: int,
 def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
     """Swap (in place) each Linear of `gm` that a generated kernel runs at least MIN_GAIN faster
     than torch's: kernels.linear on (batch, features) inputs, a 1x1 NHWC conv kernel on
-    (N, H, W, C) ones (MacoLinearAsConv); returns module path -> torch's time over MACO's for
-    each tried."""
+    (N, H, W, C) ones (MacoLinearAsConv), or ties it where that puts it inside a run of kernels
+    (_ties_inside_runs); returns module path -> torch's time over MACO's for each tried."""
     def make(linear: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
         if x.dtype != torch.float32:
             return None
@@ -198,6 +198,8 @@ def _ties_inside_runs(gm: fx.GraphModule, example_input: Any, target: Target, ra
     kernel then joins a run of kernels (layouts.segments.find_runs): the run's one C call takes it
     too, and the model no longer calls torch right after a long C call, which costs more than the
     op itself (torch's dispatch is back in the caches only after its first call)."""
+    if MIN_GAIN <= 1:  # every kernel as fast as torch's was taken already
+        return
     ties = [path for path, r in ratios.items() if 1 / MIN_GAIN <= r < MIN_GAIN]
     if not ties:
         return
@@ -215,25 +217,30 @@ def _ties_inside_runs(gm: fx.GraphModule, example_input: Any, target: Target, ra
 
 def faster_pools(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
     """Swap (in place) each pooling module of `gm` that a generated kernel (kernels.pool) runs at
-    least MIN_GAIN faster than torch's, in the memory format its input has in the model."""
+    least MIN_GAIN faster than torch's (or ties it inside a run of kernels: _ties_inside_runs),
+    in the memory format its input has in the model."""
     def make(pool: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
         layout = _layout(x)
         if layout is None or x.dtype != torch.float32 or plan_for(pool, tuple(x.shape), layout, target.cores) is None:
             return None
         return MacoPool2d(pool, tuple(x.shape), layout, target, preallocate=preallocate)
-    return _faster_modules(gm, example_input, POOLS, make, rounds)
+    ratios = _faster_modules(gm, example_input, POOLS, make, rounds)
+    _ties_inside_runs(gm, example_input, target, ratios, make)
+    return ratios
 
 
 def faster_depthwise(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
     """Swap (in place) each depthwise conv of `gm` (run by torch or by a MacoConv2d) that a
-    generated depthwise kernel (kernels.depthwise) runs at least MIN_GAIN faster, in the memory
-    format its input has in the model."""
+    generated depthwise kernel (kernels.depthwise) runs at least MIN_GAIN faster (or as fast,
+    inside a run of kernels: _ties_inside_runs), in the memory format its input has in the model."""
     def make(conv: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
         found = _torch_conv_on(conv, x, ("NCHW", "NHWC"))
         if found is None or not depthwise_can_run(*found[:2]):
             return None
         return MacoDepthwise2d(*found, target, preallocate=preallocate)
-    return _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
+    ratios = _faster_modules(gm, example_input, (nn.Conv2d, MacoConv2d), make, rounds)
+    _ties_inside_runs(gm, example_input, target, ratios, make)
+    return ratios
 
 
 def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3,
