@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -114,22 +114,23 @@ def ports(module: nn.Module, nargs: int) -> tuple[list[Port], Port] | None:
 @dataclass
 class Step:
     """One kernel module of a segment: what it reads (("in", i): the segment's input i;
-    ("step", j): what step j wrote), its ports and where its output goes."""
+    ("step", j): what step j wrote) and the graph's views of each read on the way, its ports and
+    where its output goes."""
 
     module: nn.Module
     reads: list[tuple[str, int]]
+    views: list[tuple[Callable[[Any], Any], ...]]  # per read, applied in order
     ins: list[Port]
     out: Port
     export: bool = False  # read after the segment
     fresh: bool = False  # reaches the model's output: a new tensor every call
-    views: list[tuple[Callable[[Any], Any], ...]] = field(default_factory=list)  # per read: the graph's views of it
 
     def read(self, inputs: tuple, values: list) -> list[Any]:
         """What the step's module reads, as the graph hands it over (the views between applied)."""
         got = []
-        for r, (kind, k) in enumerate(self.reads):
+        for (kind, k), views in zip(self.reads, self.views, strict=True):
             t = inputs[k] if kind == "in" else values[k]
-            for view in (self.views[r] if r < len(self.views) else ()):
+            for view in views:
                 t = view(t)
             got.append(t)
         return got
@@ -524,7 +525,7 @@ def _segment_of(gm: fx.GraphModule, run: list[fx.Node], scan: _Scan, target: Tar
             reads.append(("in", i))
             guards.append((i, port))
         export = any(user not in members for user in node.users)
-        steps.append(Step(mod, reads, ins, out, export, export and escapes(gm, node), views))
+        steps.append(Step(mod, reads, views, ins, out, export, export and escapes(gm, node)))
     exports = [node for node, step in zip(kernels, steps) if step.export]
     if not exports:  # nothing reads the run: keep its last output as its result
         steps[-1].export = True
