@@ -57,7 +57,11 @@ FUNCTION = "maco_winograd"
 TILES = {4: 36, 6: 16, 8: 9}  # output tiles per block at most, per input tile side: V and M stay in L2
 BLOCK_BYTES = 4 << 20  # V and M of one larger F(4x4, 3x3) block, at most (see WinogradPlan.split)
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
-U_PREFETCH_AHEAD = 32  # channels ahead that the GEMM prefetches its panel of U (read in order)
+# The GEMM prefetches U one chunk ahead into L2, each of a block's register blocks its share of the
+# lines: issued all in the first one's pass, the prefetches filled the core's few outstanding
+# misses, that pass waited for memory and the others' multiplies overlapped none of it (Xeon,
+# evicted, 512x7x7 F(2x2): 1.18x faster spread, results/REPORT.md)
+U_PREFETCH_HINT = 2  # __builtin_prefetch's locality: 2 is prefetcht1, into L2
 # A panel of U larger than an L1d is read in chunks of U_CHUNK channels, each taken by all of a
 # block's register blocks in turn: read from memory once, its stream spread over all their work
 # rather than all of it in the first one's pass (the others then reread it from L2)
@@ -370,8 +374,11 @@ def _register_block(e: Any, rows: int, kv: int, chunk: int, c: int, kp: int, lan
         e("          vf " + ", ".join(f"a{i}_{j} = c0 ? ld(me + (ti + {i}) * {kp} + k0 + {lanes * j}) : zero"
                               for j in range(kv)) + ";")
     e(f"          for (long cc = c0; cc < c0 + {chunk}; cc++) {{")
-    for line in range(0, lanes * kv, LINE_FLOATS):  # U comes from memory inside a model: fetch it ahead
-        e(f"            __builtin_prefetch(ue + cc * {lanes * kv} + {U_PREFETCH_AHEAD * lanes * kv + line}, 0, 3);")
+    lines = max(1, lanes * kv // LINE_FLOATS)  # of one channel's row of the panel
+    # U comes from memory inside a model: the next chunk's row of channel cc, the lines shared out
+    # over the `groups` register blocks (g, the one running) that each read this chunk
+    e(f"            for (long l = g; l < {lines}; l += groups) "
+      f"__builtin_prefetch(ue + (cc + {chunk}) * {lanes * kv} + l * {LINE_FLOATS}, 0, {U_PREFETCH_HINT});")
     for j in range(kv):
         e(f"            const vf u{j} = ld(ue + cc * {lanes * kv} + {lanes * j});")
     for i in range(rows):

@@ -91,6 +91,23 @@ def test_wide_panels_are_read_in_chunks():
     assert step("n1_c128_h28_w28_k128_r3_p1") == "128)"  # 32 KiB: one pass
 
 
+
+@pytest.mark.parametrize("text,lanes,chunk,lines", [("n1_c512_h7_w7_k512_r3_p1", 16, 32, 4),
+                                                    ("n1_c128_h28_w28_k128_r3_p1", 16, 128, 4),
+                                                    ("n1_c1032_h6_w5_k16_r3_p1", 8, 8, 1)])
+def test_u_is_prefetched_a_chunk_ahead_shared_out_over_the_register_blocks(text, lanes, chunk, lines):
+    """Each register block prefetches its share of the next chunk's lines of U (one chunk ahead,
+    g of `groups` blocks), not all of them in the first block's pass: every row of a chunk is
+    fetched once by the blocks together, a line at a time."""
+    from maco.kernels.winograd import U_PREFETCH_HINT
+    source = WinogradPlan(ConvSpec.parse(text), lanes=lanes).source
+    found = re.findall(r"for \(long l = g; l < (\d+); l \+= groups\) "
+                       r"__builtin_prefetch\(ue \+ \(cc \+ (\d+)\) \* (\d+) \+ l \* 16, 0, (\d)\);", source)
+    row = lanes * filter_vectors(lanes)
+    assert found and set(found) == {(str(lines), str(chunk), str(row), str(U_PREFETCH_HINT))}
+    assert len(found) == 6  # one per register block's row count (ROWS = 6)
+    assert source.count("__builtin_prefetch") == len(found)
+
 @pytest.mark.parametrize("m", [2, 4])
 @pytest.mark.parametrize("spec,lanes,bias,activation,residual", CASES)
 def test_winograd_equals_torch(spec, lanes, bias, activation, residual, m):
