@@ -320,6 +320,10 @@ def _source(plan: WinogradPlan) -> str:
     e(f"      for (long k0 = 0; k0 < {kp}; k0 += {lanes * kv}) {{")
     e(f"      const float *restrict ue = u + (long)el * {c * k} + (k1 + k0) * {c};  /* this block's panel */")
     e(f"      for (long c0 = 0; c0 < {c}; c0 += {chunk}) {{  /* a chunk of the panel, taken by every row block */")
+    # what to prefetch: the next chunk's rows (less c0's, as the register blocks add cc); the next
+    # panel of this part follows this one, and after the part's last comes the next element's first
+    e(f"      const float *un = c0 + {chunk} < {c} || k0 + {lanes * kv} < {kp} || el + 1 == {els} ? ue + {chunk * lanes * kv}"
+      f" : u + (el + 1) * {c * k} + k1 * {c} - c0 * {lanes * kv};")
     # the block's tiles in as few register blocks as ROWS allows, their rows as even as can be
     # (16 tiles: 6 + 5 + 5, not 6 + 6 + 4; 25: five of 5, not four of 6 and a 1-row block whose
     # every filter vector load feeds one FMA)
@@ -375,10 +379,10 @@ def _register_block(e: Any, rows: int, kv: int, chunk: int, c: int, kp: int, lan
                               for j in range(kv)) + ";")
     e(f"          for (long cc = c0; cc < c0 + {chunk}; cc++) {{")
     lines = max(1, lanes * kv // LINE_FLOATS)  # of one channel's row of the panel
-    # U comes from memory inside a model: the next chunk's row of channel cc, the lines shared out
-    # over the `groups` register blocks (g, the one running) that each read this chunk
+    # U comes from memory inside a model: the next chunk's row of channel cc (un), its lines shared
+    # out over the `groups` register blocks (g, the one running) that each read this chunk
     e(f"            for (long l = g; l < {lines}; l += groups) "
-      f"__builtin_prefetch(ue + (cc + {chunk}) * {lanes * kv} + l * {LINE_FLOATS}, 0, {U_PREFETCH_HINT});")
+      f"__builtin_prefetch(un + cc * {lanes * kv} + l * {LINE_FLOATS}, 0, {U_PREFETCH_HINT});")
     for j in range(kv):
         e(f"            const vf u{j} = ld(ue + cc * {lanes * kv} + {lanes * j});")
     for i in range(rows):

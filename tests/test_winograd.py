@@ -98,15 +98,20 @@ def test_wide_panels_are_read_in_chunks():
 def test_u_is_prefetched_a_chunk_ahead_shared_out_over_the_register_blocks(text, lanes, chunk, lines):
     """Each register block prefetches its share of the next chunk's lines of U (one chunk ahead,
     g of `groups` blocks), not all of them in the first block's pass: every row of a chunk is
-    fetched once by the blocks together, a line at a time."""
+    fetched once by the blocks together, a line at a time. After the last chunk of a part of the
+    filters comes the next element's part, not the other part's panel that follows in memory."""
     from maco.kernels.winograd import U_PREFETCH_HINT
     source = WinogradPlan(ConvSpec.parse(text), lanes=lanes).source
     found = re.findall(r"for \(long l = g; l < (\d+); l \+= groups\) "
-                       r"__builtin_prefetch\(ue \+ \(cc \+ (\d+)\) \* (\d+) \+ l \* 16, 0, (\d)\);", source)
+                       r"__builtin_prefetch\(un \+ cc \* (\d+) \+ l \* 16, 0, (\d)\);", source)
     row = lanes * filter_vectors(lanes)
-    assert found and set(found) == {(str(lines), str(chunk), str(row), str(U_PREFETCH_HINT))}
+    assert found and set(found) == {(str(lines), str(row), str(U_PREFETCH_HINT))}
+    spec = ConvSpec.parse(text)
+    # within a part the next chunk (the part's panels follow each other), after it the next element's part
+    assert (f"? ue + {chunk * row} : u + (el + 1) * {spec.c * spec.k} + k1 * {spec.c} - c0 * {row};") in source
     assert len(found) == 6  # one per register block's row count (ROWS = 6)
     assert source.count("__builtin_prefetch") == len(found)
+
 
 @pytest.mark.parametrize("m", [2, 4])
 @pytest.mark.parametrize("spec,lanes,bias,activation,residual", CASES)
