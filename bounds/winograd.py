@@ -110,15 +110,18 @@ def ranked(times: Mapping[int, float]) -> tuple[int, ...]:
 
 def layer_reach(spec: ConvSpec, peak: float, bandwidth: float,
                 ceilings: Mapping[tuple[int, int], float] | None = None, direct_share: float = 1.0,
-                tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES) -> tuple[str, float]:
+                tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES,
+                depthwise_share: float = 1.0) -> tuple[str, float]:
     """(algorithm, seconds): the fastest of MACO's kernel families for one conv, each family at its
     measured share of the peak (`ceilings` as predict_tile takes them; a tile size without one at
-    the full peak; direct convs at `direct_share`, 1 by default: an optimistic reach) and its
-    filters in the form its kernel reads them, weights or U, from DRAM, overlapping the multiplies:
-    max(2 * macs / (share * P), 4 * filters / B). Activations stay in cache, as the network floor
-    keeps them. A model of what these kernels can reach, not a bound: a kernel that transforms its
-    filters as it reads them, or runs faster than its family's reference conv, goes below it."""
-    options = {"direct": (spec.macs, spec.weight_elems, direct_share)}
+    the full peak; direct convs at `direct_share` and depthwise ones at `depthwise_share`, 1 by
+    default: an optimistic reach) and its filters in the form its kernel reads them, weights or U,
+    from DRAM, overlapping the multiplies: max(2 * macs / (share * P), 4 * filters / B).
+    Activations stay in cache, as the network floor keeps them. A model of what these kernels can
+    reach, not a bound: a kernel that transforms its filters as it reads them, or runs faster than
+    its family's reference conv, goes below it."""
+    options = ({"depthwise": (spec.macs, spec.weight_elems, depthwise_share)} if spec.is_depthwise
+               else {"direct": (spec.macs, spec.weight_elems, direct_share)})
     if winograd_applies(spec, tiles):
         for m in tiles[spec.kh]:
             cost = winograd_cost(spec, m)
@@ -134,11 +137,11 @@ def layer_reach(spec: ConvSpec, peak: float, bandwidth: float,
 
 def network_reach(layers: Sequence[NetLayer], peak: float, bandwidth: float,
                   ceilings: Mapping[tuple[int, int], float] | None = None, direct_share: float = 1.0,
-                  tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES) -> float:
+                  tiles: Mapping[int, tuple[int, ...]] = WINOGRAD_TILES, depthwise_share: float = 1.0) -> float:
     """Seconds: layer_reach summed over a network's convs and linears, one layer at a time. Over
     the network floor it says how far MACO's kernel families at their ceilings stay from it, so
     how much of a model's distance from the floor is theirs rather than the rest of the model's."""
-    return sum(layer_reach(layer.spec, peak, bandwidth, ceilings, direct_share, tiles)[1]
+    return sum(layer_reach(layer.spec, peak, bandwidth, ceilings, direct_share, tiles, depthwise_share)[1]
                for layer in layers if layer.spec is not None)
 
 

@@ -14,8 +14,8 @@ Network rows (--floor; bounds_network.csv and its .env.json, which names the hos
 maco.bounds.network with this host's FMA peak and DRAM read bandwidth measured now in the same
 rounds (the floor takes the best this host has measured, fma_gflops and read_gbs; *_now beside);
 beside it the reach of MACO's kernel families at their ceilings (maco.bounds.winograd's
-network_reach: direct at the peak, Winograd at the shares winograd_ceilings times here, one
-layer at a time, reach_of_floor), and each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW
+network_reach: direct at the peak, Winograd and depthwise at the shares winograd_ceilings and
+depthwise_ceiling time here, one layer at a time, reach_of_floor), and each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW
 always, beside every engine of --engines; the median of rounds alternating with eager). MACO is
 timed from a model maco.save wrote on this host (--maco-model NET=FILE), or, with "maco" in
 --engines, one `maco optimize --budget quick` tunes here first (minutes per network). Run the
@@ -47,7 +47,7 @@ NET_COLUMNS = ["network", "engine", "floor_ms", "binds", "compute_ms", "memory_m
                "layers_sum_ms", "engine_ms", "of_floor", "eager_ms", "eager_of_floor", "gflop", "gflop_direct",
                "weights_mb", "max_live_mb", "spill_mb", "S_mib", "fma_gflops", "read_gbs", "fma_gflops_now",
                "read_gbs_now", "fma_spread", "read_spread", "reach_ms", "reach_of_floor", "ceiling_f2x3",
-               "ceiling_f4x3", "rounds", "note"]
+               "ceiling_f4x3", "ceiling_depthwise", "rounds", "note"]
 COLUMNS = ["network", "layer", "spec", "level", "S", "processors", "R", "bound_eq7", "bound_best",
            "best_kind", "compulsory", "gemm_leading", "tile_x", "tile_y", "tile_z", "tile_fits",
            "footprint", "dataflow_io", "ratio_best", "ratio_eq7", "cont_x", "cont_y", "cont_z"]
@@ -112,17 +112,18 @@ def network_rows(nets: list[str], engines: list[str], maco_models: dict[str, str
     """One row per (network, engine): the floor on this host and the engine's time over it."""
     from maco.bounds.winograd import network_reach
     from maco.deploy.engines import Job, run_engine
-    from maco.kernels.cpu_peak import measure_ceilings, winograd_ceilings
+    from maco.kernels.cpu_peak import depthwise_ceiling, measure_ceilings, winograd_ceilings
     from maco.layouts.network_floor import floor_of, network_dag
 
     target = Target.host()
-    shares = winograd_ceilings(target, 5)  # once: MACO's Winograd kernels' shares of the peak here
+    shares = winograd_ceilings(target, 5)  # once: MACO's Winograd and depthwise kernels' shares of the peak here
+    depthwise = depthwise_ceiling(target, 5)
     out: list[dict[str, object]] = []
     for net in nets:
         ceil = measure_ceilings(target, 5)  # per network: the floor of the moment its engines run in
         peak, bandwidth = ceil["fma_gflops_best"] * 1e9, ceil["read_gbs_best"] * 1e9
         f = floor_of(net, target, batch, peak, bandwidth)
-        reach = network_reach(network_dag(net, batch)[0], peak, bandwidth, shares)
+        reach = network_reach(network_dag(net, batch)[0], peak, bandwidth, shares, depthwise_share=depthwise)
         base = {"network": net, "floor_ms": round(f.t * 1e3, 3), "binds": f.binds,
                 "compute_ms": round(f.t_compute * 1e3, 3), "memory_ms": round(f.t_memory * 1e3, 3),
                 "memory_cold_ms": round(f.t_memory_cold * 1e3, 3), "layers_sum_ms": round(f.t_layers * 1e3, 3),
@@ -134,7 +135,8 @@ def network_rows(nets: list[str], engines: list[str], maco_models: dict[str, str
                 "fma_spread": round(ceil["fma_spread"], 3), "read_spread": round(ceil["read_spread"], 3),
                 "reach_ms": round(reach * 1e3, 3), "reach_of_floor": round(reach / f.t, 3),
                 "ceiling_f2x3": round(shares.get((2, 3), float("nan")), 3),
-                "ceiling_f4x3": round(shares.get((4, 3), float("nan")), 3)}
+                "ceiling_f4x3": round(shares.get((4, 3), float("nan")), 3),
+                "ceiling_depthwise": round(depthwise, 3)}
         out.append(dict(base, engine="floor", note="the network floor (maco.bounds.network)"))
         for engine in engines:
             job = Job(net, input_shape=(batch, 3, 224, 224), rounds=rounds, patience=10.0)
@@ -240,7 +242,8 @@ def network_summary(rows: list[dict[str, object]]) -> list[str]:
                          f"{r['read_gbs']} GB/s; {r['gflop']} GFLOP of {r['gflop_direct']} direct, "
                          f"{r['weights_mb']} MB weights, largest live set {r['max_live_mb']} MB); MACO's kernel "
                          f"families at their ceilings {r['reach_ms']} ms = {r['reach_of_floor']}x (direct at the "
-                         f"peak, F(2x2) at {r['ceiling_f2x3']} of it, F(4x4) at {r['ceiling_f4x3']})")
+                         f"peak, F(2x2) at {r['ceiling_f2x3']} of it, F(4x4) at {r['ceiling_f4x3']}"
+                         + (f", depthwise at {r['ceiling_depthwise']}" if r.get("ceiling_depthwise") else "") + ")")
         elif r.get("engine_ms"):
             lines.append(f"  {r['engine']}: {r['engine_ms']} ms = {r['of_floor']}x the floor; torch eager "
                          f"{r['eager_ms']} ms = {r['eager_of_floor']}x")

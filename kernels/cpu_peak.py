@@ -376,26 +376,23 @@ def best_prices(target: Target) -> tuple[float, float]:
 # Winograd's reference convs, per filter size r: (C, H = W, K), compute-bound with U in the last
 # cache, and none of them a layer of the built-in networks the tile model is checked on
 WINOGRAD_REFERENCE = {3: (128, 56, 128), 5: (64, 28, 128)}
+DEPTHWISE_REFERENCE = (128, 56, 3)  # channels, side and filter size of the depthwise ceiling's conv (no network's)
 
 
 def winograd_ceilings(target: Target, rounds: int = 5) -> dict[tuple[int, int], float]:
     """{(m, r): the share of the FMA peak Winograd F(m x m, r x r)'s multiplies reach}, timed warm
-    on WINOGRAD_REFERENCE[r], each call beside the FMA loop doing the same flops in the same round
-    (the median of per-round ratios). A property of this host and of MACO's generated kernel, like
-    the register-tile ceiling: larger tiles spend more of the core on their transforms and hold
-    fewer tiles per block, so they reach less of the peak (maco.bounds.winograd prices it)."""
+    on WINOGRAD_REFERENCE[r] (`shares_of_peak`). A property of this host and of MACO's generated
+    kernel, like the register-tile ceiling: larger tiles spend more of the core on their transforms
+    and hold fewer tiles per block, so they reach less of the peak (maco.bounds.winograd prices it)."""
     import numpy as np
     import torch
 
     from maco.bounds.winograd import winograd_cost
     from maco.core.spec import ConvSpec
-    from maco.core.timing import interleaved_rounds
     from maco.kernels.winograd import TILE_SIZES, WinogradKernel, WinogradPlan, winograd_can_run
 
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise MacoError(f"rounds must be a positive int, got {rounds!r}")
-    fma = flops_runner(target, "fma")
-    runs: dict[str, Callable[[], None]] = {}
+    _check_rounds(rounds)
+    kernels: dict[str, tuple[Callable[[], None], float]] = {}
     rng = np.random.default_rng(0)
     for r, (c, side, k) in WINOGRAD_REFERENCE.items():
         spec = ConvSpec(1, c, side, side, k, r, r, 1, r // 2)
@@ -407,13 +404,53 @@ def winograd_ceilings(target: Target, rounds: int = 5) -> dict[tuple[int, int], 
             plan = WinogradPlan(spec, bias=False, threads=target.cores, lanes=target.simd_width, m=m)
             kernel = WinogradKernel(plan, target)
             u = plan.pack_weight(rng.standard_normal(spec.weight_shape, dtype=np.float32))
-            runs[f"{m},{r}"] = lambda kernel=kernel, u=u, x=x, y=y: kernel(x, u, None, None, y)
-            runs[f"fma {m},{r}"] = lambda flops=2.0 * winograd_cost(spec, m).macs: fma(flops)
+            kernels[f"{m},{r}"] = (lambda kernel=kernel, u=u, x=x, y=y: kernel(x, u, None, None, y),
+                                   2.0 * winograd_cost(spec, m).macs)
+    return {tuple(map(int, label.split(","))): share  # type: ignore[misc]
+            for label, share in shares_of_peak(kernels, target, rounds).items()}
+
+
+def depthwise_ceiling(target: Target, rounds: int = 5) -> float:
+    """The share of the FMA peak MACO's depthwise kernel (kernels.depthwise, NHWC) reaches, timed
+    warm on DEPTHWISE_REFERENCE (`shares_of_peak`): each output takes r * r multiplies of its own
+    inputs and weights, so the kernel waits on loads where a GEMM reuses each one across a register
+    tile, and reaches a fraction of the peak that the network reach has to price."""
+    import numpy as np
+    import torch
+
+    from maco.core.spec import ConvSpec
+    from maco.kernels.depthwise import DepthwiseKernel, DepthwisePlan
+
+    _check_rounds(rounds)
+    c, side, r = DEPTHWISE_REFERENCE
+    spec = ConvSpec(1, c, side, side, c, r, r, 1, r // 2, groups=c)
+    plan = DepthwisePlan(spec, "NHWC", bias=False, threads=target.cores, lanes=target.simd_width)
+    kernel = DepthwiseKernel(plan, target)
+    w = plan.pack_weight(np.random.default_rng(0).standard_normal(spec.weight_shape, dtype=np.float32))
+    x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
+    y = torch.empty(spec.output_shape).contiguous(memory_format=torch.channels_last)
+    return shares_of_peak({"depthwise": (lambda: kernel(x, w, None, y), 2.0 * spec.macs)}, target, rounds)["depthwise"]
+
+
+def shares_of_peak(kernels: dict[str, tuple[Callable[[], None], float]], target: Target,
+                   rounds: int) -> dict[str, float]:
+    """{label: the share of the FMA peak a kernel reaches}: each (call, flops) timed warm beside the
+    FMA loop doing the same flops in the same round, the median of per-round ratios."""
+    from maco.core.timing import interleaved_rounds
+
+    fma = flops_runner(target, "fma")
+    runs: dict[str, Callable[[], None]] = {}
+    for label, (call, flops) in kernels.items():
+        runs[label] = call
+        runs[f"fma {label}"] = lambda flops=flops: fma(flops)
     timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2)
     out = {}
-    for label in runs:
-        if not label.startswith("fma"):
-            m, r = map(int, label.split(","))
-            share = statistics.median(f.min / w.min for f, w in zip(timed[f"fma {label}"], timed[label]))
-            out[(m, r)] = min(share, 1.0)  # above 1 only where a busy core slowed the FMA loop: noise
+    for label in kernels:
+        share = statistics.median(f.min / w.min for f, w in zip(timed[f"fma {label}"], timed[label]))
+        out[label] = min(share, 1.0)  # above 1 only where a busy core slowed the FMA loop: noise
     return out
+
+
+def _check_rounds(rounds: int) -> None:
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise MacoError(f"rounds must be a positive int, got {rounds!r}")

@@ -16,6 +16,7 @@ def test_network_rows_and_summary(tmp_path, monkeypatch):
         "fma_gflops": 60.0, "read_gbs": 15.0, "fma_spread": 1.01, "read_spread": 1.02, "rounds": 5.0,
         "read_bytes": 1e9, "fma_gflops_best": 100.0, "read_gbs_best": 20.0})
     monkeypatch.setattr(cpu_peak, "winograd_ceilings", lambda target, rounds: {(2, 3): 0.8, (4, 3): 0.5})
+    monkeypatch.setattr(cpu_peak, "depthwise_ceiling", lambda target, rounds: 0.4)
     seen = []
 
     def fake_run(engine, job):
@@ -34,6 +35,7 @@ def test_network_rows_and_summary(tmp_path, monkeypatch):
     assert abs(float(rows[2]["of_floor"]) - 20.0 / floor) < 0.01
     # the kernel families at the ceilings given: above the floor, F(4x4) at half the peak
     assert float(rows[0]["ceiling_f4x3"]) == 0.5 and 1.0 < float(rows[0]["reach_of_floor"]) < 2.0
+    assert float(rows[0]["ceiling_depthwise"]) == 0.4
     assert abs(float(rows[0]["reach_ms"]) / floor - float(rows[0]["reach_of_floor"])) < 0.01
     env = json.loads((tmp_path / "bounds_network.env.json").read_text())
     assert env["cpu"] and env["networks"] == ["resnet18"]

@@ -93,6 +93,34 @@ def test_winograd_ceilings_are_timed_shares_of_the_peak():
         winograd_ceilings(host, rounds=0)
 
 
+def test_depthwise_ceiling_is_a_timed_share_of_the_peak():
+    from maco.core.target import Target
+    from maco.kernels.cpu_peak import depthwise_ceiling
+
+    share = depthwise_ceiling(Target.host(), rounds=1)
+    assert 0.01 < share <= 1.0, share
+    with pytest.raises(MacoError, match="rounds"):
+        depthwise_ceiling(Target.host(), rounds=0)
+
+
+def test_reach_prices_a_depthwise_conv_at_the_depthwise_share():
+    """A depthwise conv is priced at the depthwise kernel's share of the peak, not the direct
+    convs': its multiplies each load their own input, so it reaches a fraction of the peak."""
+    P, B = 100e9, 1e15
+    dw = ConvSpec(1, 144, 56, 56, 144, 3, 3, 1, 1, groups=144)
+    full = 2 * dw.macs / P
+    assert layer_reach(dw, P, B) == ("depthwise", pytest.approx(full))
+    assert layer_reach(dw, P, B, depthwise_share=0.25) == ("depthwise", pytest.approx(4 * full))
+    assert layer_reach(dw, P, B, direct_share=0.25) == ("depthwise", pytest.approx(full))
+    with pytest.raises(MacoError, match="depthwise's ceiling is a share of the FMA peak"):
+        layer_reach(dw, P, B, depthwise_share=0.0)
+    from maco.layouts.network_floor import network_dag
+    layers = network_dag("mobilenet_v2", 1)[0]
+    assert network_reach(layers, P, B, depthwise_share=0.25) > network_reach(layers, P, B)
+    plain = network_dag("resnet18", 1)[0]  # no depthwise conv: the share changes nothing
+    assert network_reach(plain, P, B, depthwise_share=0.25) == network_reach(plain, P, B)
+
+
 def test_reach_takes_each_layers_fastest_family_at_its_ceiling():
     P, B = 100e9, 20e9
     pointwise = ConvSpec(1, 256, 14, 14, 1024, 1, 1)
