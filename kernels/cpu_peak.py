@@ -393,6 +393,7 @@ def winograd_ceilings(target: Target, rounds: int = 5) -> dict[tuple[int, int], 
 
     _check_rounds(rounds)
     kernels: dict[str, tuple[Callable[[], None], float]] = {}
+    keys: dict[str, tuple[int, int]] = {}
     rng = np.random.default_rng(0)
     for r, (c, side, k) in WINOGRAD_REFERENCE.items():
         spec = ConvSpec(1, c, side, side, k, r, r, 1, r // 2)
@@ -404,10 +405,10 @@ def winograd_ceilings(target: Target, rounds: int = 5) -> dict[tuple[int, int], 
             plan = WinogradPlan(spec, bias=False, threads=target.cores, lanes=target.simd_width, m=m)
             kernel = WinogradKernel(plan, target)
             u = plan.pack_weight(rng.standard_normal(spec.weight_shape, dtype=np.float32))
-            kernels[f"{m},{r}"] = (lambda kernel=kernel, u=u, x=x, y=y: kernel(x, u, None, None, y),
-                                   2.0 * winograd_cost(spec, m).macs)
-    return {tuple(map(int, label.split(","))): share  # type: ignore[misc]
-            for label, share in shares_of_peak(kernels, target, rounds).items()}
+            keys[f"F({m}x{m},{r}x{r})"] = (m, r)
+            kernels[f"F({m}x{m},{r}x{r})"] = (lambda kernel=kernel, u=u, x=x, y=y: kernel(x, u, None, None, y),
+                                              2.0 * winograd_cost(spec, m).macs)
+    return {keys[label]: share for label, share in shares_of_peak(kernels, target, rounds).items()}
 
 
 def depthwise_ceiling(target: Target, rounds: int = 5) -> float:
