@@ -59,8 +59,8 @@ BLOCK_BYTES = 4 << 20  # V and M of one larger F(4x4, 3x3) block, at most (see W
 ROWS = 6  # tiles of one register block; ROWS x KV accumulators, KV filter vectors and a broadcast
 # The GEMM prefetches U one chunk ahead into L2, each of a block's register blocks its share of the
 # lines: issued all in the first one's pass, the prefetches filled the core's few outstanding
-# misses, that pass waited for memory and the others' multiplies overlapped none of it (Xeon,
-# evicted, 512x7x7 F(2x2): 1.18x faster spread, results/REPORT.md)
+# misses, that pass waited for memory and the others' multiplies overlapped none of it
+# (results/REPORT.md, 2026-11-29)
 U_PREFETCH_HINT = 2  # __builtin_prefetch's locality: 2 is prefetcht1, into L2
 # A panel of U larger than an L1d is read in chunks of U_CHUNK channels, each taken by all of a
 # block's register blocks in turn: read from memory once, its stream spread over all their work
@@ -323,7 +323,7 @@ def _source(plan: WinogradPlan) -> str:
     # what to prefetch: the next chunk's rows (less c0's, as the register blocks add cc); the next
     # panel of this part follows this one, and after the part's last comes the next element's first
     e(f"      const float *un = c0 + {chunk} < {c} || k0 + {lanes * kv} < {kp} || el + 1 == {els} ? ue + {chunk * lanes * kv}"
-      f" : u + (el + 1) * {c * k} + k1 * {c} - c0 * {lanes * kv};")
+      f" : u + (long)(el + 1) * {c * k} + k1 * {c} - c0 * {lanes * kv};")
     # the block's tiles in as few register blocks as ROWS allows, their rows as even as can be
     # (16 tiles: 6 + 5 + 5, not 6 + 6 + 4; 25: five of 5, not four of 6 and a 1-row block whose
     # every filter vector load feeds one FMA)

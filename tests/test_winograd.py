@@ -108,7 +108,7 @@ def test_u_is_prefetched_a_chunk_ahead_shared_out_over_the_register_blocks(text,
     assert found and set(found) == {(str(lines), str(row), str(U_PREFETCH_HINT))}
     spec = ConvSpec.parse(text)
     # within a part the next chunk (the part's panels follow each other), after it the next element's part
-    assert (f"? ue + {chunk * row} : u + (el + 1) * {spec.c * spec.k} + k1 * {spec.c} - c0 * {row};") in source
+    assert (f"? ue + {chunk * row} : u + (long)(el + 1) * {spec.c * spec.k} + k1 * {spec.c} - c0 * {row};") in source
     assert len(found) == 6  # one per register block's row count (ROWS = 6)
     assert source.count("__builtin_prefetch") == len(found)
 
