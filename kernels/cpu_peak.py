@@ -337,8 +337,7 @@ def measure_ceilings(target: Target, rounds: int = 5) -> dict[str, float]:
     together; the *_best are the highest this host ever measured (kept in measure_peak's cache,
     which only rises: a busy moment measures low, never high). A floor in time takes the best:
     with a peak or bandwidth measured low, the "floor" would sit above a quiet run's time."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise MacoError(f"rounds must be a positive int, got {rounds!r}")
+    _check_rounds(rounds)
     run = flops_runner(target, "fma")
     flops = 4e9 * target.cores  # ~0.1 s per run at 80 GFLOP/s per core
     per_core = dram_bytes_per_core(target)
