@@ -10,16 +10,17 @@ Writes results/bounds_table.csv (one row per layer and level) and bounds_table.p
 the min / median / max ratio per level: dataflow I/O over the best valid bound, and over the
 paper's eq. (7) alone. Sizes are fp32 elements; each level is taken at one processor's S/Np.
 
-Network rows (--floor; bounds_network.csv and its .env.json, which names the host): the floor of
-maco.bounds.network with this host's FMA peak and DRAM read bandwidth measured now in the same
-rounds (the floor takes the best this host has measured, fma_gflops and read_gbs; *_now beside);
-beside it the reach of MACO's kernel families at their ceilings (maco.bounds.winograd's
-network_reach: direct at the peak, Winograd and depthwise at the shares winograd_ceilings and
-depthwise_ceiling time here, one layer at a time, reach_of_floor), and each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW
-always, beside every engine of --engines; the median of rounds alternating with eager). MACO is
-timed from a model maco.save wrote on this host (--maco-model NET=FILE), or, with "maco" in
---engines, one `maco optimize --budget quick` tunes here first (minutes per network). Run the
-script under the host's timing lock (flock); its workers take none themselves.
+Network rows (--floor; bounds_network.csv, its .env.json, which names the host, and a plot,
+bounds_network.png): the floor of maco.bounds.network with this host's FMA peak and DRAM read
+bandwidth measured now in the same rounds (the floor takes the best this host has measured,
+fma_gflops and read_gbs; *_now beside); beside it the reach of MACO's kernel families at their
+ceilings (maco.bounds.winograd's network_reach: direct at the peak, Winograd and depthwise at the
+shares winograd_ceilings and depthwise_ceiling time here, one layer at a time, reach_of_floor), and
+each engine's measured time over it (maco.deploy.engines' workers: torch eager NCHW always, beside
+every engine of --engines; the median of rounds alternating with eager). MACO is timed from a model
+maco.save wrote on this host (--maco-model NET=FILE), or, with "maco" in --engines, one `maco
+optimize --budget quick` tunes here first (minutes per network). Run the script under the host's
+timing lock (flock); its workers take none themselves.
 """
 from __future__ import annotations
 
@@ -103,6 +104,41 @@ def plot(path: Path, data: list[dict[str, object]], level_names: list[str]) -> N
         ax.set_title(f"host {level}: S = {sel[0]['S']} elements")
         ax.axhline(1.0, color="gray", lw=0.5)
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_plot(fig, path)
+
+
+def plot_network(path: Path, rows: list[dict[str, object]]) -> None:
+    """Each engine's time over the network floor, a group of bars per network, with the reach of
+    MACO's kernel families and 1.5x the floor marked. Each bar is labelled with the engine's
+    speedup over torch eager in its own process: engines run one after another, and on a shared
+    host the spells they run in can differ more than the engines do."""
+    plt = pyplot()
+    nets = list(dict.fromkeys(str(r["network"]) for r in rows))
+    engines = list(dict.fromkeys(str(r["engine"]) for r in rows if r["engine"] != "floor" and r.get("of_floor")))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(nets)), 4.2))
+    width = 0.8 / max(1, len(engines))
+    for i, engine in enumerate(engines):
+        timed = {str(r["network"]): r for r in rows if r["engine"] == engine and r.get("of_floor")}
+        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(nets))]
+        heights = [float(timed[n]["of_floor"]) if n in timed else float("nan") for n in nets]
+        ax.bar(xs, heights, width, label=engine)
+        for x, h, n in zip(xs, heights, nets):  # each engine ran in its own spell of the machine: its eager speedup
+            if n in timed and timed[n].get("eager_ms"):
+                speedup = float(timed[n]["eager_ms"]) / float(timed[n]["engine_ms"])
+                ax.text(x, h, f" {speedup:.2f}x", rotation=90, ha="center", va="bottom", fontsize=6)
+    floors = {str(r["network"]): r for r in rows if r["engine"] == "floor"}
+    reach = [float(floors[n]["reach_of_floor"]) if n in floors and floors[n].get("reach_of_floor") else float("nan")
+             for n in nets]
+    ax.plot(range(len(nets)), reach, "k_", markersize=28, mew=2, label="MACO's kernel families at their ceilings")
+    ax.axhline(1.0, color="black", lw=1)
+    ax.axhline(1.5, color="gray", lw=1, ls="--", label="1.5x the floor")
+    ax.set_xticks(range(len(nets)), nets, rotation=20, fontsize=8)
+    ax.set_ylabel("time / network floor")
+    top = max([float(r["of_floor"]) for r in rows if r["engine"] != "floor" and r.get("of_floor")] + [1.5])
+    ax.set_ylim(0, 1.3 * top)  # room for the labels and the legend
+    ax.set_title("batch-1 inference against the network floor (maco.bounds.network)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     save_plot(fig, path)
 
@@ -219,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         net_csv = out / f"bounds_network{suffix}.csv"
         write_csv(net_csv, net_rows, NET_COLUMNS)
         write_env(net_csv, networks=nets, engines=engines, batch=args.batch)
+        plot_network(net_csv.with_suffix(".png"), net_rows)
         print("\n".join(network_summary(net_rows)))
-        print(f"wrote {net_csv} ({len(net_rows)} rows)")
+        print(f"wrote {net_csv} ({len(net_rows)} rows) and {net_csv.with_suffix('.png')}")
         if args.floor_only:
             return 0
     data = rows(args.batch, args.levels)

@@ -37,8 +37,32 @@ def test_network_rows_and_summary(tmp_path, monkeypatch):
     assert float(rows[0]["ceiling_f4x3"]) == 0.5 and 1.0 < float(rows[0]["reach_of_floor"]) < 2.0
     assert float(rows[0]["ceiling_depthwise"]) == 0.4
     assert abs(float(rows[0]["reach_ms"]) / floor - float(rows[0]["reach_of_floor"])) < 0.01
+    assert (tmp_path / "bounds_network.png").stat().st_size > 0
     env = json.loads((tmp_path / "bounds_network.env.json").read_text())
     assert env["cpu"] and env["networks"] == ["resnet18"]
     text = bounds_table.summarise(rows)
     assert text.startswith("network floor at batch 1: resnet18 floor") and "maco" in text
     assert "kernels at their ceilings" in text
+
+
+def test_network_plot_has_a_bar_per_engine_and_network(tmp_path, monkeypatch):
+    """The plot of the network rows (as read back from the CSV: strings, '' where an engine has no
+    time): a bar per (engine, network) at time / floor, the reach marked per network."""
+    seen = {}
+
+    def keep(fig, path):
+        ax = fig.axes[0]
+        seen["bars"] = sorted(round(p.get_height(), 3) for p in ax.patches)
+        seen["reach"] = [list(line.get_ydata()) for line in ax.lines if line.get_label().startswith("MACO")]
+        seen["labels"] = [t.get_text() for t in ax.get_xticklabels()]
+    monkeypatch.setattr(bounds_table, "save_plot", keep)
+    rows = [{"network": "resnet18", "engine": "floor", "of_floor": "", "reach_of_floor": "1.7"},
+            {"network": "resnet18", "engine": "onnxruntime", "of_floor": "4.2"},
+            {"network": "resnet18", "engine": "maco", "of_floor": "2.2"},
+            {"network": "resnet50", "engine": "floor", "of_floor": "", "reach_of_floor": "1.17"},
+            {"network": "resnet50", "engine": "onnxruntime", "of_floor": "1.9"},
+            {"network": "resnet50", "engine": "maco", "of_floor": ""}]
+    bounds_table.plot_network(tmp_path / "p.png", rows)
+    assert seen["labels"] == ["resnet18", "resnet50"]
+    assert [b for b in seen["bars"] if b == b] == [1.9, 2.2, 4.2]  # MACO's missing resnet50 time: no bar
+    assert seen["reach"] == [[1.7, 1.17]]
