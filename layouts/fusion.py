@@ -74,11 +74,13 @@ class FusedConv2d(nn.Conv2d):
 
 
 class FusedLinear(nn.Linear):
-    """act(linear(x)): a Linear with the activation only it feeds."""
+    """act(linear(x)): a Linear with the activation only it feeds; or, with `scale` (one factor per
+    output feature), the Linear a per-channel scale of its output was folded into (weight and
+    bias times the scale: ConvNeXt's layer scale)."""
 
     maco_leaf = True
 
-    def __init__(self, linear: nn.Linear, activation: str):
+    def __init__(self, linear: nn.Linear, activation: str, scale: torch.Tensor | None = None):
         super().__init__(linear.in_features, linear.out_features, linear.bias is not None,
                          device=linear.weight.device, dtype=linear.weight.dtype)
         if activation not in _APPLY:
@@ -87,13 +89,17 @@ class FusedLinear(nn.Linear):
             self.weight.copy_(linear.weight)
             if linear.bias is not None:
                 self.bias.copy_(linear.bias)
-        self.activation = activation
+            if scale is not None:
+                self.weight.mul_(scale.reshape(-1, 1))
+                if self.bias is not None:
+                    self.bias.mul_(scale.reshape(-1))
+        self.activation, self.scaled = activation, scale is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _APPLY[self.activation](F.linear(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, activation={self.activation}"
+        return f"{super().extra_repr()}, activation={self.activation}" + (", scale folded" if self.scaled else "")
 
 
 def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,9 +116,11 @@ def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, t
         return conv.weight * scale.reshape(-1, 1, 1, 1), bias
 
 
-def fuse(model: nn.Module, example_input: Any) -> fx.GraphModule:
+def fuse(model: nn.Module, example_input: Any, fold_scales: bool = True) -> fx.GraphModule:
     """A copy of `model` (in eval mode) as a GraphModule in which every conv -> bn -> add -> act
-    chain is one FusedConv2d (see the module docstring). Outputs equal the model's in eval mode."""
+    chain is one FusedConv2d (see the module docstring), and, with `fold_scales`, a per-channel
+    scale of a Linear's output permuted back to NCHW is folded into it (`_channel_scale`; models
+    saved before that fold rebuild without it). Outputs equal the model's in eval mode."""
     import copy
 
     gm, _ = trace_module(copy.deepcopy(model).eval(), example_input)
@@ -126,6 +134,14 @@ def fuse(model: nn.Module, example_input: Any) -> fx.GraphModule:
                 count += 1
                 _replace(gm, [node, user], f"fused_{count}_{str(node.target).replace('.', '_')}",
                          FusedLinear(modules[node.target], kind), (node.args[0],))
+            elif fold_scales and (found := _channel_scale(gm, node)) is not None:
+                mul, factor, scale = found
+                count += 1
+                mul.replace_all_uses_with(user)  # user: the permute back to NCHW, now of the scaled Linear
+                gm.graph.erase_node(mul)
+                gm.graph.erase_node(factor)
+                _replace(gm, [node], f"fused_{count}_{str(node.target).replace('.', '_')}",
+                         FusedLinear(modules[node.target], "none", scale), (node.args[0],))
             continue
         if node in done or node.op != "call_module" or type(modules.get(node.target)) is not nn.Conv2d:
             continue
@@ -175,6 +191,40 @@ def _grow(gm: fx.GraphModule, modules: dict[str, nn.Module],
             break
         chain.append(user)
     return chain, bn, residual, where, act
+
+
+def _channel_scale(gm: fx.GraphModule, linear: fx.Node) -> tuple[fx.Node, fx.Node, torch.Tensor] | None:
+    """(the multiply, the factor's node, the factor as one value per output feature) where the
+    Linear's output, permuted (0, 3, 1, 2) back to NCHW, only feeds a multiply by a parameter of
+    shape (out_features, 1, 1) that nothing else reads (ConvNeXt's `layer_scale * block(x)`)."""
+    perm = next(iter(linear.users))
+    if perm.op != "call_method" or perm.target != "permute" or perm.kwargs or len(perm.users) != 1:
+        return None
+    dims = perm.args[1] if len(perm.args) == 2 and isinstance(perm.args[1], (tuple, list)) else perm.args[1:]
+    if tuple(dims) != (0, 3, 1, 2) or perm.args[0] is not linear:
+        return None
+    mul = next(iter(perm.users))
+    if (mul.op != "call_function" or mul.target not in (operator.mul, torch.mul) or mul.kwargs
+            or len(mul.args) != 2 or perm not in mul.args):
+        return None
+    factor = mul.args[0] if mul.args[1] is perm else mul.args[1]
+    if not isinstance(factor, fx.Node) or factor.op != "get_attr" or len(factor.users) != 1:
+        return None
+    value = _attribute(gm, str(factor.target))
+    out = gm.get_submodule(str(linear.target)).out_features
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or tuple(value.shape) != (out, 1, 1):
+        return None
+    return mul, factor, value.detach()
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
+    """The parameter or buffer a get_attr node reads, or None."""
+    for get in (gm.get_parameter, gm.get_buffer):
+        try:
+            return get(target)
+        except AttributeError:
+            continue
+    return None
 
 
 def _shape(node: fx.Node) -> tuple[int, ...] | None:

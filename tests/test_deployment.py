@@ -186,11 +186,28 @@ def test_convnext_mlps_run_as_1x1_convs_and_load_back(tmp_path):
     with torch.inference_mode():
         torch.testing.assert_close(loaded(x), got, rtol=1e-5, atol=1e-5)
     saved = json.loads((tmp_path / "m.maco").read_text())
+    assert sum(f.endswith(" scaled") for f in saved["fusion"]) == blocks  # the layer scales folded
     path = next(k for k, v in saved["linears"].items() if "shape" in v)
     saved["linears"][path]["shape"] = [1, 16, 16, 5]  # not the linear's inputs
     (tmp_path / "bad.maco").write_text(json.dumps(saved))
     with pytest.raises(MacoError, match="no valid \\(N, H, W, .*\\[1, 16, 16, 5\\]"):
         maco.load(tmp_path / "bad.maco", build("convnext_tiny"))
+
+
+def test_a_convnext_saved_before_the_scale_fold_still_loads(tmp_path, monkeypatch):
+    """A file written before fuse folded per-channel scales into Linears lists no folded scale:
+    it rebuilds without the fold, so that its layout plan fits the graph node for node."""
+    from maco.layouts import fusion
+
+    with monkeypatch.context() as m:
+        m.setattr(fusion.fuse, "__defaults__", (False,))  # the fuse of earlier versions
+        model, x, gm, p = _with_linears_as_convs("convnext_tiny", 64)
+        dep = describe(gm, "planned_maco", x, HOST, p)
+    assert dep.fusion and not any(f.endswith(" scaled") for f in dep.fusion)
+    save(dep, tmp_path / "old.maco")
+    loaded = maco.load(tmp_path / "old.maco", build("convnext_tiny"))
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(x), gm(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_linear_as_conv_falls_back_on_other_inputs():

@@ -265,6 +265,44 @@ def test_linears_take_the_activation_only_they_feed():
         assert _rel(model(x), gm(x)) < 1e-6
 
 
+def test_a_per_channel_scale_after_a_linear_is_folded_into_it():
+    """ConvNeXt's `x + layer_scale * permute(linear(h))`: the scale goes into the Linear's weight
+    and bias and the multiply leaves the graph; not where the factor is read elsewhere, is not one
+    per output feature, or the output is permuted otherwise; fold_scales=False keeps it."""
+    import operator
+
+    from maco.layouts.fusion import FusedLinear
+
+    class Block(nn.Module):
+        def __init__(self, dims=(0, 3, 1, 2), scale_shape=(8, 1, 1), reuse=False):
+            super().__init__()
+            self.fc, self.dims, self.reuse = nn.Linear(6, 8), dims, reuse
+            self.scale = nn.Parameter(torch.rand(scale_shape, generator=torch.Generator().manual_seed(1)) + 0.5)
+
+        def forward(self, x):
+            y = self.scale * self.fc(x.permute(0, 2, 3, 1)).permute(*self.dims)
+            return x[:, :1].sum() * y + (self.scale.sum() if self.reuse else 0)
+
+    x = torch.randn(2, 6, 5, 5)
+    muls = lambda gm: sum(n.op == "call_function" and n.target is operator.mul for n in gm.graph.nodes)  # noqa: E731
+    model = Block().eval()
+    gm = fuse(model, x)
+    folded = [m for m in gm.modules() if isinstance(m, FusedLinear)]
+    assert len(folded) == 1 and folded[0].scaled and folded[0].activation == "none"
+    assert muls(gm) == muls(fuse(model, x, fold_scales=False)) - 1
+    with torch.no_grad():
+        assert _rel(model(x), gm(x)) < 1e-6
+    for other in (Block(reuse=True), Block(scale_shape=(8, 1, 5)), Block(dims=(0, 3, 2, 1))):
+        other = other.eval()
+        assert not [m for m in fuse(other, x).modules() if isinstance(m, FusedLinear)]
+    net = build("convnext_tiny").eval()
+    x = example_input(1)
+    gm = fuse(net, x)
+    assert sum(getattr(m, "scaled", False) for m in gm.modules()) == sum(n for _, n in type(net).STAGES)
+    with torch.no_grad():
+        assert _rel(net(x), gm(x)) < 1e-5
+
+
 def test_maco_linears_in_a_network_match_eager_and_keep_outputs_their_own():
     from maco.layouts.maco_modules import MacoLinear, call_sites, escapes, swap_module
 

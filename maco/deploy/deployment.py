@@ -212,7 +212,10 @@ def rebuild(dep: Deployment, model: nn.Module, host: Target, *, source: Any = "t
     graphed: Callable[[nn.Module], nn.Module] = CudaGraphed if cuda else (lambda m: m)  # as the pipeline hands it back
     if dep.variant == "default":
         return graphed(model)
-    fused = fuse(model, torch.zeros(dep.input_shape, device=host.device))
+    # files written before the per-channel scale fold list no folded scale: rebuilt without it, so
+    # that their layout plan fits the graph node for node
+    fused = fuse(model, torch.zeros(dep.input_shape, device=host.device),
+                 fold_scales=any(f.endswith(" scaled") for f in dep.fusion))
     if _fusion(fused) != dep.fusion:
         raise MacoError(f"{str(source)!r} was saved for another model: its fused layers differ from this model's")
     if dep.variant == "fused":
@@ -400,14 +403,19 @@ def _swap_winograd(gm: nn.Module, path: Any, conv_path: str, entry: Any, host: T
 
 
 def _fusion(model: nn.Module) -> list[str]:
-    """'path activation residual' of each fused layer, whether torch or a MACO kernel runs it."""
+    """'path activation residual' of each fused layer, whether torch or a MACO kernel runs it,
+    ' scaled' added where a per-channel scale was folded into a Linear."""
     out = []
     for path, mod in model.named_modules():
         inner = getattr(mod, "torch_conv", None) or getattr(mod, "torch_linear", None)
         if isinstance(mod, (FusedConv2d, FusedLinear)) and not path.endswith((".torch_conv", ".torch_linear")):
-            out.append(f"{path} {mod.activation} {getattr(mod, 'residual', 'none')}")
+            fused = mod
         elif isinstance(inner, (FusedConv2d, FusedLinear)):
-            out.append(f"{path} {inner.activation} {getattr(inner, 'residual', 'none')}")
+            fused = inner
+        else:
+            continue
+        scaled = " scaled" if getattr(fused, "scaled", False) else ""
+        out.append(f"{path} {fused.activation} {getattr(fused, 'residual', 'none')}{scaled}")
     return sorted(out)
 
 
