@@ -15,6 +15,7 @@ still sees what it saw before.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn import functional as F
 
-from maco.layouts.graph import trace_module
+from maco.layouts.graph import channel_permute, trace_module
 
 ACTIVATION_MODULES: list[tuple[type, str]] = [(nn.ReLU, "relu"), (nn.ReLU6, "relu6"), (nn.SiLU, "silu"),
                                               (nn.Hardswish, "hardswish")]
@@ -132,7 +133,7 @@ def fuse(model: nn.Module, example_input: Any, fold_scales: bool = True) -> fx.G
             user = next(iter(node.users))
             if kind := _activation(modules, user, node):
                 count += 1
-                _replace(gm, [node, user], f"fused_{count}_{str(node.target).replace('.', '_')}",
+                _replace(gm, [node, user], _fused_name(count, node),
                          FusedLinear(modules[node.target], kind), (node.args[0],))
             elif fold_scales and (found := _channel_scale(gm, node)) is not None:
                 mul, factor, scale = found
@@ -140,7 +141,7 @@ def fuse(model: nn.Module, example_input: Any, fold_scales: bool = True) -> fx.G
                 mul.replace_all_uses_with(user)  # user: the permute back to NCHW, now of the scaled Linear
                 gm.graph.erase_node(mul)
                 gm.graph.erase_node(factor)
-                _replace(gm, [node], f"fused_{count}_{str(node.target).replace('.', '_')}",
+                _replace(gm, [node], _fused_name(count, node),
                          FusedLinear(modules[node.target], "none", scale), (node.args[0],))
             continue
         if node in done or node.op != "call_module" or type(modules.get(node.target)) is not nn.Conv2d:
@@ -153,12 +154,17 @@ def fuse(model: nn.Module, example_input: Any, fold_scales: bool = True) -> fx.G
         count += 1
         module = FusedConv2d(conv, weight.detach(), None if bias is None else bias.detach(), act, where)
         args = (node.args[0],) + ((residual_arg,) if residual_arg is not None else ())
-        _replace(gm, chain, f"fused_{count}_{str(node.target).replace('.', '_')}", module, args)
+        _replace(gm, chain, _fused_name(count, node), module, args)
         done.update(chain)
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _fused_name(count: int, node: fx.Node) -> str:
+    """The name of the count-th fused module, which takes the place of `node`'s module."""
+    return f"fused_{count}_{str(node.target).replace('.', '_')}"
 
 
 def _replace(gm: fx.GraphModule, chain: list[fx.Node], name: str, module: nn.Module, args: tuple) -> None:
@@ -198,10 +204,7 @@ def _channel_scale(gm: fx.GraphModule, linear: fx.Node) -> tuple[fx.Node, fx.Nod
     Linear's output, permuted (0, 3, 1, 2) back to NCHW, only feeds a multiply by a parameter of
     shape (out_features, 1, 1) that nothing else reads (ConvNeXt's `layer_scale * block(x)`)."""
     perm = next(iter(linear.users))
-    if perm.op != "call_method" or perm.target != "permute" or perm.kwargs or len(perm.users) != 1:
-        return None
-    dims = perm.args[1] if len(perm.args) == 2 and isinstance(perm.args[1], (tuple, list)) else perm.args[1:]
-    if tuple(dims) != (0, 3, 1, 2) or perm.args[0] is not linear:
+    if channel_permute(perm) != "first" or perm.args[0] is not linear or len(perm.users) != 1:
         return None
     mul = next(iter(perm.users))
     if (mul.op != "call_function" or mul.target not in (operator.mul, torch.mul) or mul.kwargs
@@ -210,21 +213,11 @@ def _channel_scale(gm: fx.GraphModule, linear: fx.Node) -> tuple[fx.Node, fx.Nod
     factor = mul.args[0] if mul.args[1] is perm else mul.args[1]
     if not isinstance(factor, fx.Node) or factor.op != "get_attr" or len(factor.users) != 1:
         return None
-    value = _attribute(gm, str(factor.target))
+    value = functools.reduce(getattr, str(factor.target).split("."), gm)
     out = gm.get_submodule(str(linear.target)).out_features
     if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or tuple(value.shape) != (out, 1, 1):
         return None
     return mul, factor, value.detach()
-
-
-def _attribute(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
-    """The parameter or buffer a get_attr node reads, or None."""
-    for get in (gm.get_parameter, gm.get_buffer):
-        try:
-            return get(target)
-        except AttributeError:
-            continue
-    return None
 
 
 def _shape(node: fx.Node) -> tuple[int, ...] | None:
