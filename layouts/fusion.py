@@ -1,7 +1,9 @@
 """The inference graph pass: fold each BatchNorm into the conv before it, and fuse into that conv the
 elementwise chain only it feeds (a residual add and an activation, in either order), so that a
 network's conv -> bn -> (+ identity) -> relu runs as one op; a Linear takes the activation only it
-feeds the same way (kernels.epilogue.ACTIVATIONS: ReLU, ReLU6, SiLU, hardswish, GELU).
+feeds the same way (kernels.epilogue.ACTIVATIONS: ReLU, ReLU6, SiLU, hardswish, GELU), or, on
+channels-last tensors permuted back to NCHW, the per-channel scale and the residual add after it
+(ConvNeXt's `x + layer_scale * block(x)`).
 
 Detection follows MegEngine's JIT fusion: nodes are visited in reverse topological order, and from
 each conv the chain grows through single consumers for as long as the next op is one the fused op
@@ -77,15 +79,18 @@ class FusedConv2d(nn.Conv2d):
 class FusedLinear(nn.Linear):
     """act(linear(x)): a Linear with the activation only it feeds; or, with `scale` (one factor per
     output feature), the Linear a per-channel scale of its output was folded into (weight and
-    bias times the scale: ConvNeXt's layer scale)."""
+    bias times the scale: ConvNeXt's layer scale); with `residual` ("before": added before the
+    activation, as the conv kernels' epilogue does; only with no activation here), linear(x) +
+    residual, the add after it taken in."""
 
     maco_leaf = True
 
-    def __init__(self, linear: nn.Linear, activation: str, scale: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear, activation: str, scale: torch.Tensor | None = None,
+                 residual: str = "none"):
         super().__init__(linear.in_features, linear.out_features, linear.bias is not None,
                          device=linear.weight.device, dtype=linear.weight.dtype)
-        if activation not in _APPLY:
-            raise ValueError(f"activation {activation!r}")
+        if activation not in _APPLY or residual not in ("none", "before") or (residual != "none" and activation != "none"):
+            raise ValueError(f"activation {activation!r} / residual {residual!r}")
         with torch.no_grad():
             self.weight.copy_(linear.weight)
             if linear.bias is not None:
@@ -94,13 +99,15 @@ class FusedLinear(nn.Linear):
                 self.weight.mul_(scale.reshape(-1, 1))
                 if self.bias is not None:
                     self.bias.mul_(scale.reshape(-1))
-        self.activation, self.scaled = activation, scale is not None
+        self.activation, self.scaled, self.residual = activation, scale is not None, residual
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _APPLY[self.activation](F.linear(x, self.weight, self.bias))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return _APPLY[self.activation](y) if residual is None else y + residual
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, activation={self.activation}" + (", scale folded" if self.scaled else "")
+        return (f"{super().extra_repr()}, activation={self.activation}" + (", scale folded" if self.scaled else "")
+                + (f", residual={self.residual}" if self.residual != "none" else ""))
 
 
 def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,11 +124,13 @@ def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, t
         return conv.weight * scale.reshape(-1, 1, 1, 1), bias
 
 
-def fuse(model: nn.Module, example_input: Any, fold_scales: bool = True) -> fx.GraphModule:
+def fuse(model: nn.Module, example_input: Any, fold_scales: bool = True,
+         linear_residuals: bool = True) -> fx.GraphModule:
     """A copy of `model` (in eval mode) as a GraphModule in which every conv -> bn -> add -> act
     chain is one FusedConv2d (see the module docstring), and, with `fold_scales`, a per-channel
-    scale of a Linear's output permuted back to NCHW is folded into it (`_channel_scale`; models
-    saved before that fold rebuild without it). Outputs equal the model's in eval mode."""
+    scale of a Linear's output permuted back to NCHW is folded into it (`_channel_scale`), and,
+    with `linear_residuals`, the add after that permute too (`_linear_residual`). Models saved
+    before each of these rebuild without it. Outputs equal the model's in eval mode."""
     import copy
 
     gm, _ = trace_module(copy.deepcopy(model).eval(), example_input)
@@ -135,14 +144,33 @@ def fuse(model: nn.Module, example_input: Any, fold_scales: bool = True) -> fx.G
                 count += 1
                 _replace(gm, [node, user], _fused_name(count, node),
                          FusedLinear(modules[node.target], kind), (node.args[0],))
-            elif fold_scales and (found := _channel_scale(gm, node)) is not None:
+                continue
+            scale = None
+            if fold_scales and (found := _channel_scale(gm, node)) is not None:
                 mul, factor, scale = found
-                count += 1
                 mul.replace_all_uses_with(user)  # user: the permute back to NCHW, now of the scaled Linear
                 gm.graph.erase_node(mul)
                 gm.graph.erase_node(factor)
-                _replace(gm, [node], _fused_name(count, node),
-                         FusedLinear(modules[node.target], "none", scale), (node.args[0],))
+            add = _linear_residual(node) if linear_residuals else None
+            if scale is None and add is None:
+                continue
+            count += 1
+            name, args = _fused_name(count, node), (node.args[0],)
+            if add is None:
+                _replace(gm, [node], name, FusedLinear(modules[node.target], "none", scale), args)
+                continue
+            # linear -> permute -> add(other) becomes linear(x, other permuted channels last) -> permute,
+            # all where the add was (other may be computed after the linear)
+            add_node, other = add
+            gm.add_submodule(name, FusedLinear(modules[node.target], "none", scale, "before"))
+            with gm.graph.inserting_before(add_node):
+                other_last = gm.graph.call_method("permute", (other, 0, 2, 3, 1))
+                fused = gm.graph.call_module(name, args + (other_last,))
+                back = gm.graph.call_method("permute", (fused, 0, 3, 1, 2))
+            fused.meta, back.meta = dict(node.meta), dict(user.meta)
+            add_node.replace_all_uses_with(back)
+            for old in (add_node, user, node):
+                gm.graph.erase_node(old)
             continue
         if node in done or node.op != "call_module" or type(modules.get(node.target)) is not nn.Conv2d:
             continue
@@ -218,6 +246,17 @@ def _channel_scale(gm: fx.GraphModule, linear: fx.Node) -> tuple[fx.Node, fx.Nod
     if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or tuple(value.shape) != (out, 1, 1):
         return None
     return mul, factor, value.detach()
+
+
+def _linear_residual(linear: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the add, its other operand) where the Linear's output, permuted (0, 3, 1, 2) back to NCHW,
+    only feeds an add of a float32 tensor of that shape (ConvNeXt's residual: `x + block(x)`)."""
+    perm = next(iter(linear.users))
+    if channel_permute(perm) != "first" or perm.args[0] is not linear or len(perm.users) != 1:
+        return None
+    add = next(iter(perm.users))
+    other = _residual_operand(add, perm, _shape(perm))
+    return None if other is None else (add, other)
 
 
 def _shape(node: fx.Node) -> tuple[int, ...] | None:

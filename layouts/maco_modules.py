@@ -107,6 +107,9 @@ class MacoLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, batch: int, target: Target, preallocate: bool = False):
         super().__init__()
+        if getattr(linear, "residual", "none") != "none":
+            raise MacoError("a linear with a residual add runs as a 1x1 conv on (N, H, W, C) inputs only, "
+                            "not on (batch, features) ones")
         self.torch_linear, self.batch = linear, batch
         self._kernel = compile_linear(batch, linear.in_features, linear.out_features, bias=linear.bias is not None,
                                       activation=getattr(linear, "activation", "none"), target=target)
@@ -135,8 +138,8 @@ class MacoLinearAsConv(nn.Module):
     """`linear` (a Linear or FusedLinear) applied over the last dimension of an (N, H, W, C)
     tensor, as ConvNeXt's MLP runs on channels-last activations: the 1x1 conv it is, run by a
     generated NHWC conv kernel on its bound-derived default schedule. The tensor is, as it lies
-    in memory, a channels_last (N, C, H, W) tensor, so neither side copies. Any other input runs
-    `linear` itself."""
+    in memory, a channels_last (N, C, H, W) tensor, so neither side copies. A FusedLinear with a
+    residual adds it in the kernel's epilogue. Any other input runs `linear` itself."""
 
     maco_leaf = True
 
@@ -149,8 +152,10 @@ class MacoLinearAsConv(nn.Module):
         k = linear.out_features
         self.torch_linear, self.shape = linear, tuple(shape)
         self.spec = ConvSpec(n=n, c=c, h=h, w=w, k=k, kh=1, kw=1)
+        self.residual = getattr(linear, "residual", "none") != "none"
         self._kernel = kernels.compile(self.spec, kernels.default_schedule(self.spec, target, "NHWC"), target=target,
-                                       bias=linear.bias is not None, activation=getattr(linear, "activation", "none"))
+                                       bias=linear.bias is not None, activation=getattr(linear, "activation", "none"),
+                                       residual=self.residual)
         self._conv = self._kernel.bind(linear.weight.detach().reshape(k, c, 1, 1),
                                        None if linear.bias is None else linear.bias.detach())
         self._out = self._conv.output() if preallocate else None
@@ -159,14 +164,21 @@ class MacoLinearAsConv(nn.Module):
     def preallocated(self) -> bool:
         return self._out is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tuple(x.shape) != self.shape or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-            return self.torch_linear(x)
-        return self._conv.run_tensor(x.permute(0, 3, 1, 2), None, self._out).permute(0, 2, 3, 1)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if (not self._runs(x, self.shape) or self.residual != (residual is not None)
+                or (residual is not None and not self._runs(residual, self.shape[:3] + (self.spec.k,)))):
+            return self.torch_linear(x) if residual is None else self.torch_linear(x, residual)
+        return self._conv.run_tensor(x.permute(0, 3, 1, 2), None if residual is None else residual.permute(0, 3, 1, 2),
+                                     self._out).permute(0, 2, 3, 1)
+
+    @staticmethod
+    def _runs(x: torch.Tensor, shape: tuple[int, ...]) -> bool:
+        return tuple(x.shape) == shape and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
 
     def extra_repr(self) -> str:
         return (f"{self.shape} -> {self.torch_linear.out_features}, "
-                f"activation={getattr(self.torch_linear, 'activation', 'none')}, preallocated={self.preallocated}")
+                f"activation={getattr(self.torch_linear, 'activation', 'none')}, residual={self.residual}, "
+                f"preallocated={self.preallocated}")
 
 
 class _GeneratedOp(nn.Module):

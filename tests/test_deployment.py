@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import maco
 from maco import kernels
@@ -187,6 +188,8 @@ def test_convnext_mlps_run_as_1x1_convs_and_load_back(tmp_path):
         torch.testing.assert_close(loaded(x), got, rtol=1e-5, atol=1e-5)
     saved = json.loads((tmp_path / "m.maco").read_text())
     assert sum(f.endswith(" scaled") for f in saved["fusion"]) == blocks  # the layer scales folded
+    assert sum(f.endswith(" none before scaled") for f in saved["fusion"]) == blocks  # and the residual adds
+    assert sum(m.residual for m in loaded.modules() if isinstance(m, MacoLinearAsConv)) == blocks
     path = next(k for k, v in saved["linears"].items() if "shape" in v)
     saved["linears"][path]["shape"] = [1, 16, 16, 5]  # not the linear's inputs
     (tmp_path / "bad.maco").write_text(json.dumps(saved))
@@ -194,18 +197,22 @@ def test_convnext_mlps_run_as_1x1_convs_and_load_back(tmp_path):
         maco.load(tmp_path / "bad.maco", build("convnext_tiny"))
 
 
-def test_a_convnext_saved_before_the_scale_fold_still_loads(tmp_path, monkeypatch):
-    """A file written before fuse folded per-channel scales into Linears lists no folded scale:
-    it rebuilds without the fold, so that its layout plan fits the graph node for node."""
+@pytest.mark.parametrize("defaults", [(False, False), (True, False)], ids=["before-scale-fold", "before-residual-fold"])
+def test_a_convnext_saved_before_a_linear_fold_still_loads(tmp_path, monkeypatch, defaults):
+    """A file written before fuse folded per-channel scales, or the residual adds, into Linears
+    lists no such fold: it rebuilds without it, so that its layout plan fits the graph node for
+    node."""
     from maco.layouts import fusion
+    from maco.layouts.maco_modules import MacoLinearAsConv
 
     with monkeypatch.context() as m:
-        m.setattr(fusion.fuse, "__defaults__", (False,))  # the fuse of earlier versions
+        m.setattr(fusion.fuse, "__defaults__", defaults)  # the fuse of earlier versions
         model, x, gm, p = _with_linears_as_convs("convnext_tiny", 64)
         dep = describe(gm, "planned_maco", x, HOST, p)
-    assert dep.fusion and not any(f.endswith(" scaled") for f in dep.fusion)
+    assert dep.fusion and any(f.endswith(" scaled") for f in dep.fusion) == defaults[0]
     save(dep, tmp_path / "old.maco")
     loaded = maco.load(tmp_path / "old.maco", build("convnext_tiny"))
+    assert not any(m.residual for m in loaded.modules() if isinstance(m, MacoLinearAsConv))
     with torch.inference_mode():
         torch.testing.assert_close(loaded(x), gm(x), rtol=1e-5, atol=1e-5)
 
@@ -222,6 +229,15 @@ def test_a_linear_as_conv_falls_back_on_other_inputs():
             torch.testing.assert_close(mod(x), linear(x), rtol=1e-5, atol=1e-5)
             for other in (x[:, :, :6], x.transpose(1, 2), torch.randn(3, 24, generator=gen)):
                 torch.testing.assert_close(mod(other), linear(other), rtol=1e-5, atol=1e-5)
+    linear = FusedLinear(nn.Linear(24, 40), "none", residual="before").eval()
+    mod = MacoLinearAsConv(linear, (2, 5, 7, 24), HOST, preallocate=True)
+    x, r = torch.randn(2, 5, 7, 24, generator=gen), torch.randn(2, 5, 7, 40, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(mod(x, r), F.linear(x, linear.weight, linear.bias) + r, rtol=1e-5, atol=1e-5)
+        for other in (r.transpose(1, 2).contiguous().transpose(1, 2), r.double()):  # torch's linear and add
+            torch.testing.assert_close(mod(x, other), linear(x, other), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mod(x[:, :, :6], r[:, :, :6]), linear(x[:, :, :6], r[:, :, :6]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mod(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
     with pytest.raises(MacoError, match="on \\(2, 5, 7, 23\\)"):
         MacoLinearAsConv(nn.Linear(24, 8), (2, 5, 7, 23), HOST)
 

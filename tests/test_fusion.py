@@ -303,6 +303,56 @@ def test_a_per_channel_scale_after_a_linear_is_folded_into_it():
         assert _rel(net(x), gm(x)) < 1e-5
 
 
+def test_the_residual_add_after_a_linear_goes_into_it():
+    """ConvNeXt's `x + permute(linear(h))`: the add goes into the Linear (its residual, the other
+    operand read channels last) and leaves the graph; not where the permuted output is read
+    elsewhere, is permuted otherwise, or the other operand broadcasts; a Linear with an
+    activation keeps the add; linear_residuals=False keeps it too."""
+    import operator
+
+    from maco.layouts.fusion import FusedLinear
+
+    class Block(nn.Module):
+        def __init__(self, dims=(0, 3, 1, 2), other=(2, 8, 5, 5), reuse=False, act=False):
+            super().__init__()
+            self.fc, self.dims, self.reuse, self.act = nn.Linear(6, 8), dims, reuse, act
+            self.broadcast = other[0] == 1
+            self.other = nn.Parameter(torch.randn(other, generator=torch.Generator().manual_seed(2)))
+
+        def forward(self, x):
+            h = self.fc(x.permute(0, 2, 3, 1))
+            y = (torch.relu(h) if self.act else h).permute(*self.dims)
+            r = self.other if self.broadcast else x[:, :1] * self.other  # computed after the Linear
+            out = r + y
+            return out + y.sum() if self.reuse else out
+
+    x = torch.randn(2, 6, 5, 5)
+    adds = lambda gm: sum(n.op == "call_function" and n.target is operator.add for n in gm.graph.nodes)  # noqa: E731
+    model = Block().eval()
+    gm = fuse(model, x)
+    fused = [m for m in gm.modules() if isinstance(m, FusedLinear)]
+    assert len(fused) == 1 and fused[0].residual == "before" and not fused[0].scaled
+    assert adds(gm) == adds(fuse(model, x, linear_residuals=False)) - 1 == 0
+    with torch.no_grad():
+        assert _rel(model(x), gm(x)) < 1e-6
+    for other in (Block(reuse=True), Block(dims=(0, 3, 2, 1)), Block(other=(1, 8, 1, 1)), Block(act=True)):
+        other = other.eval()
+        assert not [m for m in fuse(other, x).modules() if getattr(m, "residual", "none") != "none"
+                    and isinstance(m, FusedLinear)]
+        with torch.no_grad():
+            assert _rel(other(x), fuse(other, x)(x)) < 1e-6
+    net = build("convnext_tiny").eval()
+    for mod in net.modules():  # layer scales of 1e-6 would hide a wrong residual
+        if hasattr(mod, "layer_scale"):
+            mod.layer_scale.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(4))
+    x = example_input(1)
+    gm = fuse(net, x)
+    fused = [m for m in gm.modules() if isinstance(m, FusedLinear) and m.residual != "none"]
+    assert len(fused) == sum(n for _, n in type(net).STAGES) and all(m.scaled for m in fused)
+    with torch.no_grad():
+        assert _rel(net(x), gm(x)) < 1e-5
+
+
 def test_maco_linears_in_a_network_match_eager_and_keep_outputs_their_own():
     from maco.layouts.maco_modules import MacoLinear, call_sites, escapes, swap_module
 

@@ -212,10 +212,15 @@ def rebuild(dep: Deployment, model: nn.Module, host: Target, *, source: Any = "t
     graphed: Callable[[nn.Module], nn.Module] = CudaGraphed if cuda else (lambda m: m)  # as the pipeline hands it back
     if dep.variant == "default":
         return graphed(model)
-    # files written before the per-channel scale fold list no folded scale: rebuilt without it, so
-    # that their layout plan fits the graph node for node
-    fused = fuse(model, torch.zeros(dep.input_shape, device=host.device),
-                 fold_scales=any(f.endswith(" scaled") for f in dep.fusion))
+    # files written before the per-channel scale fold list no folded scale, and those written before
+    # the Linear's residual add no such add: rebuilt without them, so that their layout plan fits
+    # the graph node for node
+    x = torch.zeros(dep.input_shape, device=host.device)
+    scaled = any(f.endswith(" scaled") for f in dep.fusion)
+    fused = fuse(model, x, fold_scales=scaled)
+    if _fusion(fused) != dep.fusion and any(getattr(m, "residual", "none") != "none"
+                                            for m in fused.modules() if isinstance(m, FusedLinear)):
+        fused = fuse(model, x, fold_scales=scaled, linear_residuals=False)
     if _fusion(fused) != dep.fusion:
         raise MacoError(f"{str(source)!r} was saved for another model: its fused layers differ from this model's")
     if dep.variant == "fused":

@@ -184,7 +184,7 @@ def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, round
             return None
         if x.dim() == 4 and x.is_contiguous() and target.kind == "cpu":
             return MacoLinearAsConv(linear, tuple(x.shape), target, preallocate=preallocate)
-        if x.dim() != 2 or x.shape[0] > MAX_BATCH:
+        if x.dim() != 2 or x.shape[0] > MAX_BATCH or getattr(linear, "residual", "none") != "none":
             return None
         return MacoLinear(linear, x.shape[0], target, preallocate=preallocate)
     ratios = _faster_modules(gm, example_input, (nn.Linear,), make, rounds)
