@@ -19,7 +19,8 @@ from torch import nn
 
 from maco.kernels.cache_flush import Flush
 from maco.layouts.latency import strict_cudnn
-from maco.layouts.maco_modules import MacoConv2d, MacoInvertedResidual, MacoSqueezeExcite, MacoWinograd2d
+from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInvertedResidual, MacoLinearAsConv,
+                                       MacoSqueezeExcite, MacoWinograd2d)
 from maco.layouts.segments import MacoSegment
 from maco.core.errors import MacoError
 from maco.core.spec import ConvSpec
@@ -193,6 +194,9 @@ def conv_share(model: nn.Module, example_input: Any, *, rounds: int = 5, min_run
                 x = args[0].contiguous(memory_format=mod._in_format)
                 res = args[1].contiguous(memory_format=mod._format) if len(args) > 1 else None
                 runs[name] = mod._conv.prepare(x, res, mod._conv.output())
+            elif isinstance(mod, MacoLinearAsConv):  # its (N, H, W, C) tensors are the kernel's NHWC ones
+                res = args[1].permute(0, 3, 1, 2) if len(args) > 1 else None
+                runs[name] = mod._conv.prepare(args[0].permute(0, 3, 1, 2), res, mod._conv.output())
             elif isinstance(mod, MacoWinograd2d):
                 out, res = mod._new_output(), args[1] if len(args) > 1 else None
                 runs[name] = lambda mod=mod, x=args[0], res=res, out=out: mod._kernel(
@@ -266,7 +270,8 @@ def _weights_in_memory(seen: Mapping[str, tuple[nn.Module, tuple]], runs: Mappin
     return {name: pool_timings(ts).median for name, ts in cold.items()}
 
 
-MACO_CONVS = (MacoConv2d, MacoWinograd2d, MacoInvertedResidual)  # what runs a conv by a MACO kernel
+# what runs a conv by a MACO kernel: a Linear over channels-last tensors is the 1x1 conv it runs as
+MACO_CONVS = (MacoConv2d, MacoWinograd2d, MacoInvertedResidual, MacoDepthwise2d, MacoLinearAsConv)
 
 
 class _Skipping:
@@ -276,13 +281,13 @@ class _Skipping:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.convs = [m for m in model.modules() if isinstance(m, MacoConv2d)]
+        self.convs = [m for m in model.modules() if isinstance(m, (MacoConv2d, MacoLinearAsConv))]
         self.generated = [m for m in model.modules()
-                          if isinstance(m, (MacoWinograd2d, MacoInvertedResidual, MacoSqueezeExcite))]
+                          if isinstance(m, (MacoWinograd2d, MacoInvertedResidual, MacoSqueezeExcite, MacoDepthwise2d))]
         self.segments = [m for m in model.modules() if isinstance(m, MacoSegment)]
 
     def run(self, inputs: tuple) -> Callable[[], Any]:
-        def skip(conv: MacoConv2d) -> Callable[..., Any]:
+        def skip(conv: MacoConv2d | MacoLinearAsConv) -> Callable[..., Any]:
             out = conv._out if conv._out is not None else conv._conv.output()
             return lambda x, residual=None, buffer=None: out
 

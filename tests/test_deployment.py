@@ -14,6 +14,7 @@ import maco
 from maco import kernels
 from maco.deploy.deployment import describe, load, save
 from maco.core.errors import MacoError
+from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.layouts import fuse
 from maco.layouts.deploy import plan
@@ -240,6 +241,30 @@ def test_a_linear_as_conv_falls_back_on_other_inputs():
         torch.testing.assert_close(mod(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
     with pytest.raises(MacoError, match="on \\(2, 5, 7, 23\\)"):
         MacoLinearAsConv(nn.Linear(24, 8), (2, 5, 7, 23), HOST)
+
+
+def test_the_kernel_sum_counts_depthwise_convs_and_linears_run_as_convs():
+    """conv_share times a depthwise kernel and a Linear run as a 1x1 conv (ConvNeXt's MLP, most of
+    its time) as the conv kernels they are, with their specs for the floor, and skips both in the
+    model's rest."""
+    from maco.layouts.end_to_end import _Skipping, conv_share
+    from maco.layouts.maco_modules import MacoDepthwise2d, MacoLinearAsConv
+    from maco.layouts.networks import Permute
+
+    dw = nn.Conv2d(32, 32, 7, padding=3, groups=32).eval()
+    spec = ConvSpec.from_module(dw, (1, 32, 14, 14))
+    model = nn.Sequential(MacoDepthwise2d(dw, spec, "NHWC", HOST, preallocate=True), Permute(0, 2, 3, 1),
+                          MacoLinearAsConv(nn.Linear(32, 64).eval(), (1, 14, 14, 32), HOST, preallocate=True)).eval()
+    x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
+    share = conv_share(model, x, rounds=1, min_run_time=1e-4)
+    assert set(share.per_conv) == {"0", "2"} and all(t > 0 for t in share.per_conv.values())
+    assert share.specs["0"] == (spec,) and share.specs["2"] == (ConvSpec(n=1, c=32, h=14, w=14, k=64, kh=1, kw=1),)
+    with torch.inference_mode():
+        want = model(x).clone()
+        model[0]._out.zero_()
+        model[2]._out.zero_()
+        assert float(_Skipping(model).run((x,))().abs().max()) == 0.0  # neither kernel ran
+        torch.testing.assert_close(model(x), want)  # and both run again after
 
 
 def _cuda_file(tmp_path, **extra):
