@@ -286,6 +286,42 @@ def test_the_bound_orders_the_tile_sizes_and_prices_once(monkeypatch):
     assert kernel_choice.tile_order(HOST)(early) == (2, 4)  # unpriced: smallest first, timing decides
 
 
+def test_a_loss_the_bound_doubts_is_timed_again_over_more_rounds(monkeypatch):
+    """faster_winograd times a conv no tile size won again, over RETIME times the rounds, where the
+    bound's model prices its best tile DOUBT times faster than a direct kernel (a deep 7x7x512
+    conv: 1.3x); a conv the model prices no faster in Winograd (2x2 pixels: U costs more than it
+    saves) keeps its loss untimed again; neither is timed again where the host is unpriced."""
+    from maco.deploy import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "best_prices", lambda target: (300e9, 30e9))
+    monkeypatch.setattr(kernel_choice, "winograd_ceilings", lambda target, rounds: {(2, 3): 0.8, (4, 3): 0.65})
+    deep, tiny = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1"), ConvSpec.parse("n1_c512_h2_w2_k512_r3_p1")
+    order = kernel_choice.tile_order(HOST)
+    assert order.gain(deep) >= kernel_choice.DOUBT > 1.0 > order.gain(tiny)
+
+    def timings(spec, win_after_retime, priced=True):
+        calls = []
+
+        def fake(gm, x, types, make, rounds, cold=False, paths=None):
+            calls.append((rounds, paths))
+            return {"0": 1.3 if win_after_retime and paths else 0.9}
+        monkeypatch.setattr(kernel_choice, "_faster_modules", fake)
+        model = nn.Sequential(nn.Conv2d(spec.c, spec.k, 3, padding=1)).eval()
+        x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
+        tiles = kernel_choice.tile_order(HOST)
+        if not priced:
+            tiles._prices, tiles._priced = None, True
+        return kernel_choice.faster_winograd(model, x, HOST, rounds=3, order=tiles), calls
+
+    ratios, calls = timings(deep, True)
+    assert calls == [(3, None), (3, None), (3 * kernel_choice.RETIME, {"0"})] and ratios == {"0": 1.3}
+    ratios, calls = timings(deep, False)
+    assert len(calls) == 3 and ratios == {"0": 0.9}
+    for spec, priced in ((tiny, True), (deep, False)):
+        ratios, calls = timings(spec, True, priced)
+        assert calls == [(3, None), (3, None)] and ratios == {"0": 0.9}
+
+
 def test_the_pipeline_prices_the_host_once_for_both_winograd_passes(monkeypatch):
     """run_pipeline tries Winograd twice (in the per-layer choices, and with a kernel in every
     conv): one tile_order serves both, so the shares are timed once."""
@@ -318,14 +354,14 @@ def test_faster_winograd_tries_the_predicted_tile_first(monkeypatch, first):
     monkeypatch.setattr(kernel_choice, "tile_order", lambda target: lambda s: first if s == spec else (2, 4))
     made = []
 
-    def timed(gm, example_input, types, make, rounds, cold):
+    def timed(gm, example_input, types, make, rounds, cold, paths=None):
         assert cold  # U from memory, as in a model
         module = make(conv, x, False)
         made.append(module and module.m)
         made.append(make(MacoWinograd2d(conv, spec, HOST, m=first[0]), x, False))  # already runs it
-        return {"conv": 1.0}
+        return {"conv": 1.05}  # each won (a loss is looked at again: test_a_loss_the_bound_doubts...)
     monkeypatch.setattr(kernel_choice, "_faster_modules", timed)
-    assert faster_winograd(nn.Module(), x, HOST) == {"conv": 1.0}
+    assert faster_winograd(nn.Module(), x, HOST) == {"conv": 1.05 * 1.05}
     assert made == [first[0], None, first[1], made[3]]
     assert made[3] is not None and made[3].m == first[1]
 
