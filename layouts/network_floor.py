@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from maco.bounds.network import INPUT, NetLayer, NetworkFloor, WINOGRAD_TILES, conv_floor, network_floor
+from maco.bounds.winograd import network_reach
 from maco.core.errors import MacoError
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -113,6 +114,9 @@ class ModelFloor:
     peak_now: float | None = None  # flop/s: the FMA loop's median, timed beside the model
     bandwidth_now: float | None = None  # bytes/s: the DRAM read's median, timed beside the model
     spread_now: float | None = None  # slowest over fastest of those rounds, the larger of the two
+    # seconds: MACO's kernel families at their measured ceilings, one layer at a time
+    # (bounds.winograd.network_reach), None where their shares of the peak were not timed
+    reach: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -137,19 +141,25 @@ class ModelFloor:
         return {"network_s": self.seconds, "binds": self.network.binds, "peak": self.network.peak,
                 "bandwidth": self.network.bandwidth, "flops": self.network.flops,
                 "per_conv_s": self.per_conv, "algorithms": self.algorithms, "peak_now": self.peak_now,
-                "bandwidth_now": self.bandwidth_now, "spread_now": self.spread_now}
+                "bandwidth_now": self.bandwidth_now, "spread_now": self.spread_now, "reach_s": self.reach}
 
 
 def model_floor(model: nn.Module, example: torch.Tensor, specs: Mapping[str, tuple[ConvSpec, ...]],
-                target: Target, peak: float, bandwidth: float) -> ModelFloor:
+                target: Target, peak: float, bandwidth: float,
+                shares: Mapping[tuple[int, int], float] | None = None,
+                depthwise_share: float | None = None) -> ModelFloor:
     """The floor of `model` (as given: its DAG before MACO's rewrites) on `example` with the
     target's caches as fast memory, peak in flop/s and bandwidth in bytes/s, and the floor of
-    each module in `specs` (path -> the convs it computes)."""
+    each module in `specs` (path -> the convs it computes); with `shares` (Winograd's, as
+    kernels.cpu_peak.winograd_ceilings times them) and `depthwise_share`, the reach of MACO's
+    kernel families too."""
     layers, image = dag_of(model, example)
     network = network_floor(layers, fast_memory(target), image, peak=peak, bandwidth=bandwidth)
+    reach = (None if shares is None else
+             network_reach(layers, peak, bandwidth, shares, depthwise_share=depthwise_share or 1.0))
     per_conv, algorithms = {}, {}
     for path, convs in specs.items():
         floors = [conv_floor(spec, peak, bandwidth) for spec in convs]
         per_conv[path] = sum(t for _, t in floors)
         algorithms[path] = "+".join(a for a, _ in floors)
-    return ModelFloor(network, per_conv, algorithms)
+    return ModelFloor(network, per_conv, algorithms, reach=reach)

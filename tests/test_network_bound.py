@@ -236,3 +236,10 @@ def test_a_models_floor_and_its_kernels_own_floors():
     assert f.per_conv["block"] == conv_floor(a, 4e11, 6e10)[1] + conv_floor(b, 4e11, 6e10)[1]
     assert f.algorithms == {"0": "F(4x4,3x3)", "block": "F(4x4,3x3)+direct"}
     assert f.to_dict()["per_conv_s"] == f.per_conv and f.to_dict()["network_s"] == f.seconds
+    assert f.reach is None and f.to_dict()["reach_s"] is None  # no shares timed: no reach
+    from maco.bounds.winograd import network_reach
+
+    shares = {(2, 3): 0.8, (4, 3): 0.7}
+    r = model_floor(model, x, {}, target, 4e11, 6e10, shares, 0.4)
+    assert r.reach == network_reach(layers, 4e11, 6e10, shares, depthwise_share=0.4) >= r.seconds > 0
+    assert r.to_dict()["reach_s"] == r.reach

@@ -57,11 +57,12 @@ def test_optimize_a_small_model_end_to_end(model_file, tmp_path, capsys):
     rc = main(["optimize", f"{model_file}:Small", "--input-shape", "1,3,20,20", "--batch", "2", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "report:" in printed and "its network floor" in printed
+    assert "report:" in printed and "its network floor" in printed and "at their ceilings would run at" in printed
     report = (out / "report.md").read_text()
     assert "## Per conv layer" in report and "## End to end" in report and "**Against the floor**" in report
     floor = json.loads((out / "time_split.json").read_text())["floor"]
     assert floor["network_s"] > 0 and floor["per_conv_s"] and all(t > 0 for t in floor["per_conv_s"].values())
+    assert floor["reach_s"] >= floor["network_s"] and "kernel families at their ceilings" in report
     assert f"batch 2, {torch.get_num_threads()} threads" in report
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] and (out / "layers.csv").is_file() and (out / "layers.png").is_file()

@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         net = result.floor.network
         print(f"the handed-back model runs at {result.share.model_s / result.floor.seconds:.2f}x its network floor "
               f"({result.floor.seconds * 1e3:.2f} ms at {(net.peak or 0) / 1e9:.0f} GFLOP/s and "
-              f"{(net.bandwidth or 0) / 1e9:.1f} GB/s; maco.bounds.network){result.floor.busy_note()}")
+              f"{(net.bandwidth or 0) / 1e9:.1f} GB/s; maco.bounds.network){result.floor.busy_note()}"
+              + (f"; MACO's kernel families at their ceilings would run at {result.floor.reach / result.floor.seconds:.2f}x"
+                 if result.floor.reach else ""))
     for e in result.engines:
         print(f"{e['engine']}: " + (f"{e['speedup']:.2f}x over torch eager in its own process (medians "
                                     f"{e['engine_ms']:.2f} ms vs {e['eager_ms']:.2f} ms)" if "speedup" in e

@@ -17,7 +17,7 @@ from maco.deploy.engines import ENGINES, Job, compare
 from maco.core.errors import MacoError
 from maco.core.files import check_writable
 from maco.deploy.kernel_choice import MIN_GAIN, POOLS
-from maco.kernels.cpu_peak import measure_ceilings
+from maco.kernels.cpu_peak import depthwise_ceiling, measure_ceilings, winograd_ceilings
 from maco.layouts.end_to_end import ConvShare, conv_share
 from maco.layouts.maco_modules import MacoLinear, MacoLinearAsConv, MacoPool2d, MacoWinograd2d
 from maco.layouts.network_floor import ModelFloor, model_floor
@@ -98,14 +98,16 @@ def _floor(model: torch.nn.Module, x: torch.Tensor, share: ConvShare, target: Ta
            log: Callable[[str], None]) -> ModelFloor | None:
     """The model's network floor and each kernel's own on this host's best FMA peak and DRAM read
     bandwidth (kernels.cpu_peak.measure_ceilings, timed now; the best this host has shown, as
-    `maco bound --network` takes them), with both rates as timed now (ModelFloor.busy_note); None,
+    `maco bound --network` takes them), with both rates as timed now (ModelFloor.busy_note) and
+    the reach of MACO's kernel families at the shares of the peak timed now; None,
     with one line saying why, where none comes out. A report line: whatever goes wrong here (a
     graph the floor cannot read, a peak that cannot be timed) must not cost the user the model the
     job found, so every error is caught."""
     try:
         ceilings = measure_ceilings(target, 3)
         floor = model_floor(model, x, share.specs, target, ceilings["fma_gflops_best"] * 1e9,
-                            ceilings["read_gbs_best"] * 1e9)
+                            ceilings["read_gbs_best"] * 1e9, winograd_ceilings(target, 3),
+                            depthwise_ceiling(target, 3))
         floor.peak_now, floor.bandwidth_now = ceilings["fma_gflops"] * 1e9, ceilings["read_gbs"] * 1e9
         floor.spread_now = max(ceilings["fma_spread"], ceilings["read_spread"])
         return floor

@@ -363,6 +363,11 @@ def _floor_lines(s: ConvShare, floor: ModelFloor | None) -> list[str]:
              f"memory overlapping compute): the network floor is {_time(floor.seconds)}, bound by "
              f"{net.binds}; the model's {_time(s.model_s)} is **{s.model_s / floor.seconds:.2f}x** it"
              f"{floor.busy_note()}."]
+    if floor.reach:
+        lines[-1] += (f" MACO's kernel families at their ceilings (direct convs at the peak, Winograd and depthwise "
+                      f"at the shares of it timed here, each layer's filters, weights or U, from DRAM) would take "
+                      f"{_time(floor.reach)}, {floor.reach / floor.seconds:.2f}x the floor: the distance above that is "
+                      "the kernels' and the model's, not the floor's (bounds.winograd.network_reach).")
     timed = {name: s.per_conv_in_model.get(name, s.per_conv.get(name)) for name in floor.per_conv}
     timed = {name: t for name, t in timed.items() if t}
     if not timed:
