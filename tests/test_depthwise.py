@@ -110,3 +110,20 @@ def test_mobilenet_swaps_and_saves_depthwise_kernels(tmp_path):
     (tmp_path / "bad.maco").write_text(json.dumps(dep.to_dict()))
     with pytest.raises(MacoError, match="is not the saved"):
         maco.load(tmp_path / "bad.maco", build("mobilenet_v2"))
+
+
+def test_the_planner_sees_the_depthwise_kernel_where_it_beats_torch(monkeypatch):
+    """with_depthwise puts the depthwise kernel's time into each layout's entry of the depthwise
+    convs it beats torch on (not other convs, not where it loses), so that the plan keeps a
+    depthwise conv in the layout its kernel runs fastest in."""
+    from maco.deploy import kernel_choice
+
+    ratio = {"value": 2.0}
+    monkeypatch.setattr(kernel_choice, "_round_ratios", lambda runs, rounds, before=None: [ratio["value"]] * rounds)
+    dw, dense = ConvSpec.parse("n1_c32_h8_w8_k32_r3x3_p1_g32"), ConvSpec.parse("n1_c16_h8_w8_k32_r3x3_p1")
+    assert is_depthwise(dw) and not is_depthwise(dense)
+    torch_s = {(dw, "NCHW"): 1.0, (dw, "NHWC"): 3.0, (dense, "NHWC"): 3.0}
+    table = {**torch_s, (dw, "NCHW"): 0.4}  # a MACO direct kernel was faster than torch there
+    assert kernel_choice.with_depthwise(table, torch_s, HOST) == {**table, (dw, "NHWC"): 1.5}
+    ratio["value"] = 0.9
+    assert kernel_choice.with_depthwise(table, torch_s, HOST) == table

@@ -140,27 +140,55 @@ def with_winograd(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[
     Winograd's per conv tried.
     Winograd runs only NHWC convs, and is swapped in after planning (faster_winograd): a plan
     made without it would keep such a conv in NCHW wherever torch's NCHW conv is the faster."""
+    def make(conv: nn.Conv2d, spec: ConvSpec, layout: str) -> list[nn.Module]:
+        if layout != "NHWC" or not winograd_module_can_run(conv, spec, target):
+            return []
+        return [MacoWinograd2d(conv, spec, target, m=m) for m in TILE_SIZES[spec.kh]]
+    table, ratios = _with_generated(table, torch_seconds, target, make, rounds)
+    return table, {spec: ratio for (spec, _), ratio in ratios.items()}
+
+
+def with_depthwise(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[tuple[ConvSpec, str], float],
+                   target: Target, rounds: int = 3) -> dict[tuple[ConvSpec, str], float]:
+    """The planner's latency table with the depthwise kernel's time (kernels.depthwise) in each
+    layout wherever it beats the entry there. It is swapped in after planning (faster_depthwise):
+    a plan made without it kept ConvNeXt-Tiny's first depthwise conv of its last stage in NCHW,
+    where torch's depthwise conv is the faster, run by torch in 69 us against the kernel's 20 in
+    NHWC, and the conv before it in NCHW with it."""
+    def make(conv: nn.Conv2d, spec: ConvSpec, layout: str) -> list[nn.Module]:
+        return [MacoDepthwise2d(conv, spec, layout, target)] if depthwise_can_run(conv, spec) else []
+    return _with_generated(table, torch_seconds, target, make, rounds)[0]
+
+
+def _with_generated(table: dict[tuple[ConvSpec, str], float], torch_seconds: dict[tuple[ConvSpec, str], float],
+                    target: Target, make: Callable[[nn.Conv2d, ConvSpec, str], list[nn.Module]],
+                    rounds: int) -> tuple[dict[tuple[ConvSpec, str], float], dict[tuple[ConvSpec, str], float]]:
+    """`table` with the fastest of the modules `make` builds for each (conv, layout) of
+    `torch_seconds` where it beats the entry there, each timed beside torch's conv with both
+    modules' weights and the input dropped from the caches (as in a model whose weights outgrow
+    them); and torch's time over the best module's per (conv, layout) tried."""
     table, ratios = dict(table), {}
+    if target.kind != "cpu":
+        return table, ratios
     steady_allocator()
     gen = torch.Generator().manual_seed(0)
     for (spec, layout), torch_s in torch_seconds.items():
-        if layout != "NHWC" or target.kind != "cpu":
-            continue
         conv = nn.Conv2d(spec.c, spec.k, (spec.kh, spec.kw), spec.stride, spec.padding, spec.dilation,
                          spec.groups, bias=False).eval()
-        if not winograd_module_can_run(conv, spec, target):
+        modules = make(conv, spec, layout)
+        if not modules:
             continue
-        x = torch.randn(spec.input_shape, generator=gen).contiguous(memory_format=torch.channels_last)
-        for m in TILE_SIZES[spec.kh]:
-            winograd = MacoWinograd2d(conv, spec, target, m=m)
-            runs = {"torch": torch_conv(spec, x, conv.weight.detach(), layout), "maco": lambda: winograd(x)}
+        x = torch.randn(spec.input_shape, generator=gen)
+        x = x.contiguous(memory_format=torch.channels_last) if layout == "NHWC" else x
+        for module in modules:
+            runs = {"torch": torch_conv(spec, x, conv.weight.detach(), layout), "maco": lambda module=module: module(x)}
             with torch.inference_mode():
                 for fn in runs.values():
                     fn()
-                ratios[spec] = max(ratios.get(spec, 0.0),
-                                   statistics.median(_round_ratios(runs, rounds, Flush(*runs.values()))))
-        if ratios[spec] >= MIN_GAIN:
-            table[(spec, layout)] = min(table[(spec, layout)], torch_s / ratios[spec])
+                ratios[(spec, layout)] = max(ratios.get((spec, layout), 0.0),
+                                             statistics.median(_round_ratios(runs, rounds, Flush(*runs.values()))))
+        if ratios[(spec, layout)] >= MIN_GAIN:
+            table[(spec, layout)] = min(table[(spec, layout)], torch_s / ratios[(spec, layout)])
     return table, ratios
 
 

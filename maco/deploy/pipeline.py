@@ -17,7 +17,7 @@ from maco.core.errors import MacoError
 from maco.deploy.kernel_choice import (MIN_GAIN, OUTPUT_RTOL, Chosen, Ratios, end_to_end_gain, faster_blocks,
                                        faster_depthwise, faster_input_reads, faster_kernels, faster_linears,
                                        faster_pools, faster_squeeze, faster_winograd, kernels_everywhere,
-                                       tile_order, with_winograd)
+                                       tile_order, with_depthwise, with_winograd)
 from maco.layouts.cuda_graph import CudaGraphed
 from maco.layouts.deploy import plan as plan_layouts
 from maco.layouts.end_to_end import ModelTimes, time_models
@@ -70,6 +70,8 @@ def build_variants(model: nn.Module, example_input: Any, target: Target,
         if planned_winograd:
             log(f"      Winograd beats torch in NHWC on {sum(r >= MIN_GAIN for r in planned_winograd.values())} "
                 f"of {len(planned_winograd)} distinct 3x3/5x5 stride-1 convs; the planner sees its times")
+    if cpu and "NHWC" in layouts:  # and a depthwise conv in the layout its kernel runs fastest in
+        table = with_depthwise(table, torch_seconds, target)
     fused = fuse(model, example_input)
     log("      planning layouts with the measured latencies (conversions measured)")
     plan = plan_layouts(fused, example_input, layouts=layouts, latency=table, device=device, target=target)
