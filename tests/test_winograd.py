@@ -286,40 +286,47 @@ def test_the_bound_orders_the_tile_sizes_and_prices_once(monkeypatch):
     assert kernel_choice.tile_order(HOST)(early) == (2, 4)  # unpriced: smallest first, timing decides
 
 
-def test_a_loss_the_bound_doubts_is_timed_again_over_more_rounds(monkeypatch):
-    """faster_winograd times a conv no tile size won again, over RETIME times the rounds, where the
-    bound's model prices its best tile DOUBT times faster than a direct kernel (a deep 7x7x512
-    conv: 1.3x); a conv the model prices no faster in Winograd (2x2 pixels: U costs more than it
-    saves) keeps its loss untimed again; neither is timed again where the host is unpriced."""
+def test_timing_gets_more_rounds_where_it_and_the_bound_disagree(monkeypatch):
+    """faster_winograd times a tile size the bound's model prices DOUBT times slower than the
+    predicted one over RETIME times the rounds, never over the short ones (F(4x4) on a deep 7x7x512
+    conv: its U is 4x the weights); and it times a conv no tile size won again, over as many rounds,
+    where the model prices the best tile DOUBT times faster than a direct kernel (the deep conv,
+    not one of 2x2 pixels, where U costs more than it saves). Unpriced, the host gets neither."""
     from maco.deploy import kernel_choice
 
     monkeypatch.setattr(kernel_choice, "best_prices", lambda target: (300e9, 30e9))
     monkeypatch.setattr(kernel_choice, "winograd_ceilings", lambda target, rounds: {(2, 3): 0.8, (4, 3): 0.65})
     deep, tiny = ConvSpec.parse("n1_c512_h7_w7_k512_r3_p1"), ConvSpec.parse("n1_c512_h2_w2_k512_r3_p1")
     order = kernel_choice.tile_order(HOST)
+    assert order(deep) == (2, 4) and order.slowdown(deep, 4) >= kernel_choice.DOUBT and order.slowdown(deep, 2) == 1
     assert order.gain(deep) >= kernel_choice.DOUBT > 1.0 > order.gain(tiny)
+    long = 3 * kernel_choice.RETIME
 
-    def timings(spec, win_after_retime, priced=True):
+    def timings(spec, f2_wins_when_long, priced=True):
         calls = []
-
-        def fake(gm, x, types, make, rounds, cold=False, paths=None):
-            calls.append((rounds, paths))
-            return {"0": 1.3 if win_after_retime and paths else 0.9}
-        monkeypatch.setattr(kernel_choice, "_faster_modules", fake)
         model = nn.Sequential(nn.Conv2d(spec.c, spec.k, 3, padding=1)).eval()
         x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
+
+        def fake(gm, x_, types, make, rounds, cold=False, paths=None):
+            made = make(model[0], x, False)
+            calls.append((rounds, paths, made and made.m))
+            if made is None:
+                return {}
+            return {"0": 1.3 if made.m == 2 and f2_wins_when_long and rounds == long else 0.9}
+        monkeypatch.setattr(kernel_choice, "_faster_modules", fake)
         tiles = kernel_choice.tile_order(HOST)
         if not priced:
             tiles._prices, tiles._priced = None, True
         return kernel_choice.faster_winograd(model, x, HOST, rounds=3, order=tiles), calls
 
     ratios, calls = timings(deep, True)
-    assert calls == [(3, None), (3, None), (3 * kernel_choice.RETIME, {"0"})] and ratios == {"0": 1.3}
+    assert calls == [(3, None, 2), (3, None, None), (long, None, 4), (long, {"0"}, 2)] and ratios == {"0": 1.3}
     ratios, calls = timings(deep, False)
-    assert len(calls) == 3 and ratios == {"0": 0.9}
-    for spec, priced in ((tiny, True), (deep, False)):
-        ratios, calls = timings(spec, True, priced)
-        assert calls == [(3, None), (3, None)] and ratios == {"0": 0.9}
+    assert calls == [(3, None, 2), (3, None, None), (long, None, 4), (long, {"0"}, 2)] and ratios == {"0": 0.9}
+    ratios, calls = timings(tiny, True)  # F(4x4) is doubted there too, but no loss is timed again
+    assert calls == [(3, None, 2), (3, None, None), (long, None, 4)] and ratios == {"0": 0.9}
+    ratios, calls = timings(deep, True, priced=False)
+    assert calls == [(3, None, 2), (3, None, 4), (long, None, None)] and ratios == {"0": 0.9}
 
 
 def test_the_pipeline_prices_the_host_once_for_both_winograd_passes(monkeypatch):
@@ -351,7 +358,13 @@ def test_faster_winograd_tries_the_predicted_tile_first(monkeypatch, first):
 
     conv, spec = nn.Conv2d(16, 64, 3, padding=1).eval(), ConvSpec.parse("n1_c16_h8_w8_k64_r3_p1")
     x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
-    monkeypatch.setattr(kernel_choice, "tile_order", lambda target: lambda s: first if s == spec else (2, 4))
+    class Order:  # the bound's order, doubting no tile size
+        def __call__(self, s):
+            return first if s == spec else (2, 4)
+
+        def slowdown(self, s, m):
+            return 1.0
+    monkeypatch.setattr(kernel_choice, "tile_order", lambda target: Order())
     made = []
 
     def timed(gm, example_input, types, make, rounds, cold, paths=None):
@@ -359,10 +372,10 @@ def test_faster_winograd_tries_the_predicted_tile_first(monkeypatch, first):
         module = make(conv, x, False)
         made.append(module and module.m)
         made.append(make(MacoWinograd2d(conv, spec, HOST, m=first[0]), x, False))  # already runs it
-        return {"conv": 1.05}  # each won (a loss is looked at again: test_a_loss_the_bound_doubts...)
+        return {"conv": 1.05} if module is not None else {}  # each won (a loss is looked at again)
     monkeypatch.setattr(kernel_choice, "_faster_modules", timed)
     assert faster_winograd(nn.Module(), x, HOST) == {"conv": 1.05 * 1.05}
-    assert made == [first[0], None, first[1], made[3]]
+    assert made[:4] == [first[0], None, first[1], made[3]] and made[4:] == [None, None]  # none doubted
     assert made[3] is not None and made[3].m == first[1]
 
 

@@ -279,9 +279,12 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
     (run by torch or by a MacoConv2d) for the Winograd kernel (kernels.winograd) where that runs
     at least MIN_GAIN faster than what runs it now, residual and all: each tile size in turn,
     against what runs the conv by then, the one the bound predicts fastest first (tile_order).
-    A conv no tile size won, where the bound's model prices its best tile DOUBT times faster than
-    a direct kernel, is timed again over RETIME times the rounds: a busy VM's spell can take all of
-    a short measurement (ResNet-18's last 512x7x7 conv stayed direct, 1.22x slower, in one run).
+    Where the bound's model and timing disagree by DOUBT or more, timing gets RETIME times the
+    rounds: a busy VM's spell can take all of a short measurement. A conv no tile size won whose
+    best tile the model prices DOUBT times faster than a direct kernel is timed again (ResNet-18's
+    last 512x7x7 conv stayed direct, 1.22x slower, in one run), and a tile size the model prices
+    DOUBT times slower than the predicted one is timed that long in the first place (one of
+    ResNet-50's 512x7x7 convs ran F(4x4), 989 us in the model against F(2x2)'s 547 on its twin).
     Returns path -> the time of what ran the conv at first over the time of what runs it now
     (below MIN_GAIN where no Winograd kernel won). `order`: a tile_order to share between calls
     (it prices the host once), else a new one."""
@@ -290,21 +293,22 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
     order = order or tile_order(target)
     types = (nn.Conv2d, MacoConv2d, MacoWinograd2d)
 
-    def candidate(rank: int) -> Callable[[nn.Module, torch.Tensor, bool], nn.Module | None]:
+    def candidate(rank: int, doubted: bool) -> Callable[[nn.Module, torch.Tensor, bool], nn.Module | None]:
         def make(conv: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
             found = _torch_conv_on(conv, x, ("NHWC",))
             if found is None or not winograd_module_can_run(*found[:2], target):
                 return None
             sizes = order(found[1])
-            if rank >= len(sizes) or getattr(conv, "m", None) == sizes[rank]:
+            if (rank >= len(sizes) or getattr(conv, "m", None) == sizes[rank]
+                    or (rank > 0 and order.slowdown(found[1], sizes[rank]) >= DOUBT) != doubted):
                 return None
             return MacoWinograd2d(*found[:2], target, preallocate=preallocate, m=sizes[rank])
         return make
 
-    def timed(rank: int, n_rounds: int, paths: set[str] | None = None) -> None:
+    def timed(rank: int, n_rounds: int, paths: set[str] | None = None, doubted: bool = False) -> None:
         # cold: Winograd's U is 16/9 to 4x the weights, so which kernel wins inside a model whose weights
         # outgrow the caches shows only when each runs with its weights in memory
-        for path, ratio in _faster_modules(gm, example_input, types, candidate(rank), n_rounds, cold=True,
+        for path, ratio in _faster_modules(gm, example_input, types, candidate(rank, doubted), n_rounds, cold=True,
                                            paths=paths).items():
             tried[path] = max(tried.get(path, 0.0), ratio)
             if ratio >= MIN_GAIN:
@@ -312,6 +316,8 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
 
     for rank in range(max(len(sizes) for sizes in TILE_SIZES.values())):
         timed(rank, rounds)
+        if rank > 0:
+            timed(rank, RETIME * rounds, doubted=True)
     lost = [path for path in tried if path not in won]
     for path, args in (arguments_seen(gm, example_input, lost) if lost else {}).items():
         found = _torch_conv_on(gm.get_submodule(path), args[0], ("NHWC",))
@@ -349,6 +355,14 @@ class TileOrder:
         if known is None:
             return tuple(TILE_SIZES[spec.kh])
         return ranked(predict_tile(spec, *known, TILE_SIZES)[1])
+
+    def slowdown(self, spec: ConvSpec, m: int) -> float:
+        """Tile size m's modelled time over the fastest tile size's (1 where the host is unpriced)."""
+        known = self.prices()
+        if known is None:
+            return 1.0
+        times = predict_tile(spec, *known, TILE_SIZES)[1]
+        return times[m] / min(times.values())
 
     def gain(self, spec: ConvSpec) -> float:
         """A direct kernel's modelled time over the best tile size's (maco.bounds.winograd.layer_reach:
