@@ -231,10 +231,9 @@ def _channel_scale(gm: fx.GraphModule, linear: fx.Node) -> tuple[fx.Node, fx.Nod
     """(the multiply, the factor's node, the factor as one value per output feature) where the
     Linear's output, permuted (0, 3, 1, 2) back to NCHW, only feeds a multiply by a parameter of
     shape (out_features, 1, 1) that nothing else reads (ConvNeXt's `layer_scale * block(x)`)."""
-    perm = next(iter(linear.users))
-    if channel_permute(perm) != "first" or perm.args[0] is not linear or len(perm.users) != 1:
+    if (found := _permuted_back(linear)) is None:
         return None
-    mul = next(iter(perm.users))
+    perm, mul = found
     if (mul.op != "call_function" or mul.target not in (operator.mul, torch.mul) or mul.kwargs
             or len(mul.args) != 2 or perm not in mul.args):
         return None
@@ -251,12 +250,20 @@ def _channel_scale(gm: fx.GraphModule, linear: fx.Node) -> tuple[fx.Node, fx.Nod
 def _linear_residual(linear: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(the add, its other operand) where the Linear's output, permuted (0, 3, 1, 2) back to NCHW,
     only feeds an add of a float32 tensor of that shape (ConvNeXt's residual: `x + block(x)`)."""
+    if (found := _permuted_back(linear)) is None:
+        return None
+    perm, add = found
+    other = _residual_operand(add, perm, _shape(perm))
+    return None if other is None else (add, other)
+
+
+def _permuted_back(linear: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the permute, its one user) where the Linear's one user permutes it (0, 3, 1, 2) back to NCHW
+    and nothing else reads that permute."""
     perm = next(iter(linear.users))
     if channel_permute(perm) != "first" or perm.args[0] is not linear or len(perm.users) != 1:
         return None
-    add = next(iter(perm.users))
-    other = _residual_operand(add, perm, _shape(perm))
-    return None if other is None else (add, other)
+    return perm, next(iter(perm.users))
 
 
 def _shape(node: fx.Node) -> tuple[int, ...] | None:
