@@ -307,9 +307,9 @@ def test_timing_gets_more_rounds_where_it_and_the_bound_disagree(monkeypatch):
         model = nn.Sequential(nn.Conv2d(spec.c, spec.k, 3, padding=1)).eval()
         x = torch.randn(spec.input_shape).contiguous(memory_format=torch.channels_last)
 
-        def fake(gm, x_, types, make, rounds, cold=False, paths=None):
-            made = make(model[0], x, False)
-            calls.append((rounds, paths, made and made.m))
+        def fake(gm, x_, types, make, rounds, cold=False):
+            made = make(model[0], x, False)  # the conv stays torch's: no tile size is swapped in
+            calls.append((rounds, made and made.m))
             if made is None:
                 return {}
             return {"0": 1.3 if made.m == 2 and f2_wins_when_long and rounds == long else 0.9}
@@ -320,13 +320,13 @@ def test_timing_gets_more_rounds_where_it_and_the_bound_disagree(monkeypatch):
         return kernel_choice.faster_winograd(model, x, HOST, rounds=3, order=tiles), calls
 
     ratios, calls = timings(deep, True)
-    assert calls == [(3, None, 2), (3, None, None), (long, None, 4), (long, {"0"}, 2)] and ratios == {"0": 1.3}
+    assert calls == [(3, 2), (3, None), (long, 4), (long, 2)] and ratios == {"0": 1.3}
     ratios, calls = timings(deep, False)
-    assert calls == [(3, None, 2), (3, None, None), (long, None, 4), (long, {"0"}, 2)] and ratios == {"0": 0.9}
+    assert calls == [(3, 2), (3, None), (long, 4), (long, 2)] and ratios == {"0": 0.9}
     ratios, calls = timings(tiny, True)  # F(4x4) is doubted there too, but no loss is timed again
-    assert calls == [(3, None, 2), (3, None, None), (long, None, 4)] and ratios == {"0": 0.9}
+    assert calls == [(3, 2), (3, None), (long, 4), (long, None)] and ratios == {"0": 0.9}
     ratios, calls = timings(deep, True, priced=False)
-    assert calls == [(3, None, 2), (3, None, 4), (long, None, None)] and ratios == {"0": 0.9}
+    assert calls == [(3, 2), (3, 4), (long, None), (long, None)] and ratios == {"0": 0.9}
 
 
 def test_the_pipeline_prices_the_host_once_for_both_winograd_passes(monkeypatch):
@@ -367,7 +367,7 @@ def test_faster_winograd_tries_the_predicted_tile_first(monkeypatch, first):
     monkeypatch.setattr(kernel_choice, "tile_order", lambda target: Order())
     made = []
 
-    def timed(gm, example_input, types, make, rounds, cold, paths=None):
+    def timed(gm, example_input, types, make, rounds, cold):
         assert cold  # U from memory, as in a model
         module = make(conv, x, False)
         made.append(module and module.m)

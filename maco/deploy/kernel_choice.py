@@ -293,23 +293,28 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
     order = order or tile_order(target)
     types = (nn.Conv2d, MacoConv2d, MacoWinograd2d)
 
-    def candidate(rank: int, doubted: bool) -> Callable[[nn.Module, torch.Tensor, bool], nn.Module | None]:
+    def candidate(rank: int, doubted: bool, lost: bool = False) -> Callable[[nn.Module, torch.Tensor, bool],
+                                                                            nn.Module | None]:
+        """The rank-th tile size's kernel for a conv where the model doubts timing as `doubted` says
+        (rank 0 is never doubted); with `lost`, only for a conv no tile size won (it runs no
+        Winograd kernel) where the model prices the best tile DOUBT times faster than direct."""
         def make(conv: nn.Module, x: torch.Tensor, preallocate: bool) -> nn.Module | None:
             found = _torch_conv_on(conv, x, ("NHWC",))
             if found is None or not winograd_module_can_run(*found[:2], target):
                 return None
-            sizes = order(found[1])
+            spec, sizes = found[1], order(found[1])
             if (rank >= len(sizes) or getattr(conv, "m", None) == sizes[rank]
-                    or (rank > 0 and order.slowdown(found[1], sizes[rank]) >= DOUBT) != doubted):
+                    or (rank > 0 and order.slowdown(spec, sizes[rank]) >= DOUBT) != doubted
+                    or (lost and (isinstance(conv, MacoWinograd2d) or order.gain(spec) < DOUBT))):
                 return None
             return MacoWinograd2d(*found[:2], target, preallocate=preallocate, m=sizes[rank])
         return make
 
-    def timed(rank: int, n_rounds: int, paths: set[str] | None = None, doubted: bool = False) -> None:
+    def timed(rank: int, n_rounds: int, doubted: bool = False, lost: bool = False) -> None:
         # cold: Winograd's U is 16/9 to 4x the weights, so which kernel wins inside a model whose weights
         # outgrow the caches shows only when each runs with its weights in memory
-        for path, ratio in _faster_modules(gm, example_input, types, candidate(rank, doubted), n_rounds, cold=True,
-                                           paths=paths).items():
+        for path, ratio in _faster_modules(gm, example_input, types, candidate(rank, doubted, lost), n_rounds,
+                                           cold=True).items():
             tried[path] = max(tried.get(path, 0.0), ratio)
             if ratio >= MIN_GAIN:
                 won[path] = won.get(path, 1.0) * ratio
@@ -318,11 +323,8 @@ def faster_winograd(gm: fx.GraphModule, example_input: Any, target: Target, roun
         timed(rank, rounds)
         if rank > 0:
             timed(rank, RETIME * rounds, doubted=True)
-    lost = [path for path in tried if path not in won]
-    for path, args in (arguments_seen(gm, example_input, lost) if lost else {}).items():
-        found = _torch_conv_on(gm.get_submodule(path), args[0], ("NHWC",))
-        if found is not None and order.gain(found[1]) >= DOUBT:
-            timed(0, RETIME * rounds, {path})
+    if any(path not in won for path in tried):
+        timed(0, RETIME * rounds, lost=True)
     return {path: won.get(path, best) for path, best in tried.items()}
 
 
@@ -351,28 +353,27 @@ class TileOrder:
         return self._prices
 
     def __call__(self, spec: ConvSpec) -> tuple[int, ...]:
-        known = self.prices()
-        if known is None:
-            return tuple(TILE_SIZES[spec.kh])
-        return ranked(predict_tile(spec, *known, TILE_SIZES)[1])
+        times = self._modelled(spec)
+        return tuple(TILE_SIZES[spec.kh]) if times is None else ranked(times)
 
     def slowdown(self, spec: ConvSpec, m: int) -> float:
         """Tile size m's modelled time over the fastest tile size's (1 where the host is unpriced)."""
-        known = self.prices()
-        if known is None:
-            return 1.0
-        times = predict_tile(spec, *known, TILE_SIZES)[1]
-        return times[m] / min(times.values())
+        times = self._modelled(spec)
+        return 1.0 if times is None else times[m] / min(times.values())
 
     def gain(self, spec: ConvSpec) -> float:
         """A direct kernel's modelled time over the best tile size's (maco.bounds.winograd.layer_reach:
         direct at the full peak, so a gain the model is sure of); 0 where the host is unpriced."""
-        known = self.prices()
-        if known is None:
+        times = self._modelled(spec)
+        if times is None:
             return 0.0
-        peak, bandwidth, shares = known
-        direct = layer_reach(spec, peak, bandwidth, tiles={})[1]
-        return direct / min(predict_tile(spec, peak, bandwidth, shares, TILE_SIZES)[1].values())
+        peak, bandwidth, _ = self.prices()  # type: ignore[misc]  # priced: times is not None
+        return layer_reach(spec, peak, bandwidth, tiles={})[1] / min(times.values())
+
+    def _modelled(self, spec: ConvSpec) -> dict[int, float] | None:
+        """{m: modelled seconds} of each tile size (predict_tile), None where the host is unpriced."""
+        known = self.prices()
+        return None if known is None else predict_tile(spec, *known, TILE_SIZES)[1]
 
 
 def tile_order(target: Target) -> TileOrder:
@@ -589,16 +590,15 @@ def arguments_seen(gm: fx.GraphModule, example_input: Any, paths: list[str],
 
 def _faster_modules(gm: fx.GraphModule, example_input: Any, types: tuple[type, ...],
                     make: Callable[[nn.Module, torch.Tensor, bool], nn.Module | None],
-                    rounds: int, cold: bool = False, paths: set[str] | None = None) -> ModuleRatios:
+                    rounds: int, cold: bool = False) -> ModuleRatios:
     """Each module of `types` called in `gm`, and the generated-kernel module `make` builds for the
     input it sees in the model (None: none fits), timed beside it here in interleaved rounds on
     the arguments it gets there (`cold`: with both modules' weights and the arguments dropped from
     the caches before each timed call, kernels.cache_flush); swapped in place where MACO
     wins by MIN_GAIN (its output preallocated when the module is called once and its output stays
-    inside the model). `paths`: only those modules."""
+    inside the model)."""
     calls = call_sites(gm)
-    seen = arguments_seen(gm, example_input, [p for p in calls if isinstance(gm.get_submodule(p), types)
-                                              and (paths is None or p in paths)])
+    seen = arguments_seen(gm, example_input, [p for p in calls if isinstance(gm.get_submodule(p), types)])
     steady_allocator()
     ratios: ModuleRatios = {}
     for path, args in seen.items():
