@@ -54,6 +54,7 @@ ALIGN = 16  # floats: arena offsets on 64-byte lines
 STEP_MODULES = (MacoConv2d, MacoDepthwise2d, MacoPool2d, MacoLinear, MacoWinograd2d, MacoInvertedResidual,
                 MacoSqueezeExcite)
 NCHW, NHWC = torch.contiguous_format, torch.channels_last
+SPARES, SPARE_BYTES = 32, 1 << 20  # a segment's new outputs made ahead: at most this many, and bytes
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,10 @@ class Port:
         return self.fmt == other.fmt or _empty(self).is_contiguous(memory_format=other.fmt)
 
     def accepts(self, t: Any) -> bool:
-        """Whether `t` is a tensor the kernel reads as it is (shape, dtype, device, memory format)."""
-        return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+        """Whether `t` is a tensor the kernel reads as it is (shape, dtype, device, memory format).
+        Each attribute read is a call into torch, and after a model's kernels have swept the
+        caches each costs 10-45 us: the fewest and cheapest (is_cpu, not device.type)."""
+        return (isinstance(t, torch.Tensor) and t.dtype is torch.float32 and t.is_cpu
                 and t.shape == self.shape and t.is_contiguous(memory_format=self.fmt))
 
 
@@ -167,6 +170,7 @@ class MacoSegment(nn.Module):
         self._values: list[torch.Tensor | None] = [self._buffer(j, offsets) for j in range(n)]
         self._input_slots: list[list[int]] = [[] for _ in range(n_inputs)]
         self._fresh_slots: dict[int, list[int]] = {j: [] for j, s in enumerate(steps) if s.fresh}
+        self._spares: dict[int, list[tuple[torch.Tensor, int]]] = {j: [] for j in self._fresh_slots}
         for j, step in enumerate(steps):
             self._fill(j, step)
 
@@ -269,8 +273,8 @@ class MacoSegment(nn.Module):
         if self._fresh_slots:
             values = list(values)
             for j, slots in self._fresh_slots.items():
-                t = values[j] = _empty(self._steps[j].out)
-                p = t.data_ptr()
+                t, p = self._fresh(j)
+                values[j] = t
                 for s in slots:
                     args[s] = p
         if self.step_seconds is not None:
@@ -280,6 +284,17 @@ class MacoSegment(nn.Module):
         if len(self._exports) == 1:
             return values[self._exports[0]]
         return tuple(values[j] for j in self._exports)
+
+    def _fresh(self, j: int) -> tuple[torch.Tensor, int]:
+        """A new tensor for step j's output, never handed out before, and its address. Made
+        SPARE_BYTES at a time: torch.empty and data_ptr, called on caches the kernels have just
+        swept, take ~70 us a call, a third of a small model's Python."""
+        spares = self._spares[j]
+        if not spares:
+            port = self._steps[j].out
+            count = max(1, min(SPARES, SPARE_BYTES // (4 * max(1, port.numel))))
+            spares.extend((t, t.data_ptr()) for t in (_empty(port) for _ in range(count)))
+        return spares.pop()
 
     def _kernels(self, run: Any, inputs: tuple, values: list, *extra: int) -> None:
         """Every step through the dispatcher `run` (its `extra` arguments after start and n), each

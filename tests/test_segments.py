@@ -112,6 +112,26 @@ def test_small_net_one_segment_equals_eager_and_keeps_outputs():
         assert torch.equal(k, t)
 
 
+def test_outputs_made_ahead_are_each_handed_out_once(monkeypatch):
+    """A segment makes its new outputs a few at a time (segments.SPARES): past a refill, every
+    call's output is still a tensor of its own that later calls leave as it was."""
+    from maco.layouts import segments
+
+    monkeypatch.setattr(segments, "SPARES", 2)
+    model, x = _small_net(1)
+    gm, _, _, _ = _check(model, x)
+    outs, kept = [], []
+    with torch.inference_mode():
+        for _ in range(5):
+            got = gm(torch.randn(1, 3, 32, 32))
+            got = [got] if isinstance(got, torch.Tensor) else list(got)
+            outs += got
+            kept += [t.clone() for t in got]
+    assert len({t.data_ptr() for t in outs}) == len(outs)
+    for k, t in zip(kept, outs):
+        assert torch.equal(k, t)
+
+
 def test_liveness_plan_reuses_bytes_and_keeps_live_values_apart():
     model = build("mobilenet_v2").eval()
     x = example_input(1)
