@@ -110,6 +110,11 @@ class FusedLinear(nn.Linear):
                 + (f", residual={self.residual}" if self.residual != "none" else ""))
 
 
+def adds_residual(linear: nn.Module) -> bool:
+    """Whether `linear` is a FusedLinear that adds a residual (which only some kernels compute)."""
+    return getattr(linear, "residual", "none") != "none"
+
+
 def fold_batchnorm(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, bias) of the conv with the eval-mode BatchNorm after it folded in:
     w' = w * g / sqrt(var + eps) per output channel, b' = (b - mean) * g / sqrt(var + eps) + beta."""

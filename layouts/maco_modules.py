@@ -29,7 +29,7 @@ from maco.core.schedule import Schedule
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 
-from maco.layouts.fusion import FusedConv2d
+from maco.layouts.fusion import FusedConv2d, adds_residual
 from maco.layouts.latency import memory_format
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class MacoLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, batch: int, target: Target, preallocate: bool = False):
         super().__init__()
-        if getattr(linear, "residual", "none") != "none":
+        if adds_residual(linear):
             raise MacoError("a linear with a residual add runs as a 1x1 conv on (N, H, W, C) inputs only, "
                             "not on (batch, features) ones")
         self.torch_linear, self.batch = linear, batch
@@ -152,7 +152,7 @@ class MacoLinearAsConv(nn.Module):
         k = linear.out_features
         self.torch_linear, self.shape = linear, tuple(shape)
         self.spec = ConvSpec(n=n, c=c, h=h, w=w, k=k, kh=1, kw=1)
-        self.residual = getattr(linear, "residual", "none") != "none"
+        self.residual = adds_residual(linear)
         self._kernel = kernels.compile(self.spec, kernels.default_schedule(self.spec, target, "NHWC"), target=target,
                                        bias=linear.bias is not None, activation=getattr(linear, "activation", "none"),
                                        residual=self.residual)

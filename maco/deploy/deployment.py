@@ -24,7 +24,7 @@ from torch import nn
 from maco.core.errors import MacoError
 from maco.core.files import check_writable, load_json_file, short, write_atomic
 from maco.kernels import default_schedule, host_target
-from maco.layouts.fusion import FusedConv2d, FusedLinear, fuse
+from maco.layouts.fusion import FusedConv2d, FusedLinear, adds_residual, fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.deploy.kernel_choice import POOLS
 from maco.kernels.inverted_residual import SPLITS
@@ -218,7 +218,7 @@ def rebuild(dep: Deployment, model: nn.Module, host: Target, *, source: Any = "t
     x = torch.zeros(dep.input_shape, device=host.device)
     scaled = any(f.endswith(" scaled") for f in dep.fusion)
     fused = fuse(model, x, fold_scales=scaled)
-    if _fusion(fused) != dep.fusion and any(getattr(m, "residual", "none") != "none"
+    if _fusion(fused) != dep.fusion and any(adds_residual(m)
                                             for m in fused.modules() if isinstance(m, FusedLinear)):
         fused = fuse(model, x, fold_scales=scaled, linear_residuals=False)
     if _fusion(fused) != dep.fusion:

@@ -31,7 +31,7 @@ from maco.layouts.maco_modules import (MacoConv2d, MacoDepthwise2d, MacoInverted
 from maco.layouts.blocks import find_blocks, find_squeeze_excites, use_block, use_squeeze_excite
 from maco.layouts.deploy import plan
 from maco.layouts.end_to_end import time_models
-from maco.layouts.fusion import fuse
+from maco.layouts.fusion import adds_residual, fuse
 from maco.layouts.layout_plan import LayoutPlan
 from maco.layouts.segments import find_runs, use_segments
 from maco.layouts.networks import conv_layers, distinct_convs
@@ -214,7 +214,7 @@ def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, round
             return None
         if x.dim() == 4 and x.is_contiguous() and target.kind == "cpu":
             return MacoLinearAsConv(linear, tuple(x.shape), target, preallocate=preallocate)
-        if x.dim() != 2 or x.shape[0] > MAX_BATCH or getattr(linear, "residual", "none") != "none":
+        if x.dim() != 2 or x.shape[0] > MAX_BATCH or adds_residual(linear):
             return None
         return MacoLinear(linear, x.shape[0], target, preallocate=preallocate)
     ratios = _faster_modules(gm, example_input, (nn.Linear,), make, rounds)
