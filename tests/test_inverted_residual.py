@@ -355,6 +355,38 @@ def test_blocks_that_win_alone_but_not_in_the_model_are_undone(monkeypatch):
         assert float((gm(x) - want).abs().max() / want.abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("short, more, retimed, kept", [(1.01, 1.10, True, True), (1.04, 0.99, True, False),
+                                                        (0.80, 1.10, False, False), (1.20, 0.90, False, True)])
+def test_a_close_call_on_a_block_is_timed_over_more_rounds(monkeypatch, short, more, retimed, kept):
+    """A block whose gain is timed within CLOSE of MIN_GAIN is timed again over twice the rounds and
+    judged on all of them; a clear win or loss is not. The model equals eager either way."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    ns: dict = {}
+    exec(BLOCK_NET, ns)
+    model = trained_like(ns["Block"]()).eval()
+    x = torch.randn(1, 3, 20, 20)
+    gm, _ = kernels_everywhere(model, x, HOST)
+    calls = []
+
+    def fake(runs, rounds, **kwargs):
+        calls.append(rounds)
+        ratio = short if len(calls) == 1 else more
+        return {name: [SimpleNamespace(min=1.0 if name == "torch" else 1.0 / ratio)] * rounds for name in runs}
+
+    monkeypatch.setattr(kernel_choice, "interleaved_rounds", fake)
+    monkeypatch.setattr(kernel_choice, "_faster_end_to_end", lambda *args: True)
+    ratios = faster_blocks(gm, x, HOST, rounds=2)
+    assert calls == ([2, 4] if retimed else [2])
+    assert list(ratios.values()) == [more if retimed else short]  # 2 rounds at `short`, 4 at `more`
+    assert any(isinstance(m, MacoInvertedResidual) for m in gm.modules()) == kept
+    use_segments(gm, HOST)
+    with torch.inference_mode():
+        want = model(x)
+        assert float((gm(x) - want).abs().max() / want.abs().max()) < 1e-4
+
+
 def test_wide_weights_stream_ahead_of_the_gemm():
     """A GEMM whose W outgrows half of L1 sweeps it column panel by panel and prefetches each
     panel's rows W_AHEAD ahead (inside a model they come from memory), a small W, read once into
