@@ -64,6 +64,7 @@ ISA = {
 }
 
 VMIN = {"avx512": "_mm512_min_ps", "avx2": "_mm256_min_ps"}
+HALF = {"avx512": "avx2"}  # the ISA of half-width vectors on the same CPU
 
 
 def _expr(terms: list[tuple[int, str]]) -> str:
@@ -77,10 +78,12 @@ def _expr(terms: list[tuple[int, str]]) -> str:
 
 
 def intrinsics_isa(spec: ConvSpec, schedule: Schedule, target: Target) -> str | None:
-    """The ISA whose intrinsics the micro-kernel uses, or None for portable C: full-width
-    vectors along k over blocked weights, or along ow of an NCHW input read at stride 1."""
-    isa = target.isa
-    if isa not in ISA or schedule.vector_width != ISA[isa][1]:
+    """The ISA whose intrinsics the micro-kernel uses, or None for portable C: the target's
+    vectors (or, on an AVX-512 CPU, AVX2's half-width ones: sketch_cpu.vector_widths) along k
+    over blocked weights, or along ow of an NCHW input read at stride 1."""
+    isa = next((name for name in (target.isa, HALF.get(target.isa)) if name in ISA
+                and schedule.vector_width == ISA[name][1]), None)
+    if isa is None:
         return None
     if schedule.vector_axis == "k" and schedule.weight_packing == "blocked":
         return isa

@@ -20,7 +20,7 @@ from maco.bounds import optimal_tile
 from maco.core.errors import MacoError
 from maco.core.axes import SPATIAL_AXES, axis_extents
 from maco.core.schedule import LAYOUTS, Schedule
-from maco.core.sketch_cpu import free_registers
+from maco.core.sketch_cpu import free_registers, vector_width
 from maco.core.factors import divisors
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
@@ -33,18 +33,22 @@ def _register_tiles(spec: ConvSpec, target: Target, layout: str):
     free = free_registers(target)
     kpg, oh, ow = spec.k_per_group, spec.out_h, spec.out_w
     fast_ow = layout == "NCHW" and spec.stride[1] == 1 and target.isa in ("avx512", "avx2")
+    # the k vectors: the widest that divides the filters (AVX2's 8 floats for 24 or 40 filters on an
+    # AVX-512 CPU), scored at its share of the full width's FMAs
+    kw = vector_width(target, kpg)
     out = []
     for y in divisors(oh):
         for x in divisors(ow):
             # vector axis k: kv weight vectors, x*y broadcasts per reduction step
-            if kpg % W == 0:
-                for kv in divisors(kpg // W):
+            if kw > 1:
+                for kv in divisors(kpg // kw):
                     acc = kv * x * y
                     if acc > free:
                         continue
                     loads = kv + x * y
                     regs = acc + kv + 1
-                    out.append((_score(acc, loads, regs, nregs), dict(k=kv * W, oh=y, ow=x), "k", W, loads))
+                    score = _score(acc, loads, regs, nregs) * kw / W
+                    out.append((score, dict(k=kv * kw, oh=y, ow=x), "k", kw, loads))
             # vector axis ow: x/W input vectors, k3 weight broadcasts per step
             if fast_ow and x % W == 0:
                 for k3 in divisors(kpg):

@@ -195,6 +195,32 @@ def test_avx512_path():
     check_batch(spec, schedules, AVX512, epilogue=True)
 
 
+@pytest.mark.parametrize("text", ["n1_c96_h14_w14_k24_r1x1", "n1_c48_h7_w7_k40_r1x1",
+                                  "n1_c16_h9_w9_k24_r3x3_p1", "n1_c24_h10_w12_k40_r3x3_s2_p1"])
+def test_filters_in_half_vectors_run_avx2_intrinsics_on_avx512(text):
+    """24 or 40 filters are no whole number of AVX-512's 16 lanes: the default schedule takes AVX2's
+    8-lane vectors, which the same CPU runs (sketch_cpu.vector_widths), in either layout, and the
+    space can draw them (a register tile of 8 or 24 filters); every output equals torch's,
+    epilogue included."""
+    spec = ConvSpec.parse(text)
+    rng = random.Random(3)
+    schedules = [kernels.default_schedule(spec, AVX512, layout) for layout in ("NCHW", "NHWC")]
+    for s in schedules:
+        assert (s.vector_axis, s.vector_width) == ("k", 8) and s.problems(spec, AVX512) == []
+    drawn = [sample(spec, AVX512, rng) for _ in range(200)]
+    halves = [s for s in drawn if s.vector_width == 8]
+    assert halves and all(s.problems(spec, AVX512) == [] for s in drawn)
+    assert all(s.factors(s.vector_axis)[-1] % 8 == 0 for s in halves)
+    built = kernels.build_many(spec, schedules[:1], AVX512)
+    assert built[0].flavour == "avx2" and "__m256" in built[0].source and "__m512" not in built[0].source
+    if HOST.isa == "avx512":
+        check_batch(spec, schedules + halves[:3], AVX512, epilogue=True)
+    on_avx2 = kernels.default_schedule(spec, AVX2, "NHWC")
+    assert on_avx2.vector_width == 8 and kernels.build_many(spec, [on_avx2], AVX2)[0].flavour == "avx2"
+    assert "vector_width must be one of (8, 1)" in "; ".join(
+        Schedule.from_dict({**on_avx2.to_dict(), "vector_width": 4}).problems(spec, AVX2))
+
+
 def portable_schedules() -> tuple[ConvSpec, list[Schedule]]:
     """A grouped conv and schedules of every vector axis (n, g, oh never run intrinsics), width 1."""
     spec = ConvSpec.parse("n4_c8_h8_w12_k8_r3x3_p1_g4")  # 4 groups of 2 channels / 2 filters

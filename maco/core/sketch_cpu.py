@@ -30,6 +30,19 @@ REGISTER_RESERVE = 4  # vector registers left for input broadcasts and weights (
 REGISTER_RESERVE_16 = 2
 
 
+def vector_widths(target: Target) -> tuple[int, ...]:
+    """The vector widths (floats) a CPU schedule may use on `target`, widest first: its SIMD width,
+    half of it where the ISA also has those vectors (AVX2's 8 floats on an AVX-512 CPU: 24 or 40
+    filters are three or five of them, not a whole number of 16), and scalar."""
+    half = (target.simd_width // 2,) if target.isa == "avx512" else ()
+    return (target.simd_width, *half, 1)
+
+
+def vector_width(target: Target, extent: int) -> int:
+    """The widest of vector_widths(target) that divides a register tile's `extent` on its vector axis."""
+    return next(w for w in vector_widths(target) if extent % w == 0)
+
+
 def free_registers(target: Target) -> int:
     """Vector registers a register tile's accumulators may take on `target`."""
     regs = target.level("registers").elements // target.simd_width
@@ -50,11 +63,11 @@ def problems(schedule: Schedule, spec: ConvSpec) -> list[str]:
 
 
 def target_problems(schedule: Schedule, spec: ConvSpec, target: Target) -> list[str]:
-    """The vector width is the target's SIMD width (or scalar) and the accumulators fit."""
+    """The vector width is one of vector_widths(target) and the accumulators fit."""
     out = []
-    if schedule.vector_width not in (1, target.simd_width):
-        out.append(f"vector_width must be 1 or the target's SIMD width "
-                   f"{target.simd_width}, got {schedule.vector_width}")
+    if schedule.vector_width not in vector_widths(target):
+        out.append(f"vector_width must be one of {vector_widths(target)} on {target.isa}, "
+                   f"got {schedule.vector_width}")
     regs, free = target.level("registers").elements // target.simd_width, free_registers(target)
     if schedule.accumulators > free:
         out.append(f"register tile needs {schedule.accumulators} accumulators but only "

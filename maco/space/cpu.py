@@ -11,7 +11,7 @@ import numpy as np
 from maco.core.axes import SPATIAL_AXES, axis_extents
 from maco.core.factors import divisors
 from maco.core.schedule import LAYOUTS, UNROLL_STEPS, WEIGHT_PACKINGS, Schedule
-from maco.core.sketch_cpu import free_registers
+from maco.core.sketch_cpu import free_registers, vector_width, vector_widths
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.space import prune
@@ -50,7 +50,11 @@ def _up(x: np.ndarray, div_of: list[np.ndarray]) -> np.ndarray:
 
 
 def _vector_width(target: Target, t: np.ndarray) -> np.ndarray:
-    return np.where(t % target.simd_width == 0, target.simd_width, 1)
+    """sketch_cpu.vector_width of each register factor in `t`."""
+    out = np.ones_like(t)
+    for w in reversed(vector_widths(target)):
+        out = np.where(t % w == 0, w, out)
+    return out
 
 
 @lru_cache(maxsize=64)
@@ -147,7 +151,7 @@ def sample(spec: ConvSpec, target: Target, t: CpuTables, rng: random.Random) -> 
         c1 = rng.choice(t.c1)
         kh1, kw1 = (rng.choice(x) for x in (t.kh1, t.kw1))
     reduction = ((ext["c"] // c1, c1), (spec.kh // kh1, kh1), (spec.kw // kw1, kw1))
-    width = target.simd_width if spatial[SPATIAL_AXES.index(vaxis)][3] % target.simd_width == 0 else 1
+    width = vector_width(target, spatial[SPATIAL_AXES.index(vaxis)][3])
     if t.parallel_ok is not None:  # uniform over the parallel annotations this S1 tile allows
         parallel = CPU_PARALLEL[choice_index(t.parallel_ok[(slice(None),) + i1], rng)]
     else:
@@ -171,7 +175,7 @@ def why_not(schedule: Schedule, target: Target) -> list[str]:
         out.append(f"vector axis {schedule.vector_axis!r} not in {CPU_VECTOR_AXES}")
     else:
         inner = schedule.factors(schedule.vector_axis)[-1]
-        width = target.simd_width if inner % target.simd_width == 0 else 1
+        width = vector_width(target, inner)
         if schedule.vector_width != width:
             out.append(f"vector width {schedule.vector_width}: the space uses {width} for a "
                        f"register factor {inner} of {schedule.vector_axis}")

@@ -20,6 +20,7 @@ from maco.space.prune import alpha_c_index, alpha_order_ok
 from maco.tune.records import Claims, Entry, Interrupted, Record, RecordFile, make_record, normalized
 from maco.core.axes import SPATIAL_AXES
 from maco.core.schedule import UNROLL_STEPS, Schedule
+from maco.core.sketch_cpu import vector_width
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 from maco.core.timing import Timing
@@ -184,7 +185,7 @@ def mutate_annotation(s: Schedule, rng: random.Random, target: Target,
     if choice == "vector" and s.kind == "cpu":
         axis = "ow" if s.vector_axis == "k" else "k"
         inner = s.factors(axis)[-1]
-        width = target.simd_width if inner % target.simd_width == 0 else 1
+        width = vector_width(target, inner)
         return replace(s, vector_axis=axis, vector_width=width)
     if choice == "layout" and len(config.allowed_layouts) > 1:
         return with_layout(s, rng.choice([l for l in config.allowed_layouts if l != s.layout]))
