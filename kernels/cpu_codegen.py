@@ -16,7 +16,8 @@ padded copy of the whole input.
 Micro-kernel flavours, all from the same accumulator list:
   * intrinsics (AVX-512 __m512 / AVX2 __m256 with FMA) when the vector axis is k with blocked
     weights (weight vector load, input broadcast) or ow with a unit-stride input row (input
-    vector load, weight broadcast);
+    vector load, weight broadcast); on an AVX-512 CPU a schedule of 8-lane vectors (24 or 40
+    filters: no whole number of 16) runs AVX2's;
   * portable C (per-accumulator float arrays, `#pragma omp simd` over the lanes) otherwise:
     any vector axis, width 1, weight packing "none", isa "generic".
 The intrinsics flavours prefetch blocked weights WEIGHT_PREFETCH_AHEAD floats ahead of the stream.
