@@ -196,8 +196,6 @@ def _with_generated(table: dict[tuple[ConvSpec, str], float], torch_seconds: dic
     return table, ratios
 
 
-
-
 def _round_ratios(runs: dict[str, Callable[[], Any]], rounds: int,
                   before: Callable[[], Any] | None = None) -> list[float]:
     """torch's time over MACO's per interleaved round (runs "torch" and "maco", _split_ratios)."""
