@@ -130,9 +130,7 @@ def confirm_in_process(chosen: Chosen, target: Target, rounds: int = 3) -> Ratio
             with torch.inference_mode():
                 for fn in runs.values():
                     fn()
-                per_round = _round_ratios(runs, rounds)
-                if CLOSE[0] < statistics.median(per_round) < CLOSE[1]:  # a close call: time it longer
-                    per_round += _round_ratios(runs, 2 * rounds)
+                per_round = _judged_ratios(runs, rounds)["maco"]
             ratios.setdefault(spec, {})[layout] = statistics.median(per_round)
     return ratios
 
@@ -208,6 +206,16 @@ def _split_ratios(runs: dict[str, Callable[[], Any]], rounds: int,
     each (the least disturbed by anything else running); `before` runs before each timed call."""
     timed = interleaved_rounds(runs, rounds, repeats=3, min_run_time=5e-3, warmup=2, before=before)
     return {name: [t.min / m.min for t, m in zip(timed["torch"], timed[name])] for name in runs if name != "torch"}
+
+
+def _judged_ratios(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """_split_ratios over `rounds`; where the best run's median lies within CLOSE (a close call),
+    twice as many rounds more, every run judged on all of them."""
+    per_round = _split_ratios(runs, rounds)
+    if CLOSE[0] < max(statistics.median(r) for r in per_round.values()) < CLOSE[1]:
+        for name, more in _split_ratios(runs, 2 * rounds).items():
+            per_round[name] += more
+    return per_round
 
 
 def faster_linears(gm: fx.GraphModule, example_input: Any, target: Target, rounds: int = 3) -> ModuleRatios:
@@ -424,10 +432,7 @@ def faster_blocks(gm: fx.GraphModule, example_input: Any, target: Target, rounds
         with torch.inference_mode():
             for fn in runs.values():
                 fn()
-            per_round = _split_ratios(runs, rounds)
-            if CLOSE[0] < max(statistics.median(r) for r in per_round.values()) < CLOSE[1]:  # a close call
-                for split, more in _split_ratios(runs, 2 * rounds).items():
-                    per_round[split] += more
+            per_round = _judged_ratios(runs, rounds)
         gains = {split: statistics.median(r) for split, r in per_round.items()}
         split = max(gains, key=gains.get)
         path = str(block.last.target)
