@@ -39,6 +39,7 @@ from maco.kernels.epilogue import ACTIVATIONS, SMOOTH, VACT_WAYS, scalar_functio
 from maco.kernels.source_text import comment
 from maco.core.axes import REDUCTION_AXES, SPATIAL_AXES
 from maco.core.schedule import Schedule
+from maco.core.sketch_cpu import vector_widths
 from maco.core.spec import ConvSpec
 from maco.core.target import Target
 
@@ -65,7 +66,6 @@ ISA = {
 }
 
 VMIN = {"avx512": "_mm512_min_ps", "avx2": "_mm256_min_ps"}
-HALF = {"avx512": "avx2"}  # the ISA of half-width vectors on the same CPU
 
 
 def _expr(terms: list[tuple[int, str]]) -> str:
@@ -82,8 +82,9 @@ def intrinsics_isa(spec: ConvSpec, schedule: Schedule, target: Target) -> str | 
     """The ISA whose intrinsics the micro-kernel uses, or None for portable C: the target's
     vectors (or, on an AVX-512 CPU, AVX2's half-width ones: sketch_cpu.vector_widths) along k
     over blocked weights, or along ow of an NCHW input read at stride 1."""
-    isa = next((name for name in (target.isa, HALF.get(target.isa)) if name in ISA
-                and schedule.vector_width == ISA[name][1]), None)
+    if target.isa not in ISA or schedule.vector_width not in vector_widths(target):
+        return None
+    isa = next((name for name, entry in ISA.items() if entry[1] == schedule.vector_width), None)
     if isa is None:
         return None
     if schedule.vector_axis == "k" and schedule.weight_packing == "blocked":
